@@ -1,0 +1,33 @@
+# Two entry points (see README.md): `make run` and `make test`. Both create
+# .venv on first use and install the pinned stack; later calls reuse it.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+WORKDIR ?= workdirs/digits
+CONFIG ?= configs/digits.py
+# Tests simulate an 8-device host; pytest-level setup lives in tests/conftest.py.
+PYTEST_ARGS ?=
+
+.PHONY: run test test-all bench bazel-test clean-venv
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m launch.train --config=$(CONFIG) --workdir=$(WORKDIR)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m '' $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m bench.trainer_overhead
+
+clean-venv:
+	rm -rf $(VENV)
