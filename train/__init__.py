@@ -1,0 +1,1 @@
+"""Flax trainers and their parts: models, sharding, data, checkpoints, metrics."""

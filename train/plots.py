@@ -1,0 +1,38 @@
+"""A PNG of a run's loss and accuracy curves, drawn from `metrics.jsonl`."""
+
+import os
+
+import matplotlib
+
+matplotlib.use('Agg')  # Headless: no display on training machines.
+import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+from train import metrics as metrics_lib
+
+
+def plot_curves(metrics_path: str, out_path: str) -> None:
+  """Plots train/validation loss and accuracy against step."""
+  records = metrics_lib.read_jsonl(metrics_path)
+  fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+  for prefix, style in (('train', '-'), ('val', 'o-')):
+    for name, ax in ((f'{prefix}_loss', ax_loss),
+                     (f'{prefix}_accuracy', ax_acc)):
+      points = [(r['step'], r[name]) for r in records if name in r]
+      if points:
+        steps, values = zip(*points)
+        ax.plot(steps, values, style, label=name, markersize=3)
+  tests = [r for r in records if 'test_accuracy' in r]
+  if tests:
+    ax_acc.axhline(tests[-1]['test_accuracy'], color='k', ls='--', lw=0.8,
+                   label=f'test_accuracy {tests[-1]["test_accuracy"]:.4f}')
+  ax_loss.set_yscale('log')
+  for ax, title in ((ax_loss, 'loss'), (ax_acc, 'accuracy')):
+    ax.set_xlabel('step')
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+  fig.tight_layout()
+  tmp = out_path + '.tmp.png'
+  fig.savefig(tmp, dpi=100)
+  plt.close(fig)
+  os.replace(tmp, out_path)

@@ -1,0 +1,118 @@
+"""Mesh from config, logical-axis rules to mesh axes, and derived shardings.
+
+Parameters are annotated with logical axis names in the model; the config's
+`logical_axis_rules` map each name to a mesh axis (or None: replicated).
+Shardings of parameters and optimizer state are derived from abstract
+shapes (`jax.eval_shape`), so nothing is allocated before its sharding is
+known, and every array is created directly where it belongs.
+"""
+
+from collections.abc import Sequence
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import optax
+
+from train.errors import ConfigError
+
+Rules = Sequence[tuple[str, str | None]]
+
+
+def mesh_shape(shape: Sequence[int], axes: Sequence[str],
+               num_devices: int) -> tuple[int, ...]:
+  """Resolves one -1 entry and checks the product against the device count."""
+  shape = tuple(int(s) for s in shape)
+  if len(shape) != len(axes):
+    raise ConfigError('mesh.shape', shape,
+                      f'needs one size per axis of mesh.axes={tuple(axes)}')
+  if any(s == 0 or s < -1 for s in shape) or shape.count(-1) > 1:
+    raise ConfigError('mesh.shape', shape,
+                      'sizes must be positive, with at most one -1 '
+                      '(meaning: all remaining devices)')
+  known = math.prod(s for s in shape if s != -1)
+  if -1 in shape:
+    if num_devices % known:
+      raise ConfigError('mesh.shape', shape,
+                        f'{num_devices} devices cannot be split into a '
+                        f'multiple of {known}')
+    shape = tuple(num_devices // known if s == -1 else s for s in shape)
+  if math.prod(shape) != num_devices:
+    raise ConfigError('mesh.shape', shape,
+                      f'needs {math.prod(shape)} devices but there are '
+                      f'{num_devices}; shapes that fit: '
+                      f'{_fitting_shapes(len(axes), num_devices)}')
+  return shape
+
+
+def _fitting_shapes(n_axes: int, num_devices: int) -> str:
+  examples = [(-1,) + (1,) * (n_axes - 1)]
+  if n_axes == 2:
+    examples += [(num_devices // m, m) for m in (1, 2, 4)
+                 if num_devices % m == 0]
+  return ', '.join(str(e) for e in dict.fromkeys(examples))
+
+
+def make_mesh(shape: Sequence[int], axes: Sequence[str]) -> Mesh:
+  """A mesh over all devices, in Auto mode (shardings given to jit)."""
+  resolved = mesh_shape(shape, axes, jax.device_count())
+  return jax.make_mesh(resolved, tuple(axes),
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+
+
+def check_rules(rules: Rules, mesh_axes: Sequence[str]) -> None:
+  for logical, mesh_axis in rules:
+    if mesh_axis is not None and mesh_axis not in mesh_axes:
+      raise ConfigError('logical_axis_rules', (logical, mesh_axis),
+                        'maps to an axis that is not in the mesh',
+                        list(mesh_axes) + [None])
+
+
+def logical_to_shardings(abstract_boxed: Any, mesh: Mesh,
+                         rules: Rules) -> Any:
+  """NamedShardings for a tree of `nn.Partitioned` (or plain) abstract values.
+
+  Leaves without logical annotations (e.g. BatchNorm statistics) are
+  replicated. A dimension that the rules split must divide evenly.
+  """
+  specs = nn.get_partition_spec(abstract_boxed)
+  shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
+  unboxed = nn.meta.unbox(abstract_boxed)
+
+  def check(path, leaf, sharding):
+    for dim, axis in zip(leaf.shape, sharding.spec):
+      if axis is None:
+        continue
+      size = math.prod(mesh.shape[a] for a in
+                       (axis if isinstance(axis, tuple) else (axis,)))
+      if dim % size:
+        raise ConfigError(
+            'mesh.shape', tuple(mesh.shape.values()),
+            f'parameter {jax.tree_util.keystr(path)} of shape {leaf.shape} '
+            f'cannot be split over mesh axis {axis!r} of size {size}; '
+            'change the mesh or the model width')
+    return sharding
+
+  return jax.tree_util.tree_map_with_path(check, unboxed, shardings)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
+  """Leading (batch) dimension split as the 'batch' logical axis says."""
+  spec = nn.logical_to_mesh_axes(('batch',), rules)
+  return NamedSharding(mesh, spec)
+
+
+def optimizer_state_shardings(tx: optax.GradientTransformation,
+                              abstract_params: Any, param_shardings: Any,
+                              mesh: Mesh) -> Any:
+  """Per-parameter optimizer state follows its parameter; the rest is replicated."""
+  abstract_state = jax.eval_shape(tx.init, abstract_params)
+  return optax.tree_map_params(
+      tx, lambda _, s: s, abstract_state, param_shardings,
+      transform_non_params=lambda _: replicated(mesh))

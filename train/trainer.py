@@ -1,0 +1,219 @@
+"""`train_and_evaluate(config, workdir)`: the supervised image-classification trainer.
+
+The flow: validate and build the experiment (no compute) -> restore the
+latest checkpoint or initialise sharded state -> compile the train and
+eval steps ahead of time (memory statistics logged) -> train with batches
+prefetched to the devices, logging, evaluating on the validation split and
+checkpointing at the configured intervals -> evaluate the test split once
+at the end -> `final_metrics.json`, and a PNG of the curves.
+
+A SIGTERM makes the run save a checkpoint at the current step and raise
+`Preempted`; running the same command again resumes from it, data position
+included, and ends with the same parameters as an uninterrupted run.
+"""
+
+import contextlib
+import os
+import signal
+import threading
+from typing import Any
+
+from absl import logging
+import jax
+from jax.experimental import multihost_utils
+import ml_collections
+
+from train import checkpointing
+from train import datasets
+from train import experiment as experiment_lib
+from train import input_pipeline
+from train import metrics as metrics_lib
+from train import plots
+from train import steps
+from train.errors import NonFiniteLossError, Preempted
+
+FINAL_METRICS = 'final_metrics.json'
+
+
+class _SigtermFlag:
+  """Records SIGTERM instead of dying, so the loop can save first."""
+
+  def __init__(self):
+    self.event = threading.Event()
+
+  @contextlib.contextmanager
+  def installed(self):
+    if threading.current_thread() is not threading.main_thread():
+      yield self  # Signals can only be handled on the main thread.
+      return
+    previous = signal.signal(signal.SIGTERM, lambda *_: self.event.set())
+    try:
+      yield self
+    finally:
+      signal.signal(signal.SIGTERM, previous)
+
+  def requested(self, step: int) -> bool:
+    if jax.process_count() > 1:
+      # All processes must agree on the step at which to save.
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self.event.is_set()
+
+
+def compile_steps(exp: experiment_lib.Experiment):
+  """AOT-compiles the train and eval steps; logs their memory statistics."""
+  config = exp.config
+  repl = jax.sharding.NamedSharding(exp.mesh, jax.sharding.PartitionSpec())
+  train_step = jax.jit(
+      steps.make_train_step(exp.model, exp.tx, exp.learning_rate,
+                            config.nonfinite),
+      in_shardings=(exp.state_shardings, exp.batch_sharding),
+      out_shardings=(exp.state_shardings, repl),
+      donate_argnums=(0,))
+  eval_step = jax.jit(
+      steps.make_eval_step(exp.model),
+      in_shardings=(exp.state_shardings, exp.batch_sharding),
+      out_shardings=repl)
+  compiled_train = train_step.lower(
+      exp.abstract_state, exp.abstract_batch(config.batch_size)).compile()
+  compiled_eval = eval_step.lower(
+      exp.abstract_state,
+      exp.abstract_batch(config.eval_batch_size, with_mask=True)).compile()
+  for name, compiled in (('train_step', compiled_train),
+                         ('eval_step', compiled_eval)):
+    log_memory_stats(name, compiled)
+  return compiled_train, compiled_eval
+
+
+def log_memory_stats(name: str, compiled: Any) -> dict[str, int]:
+  stats = compiled.memory_analysis()
+  if stats is None:
+    logging.info('%s: no memory statistics on this backend', name)
+    return {}
+  fields = ('argument_size_in_bytes', 'output_size_in_bytes',
+            'alias_size_in_bytes', 'temp_size_in_bytes',
+            'generated_code_size_in_bytes')
+  values = {f: int(getattr(stats, f, 0)) for f in fields}
+  logging.info('%s compiled (per device): %s', name, ', '.join(
+      f'{f.removesuffix("_size_in_bytes")} {v / 2**20:.2f} MiB'
+      for f, v in values.items()))
+  return values
+
+
+def evaluate(exp: experiment_lib.Experiment, compiled_eval: Any,
+             state: steps.TrainState, data: datasets.ArraySplit,
+             prefix: str) -> dict[str, float]:
+  totals = None
+  batches = input_pipeline.eval_batches(
+      data, exp.config.eval_batch_size, jax.process_index(),
+      jax.process_count())
+  for batch in batches:
+    out = compiled_eval(state, input_pipeline.to_global(
+        batch, exp.batch_sharding))
+    totals = out if totals is None else jax.tree.map(
+        lambda a, b: a + b, totals, out)
+  totals = jax.device_get(totals)
+  count = float(totals['count'])
+  return {f'{prefix}_loss': float(totals['loss_sum']) / count,
+          f'{prefix}_accuracy': float(totals['correct']) / count}
+
+
+def _check_finite(state: steps.TrainState, policy: str,
+                  last_checkpoint: int | None):
+  if policy != 'stop':
+    return
+  bad = int(jax.device_get(state.nonfinite_step))
+  if bad >= 0:
+    raise NonFiniteLossError(bad, last_checkpoint)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict,
+                       workdir: str) -> dict[str, float]:
+  """Trains, evaluates and checkpoints into `workdir`; returns the final metrics.
+
+  Raises:
+    UsageError: a setting is invalid (before anything is compiled).
+    NonFiniteLossError: a non-finite loss with `config.nonfinite='stop'`.
+    Preempted: SIGTERM arrived; a checkpoint was saved first.
+  """
+  exp = experiment_lib.build(config, workdir)
+  workdir = exp.workdir
+  final_path = os.path.join(workdir, FINAL_METRICS)
+  # Leaving the block waits for in-flight saves, also when an error stops
+  # the run, so the last checkpoint it reports is on disk.
+  with checkpointing.Checkpoints(
+      workdir, every_steps=config.checkpoint_every,
+      keep=config.keep_checkpoints) as ckpts:
+    latest = ckpts.latest_step()
+    if (latest is not None and latest >= config.num_steps
+        and os.path.exists(final_path)):
+      logging.info('The run in %s is complete (step %d)', workdir, latest)
+      return metrics_lib.read_json(final_path)
+    if latest is None:
+      state = exp.init_state()
+      logging.info('Initialised a new run in %s', workdir)
+    else:
+      state, _ = ckpts.restore(latest, exp.abstract_state)
+      logging.info('Resumed from the checkpoint at step %d', latest)
+
+    compiled_train, compiled_eval = compile_steps(exp)
+    val_data = datasets.load_split(config.dataset, 'validation',
+                                   config.data_dir)
+    with contextlib.closing(metrics_lib.MetricWriter(
+        workdir, resume_step=latest)) as writer:
+      state = _train(exp, state, compiled_train, compiled_eval, val_data,
+                     ckpts, writer, latest)
+      test_data = datasets.load_split(config.dataset, 'test', config.data_dir)
+      final = {'step': config.num_steps}
+      final.update(evaluate(exp, compiled_eval, state, val_data, 'val'))
+      final.update(evaluate(exp, compiled_eval, state, test_data, 'test'))
+      writer.write(config.num_steps,
+                   {k: v for k, v in final.items() if k != 'step'})
+  if jax.process_index() == 0:
+    metrics_lib.write_json_atomic(final_path, final)
+    plots.plot_curves(writer.path, os.path.join(workdir, 'curves.png'))
+  return final
+
+
+def _train(exp: experiment_lib.Experiment, state: steps.TrainState,
+           compiled_train: Any, compiled_eval: Any,
+           val_data: datasets.ArraySplit, ckpts: checkpointing.Checkpoints,
+           writer: metrics_lib.MetricWriter,
+           last_saved: int | None) -> steps.TrainState:
+  """The training loop, from `state.step` to `config.num_steps`."""
+  config = exp.config
+  start, total = int(jax.device_get(state.step)), config.num_steps
+  batches = input_pipeline.TrainBatches(
+      datasets.load_split(config.dataset, 'train', config.data_dir),
+      config.batch_size, config.seed, jax.process_index(),
+      jax.process_count())
+  meta = {'config': config.to_json_best_effort()}
+  progress = metrics_lib.Progress(start, total)
+  pending = []
+  sigterm = _SigtermFlag()
+  device_batches = input_pipeline.prefetch_to_device(
+      batches.iterate(start, total), exp.batch_sharding)
+  with sigterm.installed(), contextlib.closing(device_batches):
+    for step in range(start + 1, total + 1):
+      state, step_metrics = compiled_train(state, next(device_batches))
+      pending.append(step_metrics)
+      preempted = sigterm.requested(step)
+      is_last = step == total
+      if step % config.log_every == 0 or is_last or preempted:
+        _check_finite(state, config.nonfinite, last_saved)
+        scalars = metrics_lib.mean_of(pending)
+        pending = []
+        if config.nonfinite == 'skip':
+          scalars['skipped_steps'] = float(jax.device_get(state.skipped_steps))
+        writer.write(step, scalars)
+        metrics_lib.log_progress(step, total, scalars, *progress.update(step))
+      if step % config.eval_every == 0 and not is_last:
+        val = evaluate(exp, compiled_eval, state, val_data, 'val')
+        writer.write(step, val)
+        logging.info('step %d: %s', step, val)
+      if ckpts.should_save(step) or is_last or preempted:
+        _check_finite(state, config.nonfinite, last_saved)
+        if ckpts.save(step, state, meta, force=is_last or preempted):
+          last_saved = step
+      if preempted:
+        raise Preempted(step)
+  return state
