@@ -1,0 +1,1 @@
+"""Benchmarks: speed as ratios against a baseline run in the same process."""

@@ -1,0 +1,109 @@
+r"""Small CNN with BatchNorm on the digits images (offline), 8 simulated CPU devices.
+
+The main job (`make run`):
+
+  python -m launch.train --config=configs/digits.py --workdir=workdirs/digits
+
+Variants through the config argument (comma-separated, combinable):
+
+  python -m launch.train --config=configs/digits.py:runlocal --workdir=/tmp/d
+  python -m launch.train --config=configs/digits.py:model=mlp --workdir=/tmp/m
+
+`runlocal` shrinks the run for tests and laptops. Any field can be
+overridden, e.g. `--config.optimizer.learning_rate=0.05
+--config.mesh.shape='(8,1)'`. For a standard TFDS data set that is
+already prepared (array_record) in a data_dir:
+
+  python -m launch.train --config=configs/digits.py --workdir=/tmp/c10 \
+    --config.dataset=cifar10 --config.data_dir=gs://BUCKET/tensorflow_datasets
+"""
+
+import ml_collections
+
+
+def _parse_arg(arg: str | None) -> dict[str, str]:
+  out = {}
+  for item in filter(None, (arg or '').split(',')):
+    key, _, value = item.partition('=')
+    out[key] = value or 'true'
+  unknown = sorted(set(out) - {'runlocal', 'model'})
+  if unknown:
+    raise ValueError(f'configs/digits.py: unknown config argument '
+                     f'{unknown[0]!r}; valid: runlocal, model=cnn|mlp')
+  return out
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """The digits experiment; `arg` selects variants (see module docstring)."""
+  args = _parse_arg(arg)
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  config.dataset = 'digits'
+  # None: $TFDS_DATA_DIR or ~/tensorflow_datasets. digits is built there
+  # from scikit-learn on first use; other names must already be there.
+  config.data_dir = ml_collections.config_dict.placeholder(str)
+  # Simulated CPU devices when the job runs on a CPU host (ignored on TPU/GPU).
+  config.cpu_devices = 8
+
+  model = args.get('model', 'cnn')
+  if model == 'cnn':
+    config.model = ml_collections.ConfigDict(
+        dict(name='cnn', features=(32, 64), hidden=128))
+  elif model == 'mlp':
+    config.model = ml_collections.ConfigDict(
+        dict(name='mlp', widths=(256, 256)))
+  else:
+    raise ValueError(f'configs/digits.py: model={model!r}; valid: cnn, mlp')
+
+  config.mesh = ml_collections.ConfigDict(
+      dict(axes=('data', 'model'), shape=(-1, 2)))
+  # Logical axis -> mesh axis (None: replicated). 'batch' is the data axis.
+  config.logical_axis_rules = (
+      ('batch', 'data'),
+      ('conv_in', None),
+      ('conv_out', 'model'),
+      ('flat', None),
+      ('hidden', 'model'),
+      ('hidden_out', None),
+      ('classes', None),
+  )
+
+  config.batch_size = 128
+  config.eval_batch_size = 256
+  config.num_steps = 600
+
+  config.optimizer = ml_collections.ConfigDict(dict(
+      name='momentum',  # sgd | momentum | adamw
+      learning_rate=0.1,
+      schedule='cosine',  # cosine | constant
+      warmup_steps=30,
+      end_lr_fraction=0.0,
+      momentum=0.9,
+      nesterov=False,
+      b1=0.9,
+      b2=0.999,
+      eps=1e-8,
+      weight_decay=5e-4,
+      weight_decay_exclude=r'(bias|scale)$',
+      grad_clip_norm=0.0,  # 0: no clipping.
+  ))
+  config.nonfinite = 'stop'  # stop | skip
+
+  config.log_every = 50
+  config.eval_every = 100
+  config.checkpoint_every = 200
+  config.keep_checkpoints = 3
+
+  if 'runlocal' in args:
+    config.num_steps = 40
+    config.batch_size = 64
+    config.eval_batch_size = 128
+    config.optimizer.warmup_steps = 5
+    config.log_every = 10
+    config.eval_every = 20
+    config.checkpoint_every = 20
+    if model == 'cnn':
+      config.model.hidden = 64
+    else:
+      config.model.widths = (64, 64)
+  return config

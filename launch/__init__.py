@@ -1,0 +1,1 @@
+"""absl entry points: `python -m launch.<job> --config=... --workdir=...`."""
