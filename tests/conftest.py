@@ -1,0 +1,37 @@
+"""Test setup: 8 simulated CPU devices and a private TFDS data directory.
+
+Both must be in place before JAX or TFDS is imported anywhere, so they are
+set at import time of this file, which pytest loads first. Subprocesses
+started by tests inherit them.
+"""
+
+import atexit
+import os
+import shutil
+import tempfile
+
+os.environ['XLA_FLAGS'] = ' '.join(
+    [f for f in os.environ.get('XLA_FLAGS', '').split()
+     if not f.startswith('--xla_force_host_platform_device_count')]
+    + ['--xla_force_host_platform_device_count=8'])
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# Hermetic data: digits is built here on first use (about a second).
+os.environ['TFDS_DATA_DIR'] = tempfile.mkdtemp(prefix='geom_tfds_')
+atexit.register(shutil.rmtree, os.environ['TFDS_DATA_DIR'], True)
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope='session', autouse=True)
+def _eight_devices():
+  assert jax.device_count() == 8, jax.devices()
+
+
+@pytest.fixture
+def digits_config():
+  """The digits config in its small (runlocal) mode, unlocked for edits."""
+  from configs import digits  # pylint: disable=g-import-not-at-top
+  return digits.get_config('runlocal')

@@ -1,0 +1,25 @@
+"""Run `python -m launch.train` in a subprocess, as a user would."""
+
+import os
+import subprocess
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def command(workdir: str, *overrides: str,
+            config: str = 'configs/digits.py:runlocal') -> list[str]:
+  return [sys.executable, '-m', 'launch.train', f'--config={config}',
+          f'--workdir={workdir}', *overrides]
+
+
+def start(workdir: str, *overrides: str, **kw) -> subprocess.Popen:
+  return subprocess.Popen(command(workdir, *overrides, **kw), cwd=REPO_ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+
+
+def run(workdir: str, *overrides: str, timeout: float = 300,
+        **kw) -> subprocess.CompletedProcess:
+  return subprocess.run(command(workdir, *overrides, **kw), cwd=REPO_ROOT,
+                        capture_output=True, text=True, timeout=timeout)

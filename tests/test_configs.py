@@ -1,0 +1,66 @@
+"""Every config: get_config(arg), its command line in the docstring, overrides through absl flags."""
+
+import importlib
+import os
+import re
+
+from absl import flags
+from ml_collections import config_flags
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+CONFIG_MODULES = sorted(
+    f[:-3] for f in os.listdir(os.path.join(REPO_ROOT, 'configs'))
+    if f.endswith('.py') and f != '__init__.py')
+
+
+@pytest.mark.parametrize('name', CONFIG_MODULES)
+def test_config_documents_its_command_and_has_a_small_mode(name):
+  module = importlib.import_module(f'configs.{name}')
+  assert re.search(rf'python -m launch\.\w+ --config=configs/{name}\.py',
+                   module.__doc__)
+  full, small = module.get_config(), module.get_config('runlocal')
+  assert small.num_steps < full.num_steps
+  assert small.batch_size <= full.batch_size
+
+
+def test_digits_config_rejects_an_unknown_argument():
+  from configs import digits  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match='unknown config argument'):
+    digits.get_config('runlcoal')
+
+
+def _parse(argv):
+  values = flags.FlagValues()
+  # sys_argv: the overrides are otherwise read from pytest's own sys.argv.
+  holder = config_flags.DEFINE_config_file('config', None, 'config',
+                                           flag_values=values,
+                                           lock_config=True,
+                                           sys_argv=['prog', *argv])
+  values(['prog', *argv])
+  return holder.value
+
+
+def test_overrides_and_arguments_reach_the_config():
+  path = os.path.join(REPO_ROOT, 'configs', 'digits.py')
+  config = _parse([f'--config={path}:runlocal,model=mlp',
+                   '--config.optimizer.learning_rate=0.05',
+                   '--config.mesh.shape=(8,1)'])
+  assert config.model.name == 'mlp'
+  assert config.num_steps == 40
+  assert config.optimizer.learning_rate == 0.05
+  assert tuple(config.mesh.shape) == (8, 1)
+
+
+def test_a_misspelled_override_is_refused():
+  path = os.path.join(REPO_ROOT, 'configs', 'digits.py')
+  with pytest.raises((flags.Error, AttributeError, KeyError),
+                     match='Did you mean "learning_rate"'):
+    _parse([f'--config={path}', '--config.optimizer.learning_rat=0.05'])
+
+
+def test_data_dir_override_is_a_string():
+  path = os.path.join(REPO_ROOT, 'configs', 'digits.py')
+  config = _parse([f'--config={path}', '--config.data_dir=gs://b/tfds'])
+  assert config.data_dir == 'gs://b/tfds'

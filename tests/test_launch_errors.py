@@ -1,0 +1,126 @@
+"""Bad input: one clear line naming the setting, non-zero exit, no traceback, workdir intact."""
+
+import hashlib
+import os
+import subprocess
+
+import pytest
+
+from tests import launch_runs
+from train import trainer
+
+
+def _snapshot(root):
+  out = {}
+  for dirpath, _, files in os.walk(root):
+    for name in files:
+      path = os.path.join(dirpath, name)
+      with open(path, 'rb') as f:
+        out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+  return out
+
+
+@pytest.fixture(scope='module')
+def finished_workdir(tmp_path_factory):
+  """A workdir holding a finished run: its files must survive every mistake."""
+  from configs import digits  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path_factory.mktemp('finished'))
+  trainer.train_and_evaluate(digits.get_config('runlocal'), workdir)
+  return workdir
+
+
+CASES = {
+    'unknown model': (
+        ['--config.model.name=resnet'],
+        "config.model.name='resnet': unknown model; valid choices: 'cnn', "
+        "'mlp'"),
+    'unknown data set': (
+        ['--config.dataset=imagenet'],
+        "config.dataset='imagenet': unknown data set; valid choices: "
+        "'cifar10', 'cifar100', 'digits'"),
+    'unknown optimizer': (
+        ['--config.optimizer.name=lamb'],
+        "config.optimizer.name='lamb': unknown optimizer; valid choices: "
+        "'sgd', 'momentum', 'adamw'"),
+    'mesh does not match the devices': (
+        ['--config.mesh.shape=(3,2)'],
+        'config.mesh.shape=(3, 2): needs 6 devices but there are 8; shapes '
+        'that fit: (-1, 1), (8, 1), (4, 2), (2, 4)'),
+    'batch not divisible by the data axis': (
+        ['--config.batch_size=66'],
+        'config.batch_size=66: must be divisible by the data-parallel mesh '
+        'size (4)'),
+    'data set missing from data_dir': (
+        ['--config.dataset=cifar10', '--config.data_dir={empty}'],
+        "config.dataset='cifar10': not found in data_dir='{empty}'"),
+    'zero steps': (['--config.num_steps=0'],
+                   'config.num_steps=0: must be a positive integer'),
+    'negative steps': (['--config.num_steps=-5'],
+                       'config.num_steps=-5: must be a positive integer'),
+}
+
+
+@pytest.mark.parametrize('case', sorted(CASES))
+def test_bad_config_fails_before_compute_with_one_line(case, finished_workdir,
+                                                        tmp_path):
+  overrides, expected = CASES[case]
+  empty = str(tmp_path / 'no_data_here')
+  overrides = [o.format(empty=empty) for o in overrides]
+  before = _snapshot(finished_workdir)
+  result = launch_runs.run(finished_workdir, *overrides, timeout=120)
+  assert result.returncode == 2
+  assert 'Traceback' not in result.stderr
+  errors = [l for l in result.stderr.splitlines() if l.startswith('error:')]
+  assert errors == [l for l in result.stderr.splitlines() if l.strip()], (
+      result.stderr)
+  assert len(errors) == 1
+  assert errors[0].startswith('error: ' + expected.format(empty=empty)), (
+      errors[0])
+  assert _snapshot(finished_workdir) == before
+  assert not os.path.exists(empty)
+
+
+@pytest.mark.parametrize('make_workdir', ['under_a_file', 'in_proc'])
+def test_unwritable_workdir_names_the_flag(make_workdir, tmp_path):
+  if make_workdir == 'under_a_file':
+    (tmp_path / 'file').write_text('keep me')
+    workdir = str(tmp_path / 'file' / 'run')
+  else:
+    workdir = '/proc/geom_run'  # Unwritable even for root.
+  result = launch_runs.run(workdir, timeout=120)
+  assert result.returncode == 2
+  assert 'Traceback' not in result.stderr
+  assert result.stderr.strip() == (
+      f'error: --workdir={workdir!r}: not a writable directory ('
+      + ('Not a directory)' if make_workdir == 'under_a_file'
+         else 'No such file or directory)'))
+  if make_workdir == 'under_a_file':
+    assert (tmp_path / 'file').read_text() == 'keep me'
+
+
+FLAG_CASES = {
+    'misspelled override': (
+        ['--config=configs/digits.py', '--config.optimizer.learning_rat=1'],
+        "error: --config.optimizer.learning_rat: the config has no field "
+        "'learning_rat'; did you mean 'learning_rate'?"),
+    'missing config file': (
+        ['--config=configs/nothere.py'],
+        'error: --config: cannot load the config file: [Errno 2] No such '
+        "file or directory: 'configs/nothere.py'"),
+    'unknown config argument': (
+        ['--config=configs/digits.py:runlcl'],
+        "unknown config argument 'runlcl'; valid: runlocal, model=cnn|mlp"),
+}
+
+
+@pytest.mark.parametrize('case', sorted(FLAG_CASES))
+def test_flag_mistakes_are_one_line(case, tmp_path):
+  argv, expected = FLAG_CASES[case]
+  cmd = launch_runs.command(str(tmp_path / 'run'))
+  cmd = [a for a in cmd if not a.startswith('--config=')] + argv
+  result = subprocess.run(cmd, cwd=launch_runs.REPO_ROOT, capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 2
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and expected in lines[0], result.stderr
+  assert not os.path.exists(tmp_path / 'run')

@@ -1,0 +1,126 @@
+"""The optimizer chain from config, against optax's own optimizers and closed forms."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from train import optim
+from train.errors import ConfigError
+
+
+def _cfg(**overrides):
+  cfg = ml_collections.ConfigDict(dict(
+      name='momentum', learning_rate=0.1, schedule='cosine', warmup_steps=3,
+      end_lr_fraction=0.0, momentum=0.9, nesterov=False, b1=0.9, b2=0.999,
+      eps=1e-8, weight_decay=0.01, weight_decay_exclude=r'(bias|scale)$',
+      grad_clip_norm=0.0))
+  cfg.update(overrides)
+  return cfg
+
+
+def _params():
+  k = jax.random.split(jax.random.key(0), 3)
+  return {'dense': {'kernel': jax.random.normal(k[0], (4, 3)),
+                    'bias': jax.random.normal(k[1], (3,))},
+          'bn': {'scale': jax.random.normal(k[2], (3,))}}
+
+
+def _grads(step):
+  return jax.tree.map(lambda p: jnp.sin(p * (step + 1)), _params())
+
+
+def _run(tx, steps=6):
+  params = _params()
+  state = tx.init(params)
+  for step in range(steps):
+    updates, state = tx.update(_grads(step), state, params)
+    params = optax.apply_updates(params, updates)
+  return params
+
+
+def test_weight_decay_mask_excludes_biases_and_norm_scales():
+  mask = optim.weight_decay_mask(_params(), r'(bias|scale)$')
+  assert mask == {'dense': {'kernel': True, 'bias': False},
+                  'bn': {'scale': False}}
+
+
+def test_adamw_matches_optax_adamw_with_the_same_mask():
+  cfg = _cfg(name='adamw')
+  schedule = optim.learning_rate_schedule(cfg, 10)
+  reference = optax.adamw(
+      schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01,
+      mask=lambda p: optim.weight_decay_mask(p, cfg.weight_decay_exclude))
+  got, want = _run(optim.create_optimizer(cfg, 10)), _run(reference)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got,
+               want)
+
+
+def test_momentum_is_decoupled_sgdw_in_plain_numpy():
+  cfg = _cfg(schedule='constant', warmup_steps=0)
+  got = _run(optim.create_optimizer(cfg, 10))
+  params = jax.tree.map(np.asarray, _params())
+  mask = optim.weight_decay_mask(params, cfg.weight_decay_exclude)
+  trace = jax.tree.map(np.zeros_like, params)
+  for step in range(6):
+    grads = jax.tree.map(np.asarray, _grads(step))
+    trace = jax.tree.map(lambda t, g: 0.9 * t + g, trace, grads)
+    params = jax.tree.map(
+        lambda p, t, m: p - 0.1 * (t + (0.01 * p if m else 0.0)),
+        params, trace, mask)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), got,
+               params)
+
+
+def test_sgd_matches_optax_sgd_without_decay():
+  cfg = _cfg(name='sgd', weight_decay=0.0, schedule='constant',
+             warmup_steps=0)
+  got, want = _run(optim.create_optimizer(cfg, 10)), _run(optax.sgd(0.1))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got,
+               want)
+
+
+def test_warmup_then_cosine_closed_form():
+  cfg = _cfg(learning_rate=0.4, warmup_steps=10, end_lr_fraction=0.1)
+  schedule = optim.learning_rate_schedule(cfg, 110)
+  for step in (0, 5, 10):
+    np.testing.assert_allclose(schedule(step), 0.4 * step / 10, rtol=1e-6)
+  for step in (10, 35, 60, 110):
+    t = (step - 10) / 100
+    want = 0.4 * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * t)))
+    np.testing.assert_allclose(schedule(step), want, rtol=1e-5)
+
+
+def test_clipping_bounds_the_global_norm_before_momentum():
+  cfg = _cfg(name='sgd', weight_decay=0.0, schedule='constant',
+             warmup_steps=0, grad_clip_norm=0.5, learning_rate=1.0)
+  tx = optim.create_optimizer(cfg, 10)
+  big = jax.tree.map(lambda p: 100 * jnp.ones_like(p), _params())
+  updates, _ = tx.update(big, tx.init(_params()), _params())
+  np.testing.assert_allclose(optax.tree.norm(updates), 0.5, rtol=1e-5)
+
+
+def test_extra_args_such_as_grad_fn_pass_through_the_chain():
+  tx = optim.create_optimizer(_cfg(), 10)
+  params = _params()
+  updates, _ = tx.update(_grads(0), tx.init(params), params,
+                         grad_fn=lambda p: p)
+  plain, _ = tx.update(_grads(0), tx.init(params), params)
+  jax.tree.map(np.testing.assert_array_equal, updates, plain)
+
+
+@pytest.mark.parametrize('field,value,match', [
+    ('name', 'lamb', r"config.optimizer.name='lamb'.*valid choices: 'sgd', "
+     r"'momentum', 'adamw'"),
+    ('schedule', 'step', r"config.optimizer.schedule='step'.*'cosine'"),
+    ('learning_rate', 0.0, r'config.optimizer.learning_rate=0.0: must be > 0'),
+    ('warmup_steps', 10, r'config.optimizer.warmup_steps=10: must be in'),
+    ('weight_decay', -1.0, r'config.optimizer.weight_decay=-1.0'),
+    ('momentum', 1.0, r'config.optimizer.momentum=1.0'),
+    ('weight_decay_exclude', '(', r'not a regular expression'),
+])
+def test_bad_optimizer_settings_name_the_field(field, value, match):
+  with pytest.raises(ConfigError, match=match):
+    optim.create_optimizer(_cfg(**{field: value}), 10)

@@ -1,0 +1,106 @@
+"""Shardings of parameters, optimizer state and batch follow the logical-axis rules."""
+
+import jax
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+from train import experiment
+from train import input_pipeline
+from train import sharding as sharding_lib
+from train.errors import ConfigError
+
+
+@pytest.fixture(scope='module')
+def exp_and_state(tmp_path_factory):
+  from configs import digits  # pylint: disable=g-import-not-at-top
+  config = digits.get_config('runlocal')
+  config.mesh.shape = (4, 2)
+  exp = experiment.build(config, str(tmp_path_factory.mktemp('wd')))
+  return exp, exp.init_state()
+
+
+def _specs(tree):
+  return jax.tree.map(lambda a: a.sharding.spec, tree)
+
+
+def test_parameters_follow_the_rules(exp_and_state):
+  exp, state = exp_and_state
+  specs = _specs(state.params)
+  # rules: conv_out, hidden -> 'model'; conv_in, flat, classes -> replicated.
+  assert specs['conv0']['kernel'] == P(None, None, None, 'model')
+  assert specs['conv1']['kernel'] == P(None, None, None, 'model')
+  assert specs['hidden']['kernel'] == P(None, 'model')
+  assert specs['hidden']['bias'] == P('model')
+  assert specs['head']['kernel'] == P('model', None)
+  assert specs['head']['bias'] == P(None)
+  assert specs['bn0']['scale'] == P('model')
+  # The large kernels are really split: each device holds half the columns.
+  kernel = state.params['hidden']['kernel']
+  shard_shapes = {s.data.shape for s in kernel.addressable_shards}
+  assert shard_shapes == {(kernel.shape[0], kernel.shape[1] // 2)}
+  assert len(kernel.addressable_shards) == 8
+  # BatchNorm statistics carry no annotation: replicated.
+  for leaf in jax.tree.leaves(state.batch_stats):
+    assert leaf.sharding.is_fully_replicated
+  del exp
+
+
+def test_optimizer_state_is_sharded_like_the_parameters(exp_and_state):
+  _, state = exp_and_state
+  param_specs = _specs(state.params)
+  is_trace = lambda x: isinstance(x, optax.TraceState)
+  traces = [s for s in jax.tree.leaves(state.opt_state, is_leaf=is_trace)
+            if is_trace(s)]
+  assert len(traces) == 1
+  assert _specs(traces[0].trace) == param_specs
+  for leaf in (state.step, state.nonfinite_step):
+    assert leaf.sharding.is_fully_replicated
+
+
+def test_batch_is_split_over_data_and_replicated_over_model(exp_and_state):
+  exp, _ = exp_and_state
+  batch = {'image': np.zeros((64, 8, 8, 1), np.uint8),
+           'label': np.zeros((64,), np.int32)}
+  placed = input_pipeline.to_global(batch, exp.batch_sharding)
+  assert placed['image'].sharding.spec == P('data')
+  shards = placed['image'].addressable_shards
+  assert {s.data.shape for s in shards} == {(16, 8, 8, 1)}
+  # Devices that differ only in their 'model' coordinate hold the same rows.
+  assert len({str(s.index) for s in shards}) == 4
+
+
+def test_train_step_keeps_the_shardings(exp_and_state):
+  from train import trainer  # pylint: disable=g-import-not-at-top
+  exp, _ = exp_and_state
+  state = exp.init_state()
+  train_step, _ = trainer.compile_steps(exp)
+  batch = input_pipeline.to_global(
+      {'image': np.ones((64, 8, 8, 1), np.uint8),
+       'label': np.arange(64, dtype=np.int32) % 10}, exp.batch_sharding)
+  before = _specs(state)
+  new_state, _ = train_step(state, batch)
+  assert _specs(new_state) == before
+
+
+def test_mesh_shape_resolution_and_errors():
+  assert sharding_lib.mesh_shape((-1, 2), ('data', 'model'), 8) == (4, 2)
+  assert sharding_lib.mesh_shape((8, 1), ('data', 'model'), 8) == (8, 1)
+  with pytest.raises(ConfigError, match=r'config.mesh.shape=\(3, 2\): needs 6 '
+                     r'devices but there are 8'):
+    sharding_lib.mesh_shape((3, 2), ('data', 'model'), 8)
+  with pytest.raises(ConfigError, match='cannot be split'):
+    sharding_lib.mesh_shape((-1, 3), ('data', 'model'), 8)
+  with pytest.raises(ConfigError, match='one size per axis'):
+    sharding_lib.mesh_shape((8,), ('data', 'model'), 8)
+
+
+def test_a_dimension_that_does_not_divide_is_reported(tmp_path):
+  from configs import digits  # pylint: disable=g-import-not-at-top
+  config = digits.get_config('runlocal')
+  config.mesh.shape = (1, 8)
+  config.model.hidden = 36
+  with pytest.raises(ConfigError, match=r"of shape \(36,?.*mesh axis "
+                     r"'model' of size 8"):
+    experiment.build(config, str(tmp_path))

@@ -1,0 +1,104 @@
+"""End-to-end training in the small mode, in process: outputs, accuracy, non-finite policies."""
+
+import glob
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from train import checkpointing
+from train import experiment
+from train import trainer
+from train.errors import NonFiniteLossError
+
+
+@pytest.fixture(scope='module')
+def finished_run(tmp_path_factory):
+  from configs import digits  # pylint: disable=g-import-not-at-top
+  config = digits.get_config('runlocal')
+  workdir = str(tmp_path_factory.mktemp('run'))
+  return config, workdir, trainer.train_and_evaluate(config, workdir)
+
+
+def test_small_run_learns_and_reports_held_out_test_accuracy(finished_run):
+  _, _, final = finished_run
+  assert final['step'] == 40
+  # 40 steps of 64 images: far above chance (0.1) on the 360 test images.
+  assert final['test_accuracy'] > 0.85
+  assert 0 < final['test_loss'] < 1.0
+
+
+def test_outputs_in_the_workdir(finished_run):
+  config, workdir, final = finished_run
+  records = [json.loads(l) for l in open(os.path.join(workdir,
+                                                      'metrics.jsonl'))]
+  assert all(isinstance(r['step'], int) for r in records)
+  assert all(isinstance(v, float) for r in records for k, v in r.items()
+             if k != 'step')
+  train_steps = [r['step'] for r in records if 'train_loss' in r]
+  assert train_steps == list(range(config.log_every, 41, config.log_every))
+  assert [r['step'] for r in records if 'val_accuracy' in r] == [20, 40]
+  assert records[-1]['test_accuracy'] == final['test_accuracy']
+  assert glob.glob(os.path.join(workdir, 'tensorboard', 'events.out.*'))
+  with open(os.path.join(workdir, 'curves.png'), 'rb') as f:
+    assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+  ckpts = checkpointing.Checkpoints(workdir, every_steps=20, keep=3)
+  assert ckpts.all_steps() == [20, 40]
+  ckpts.close()
+  with open(os.path.join(workdir, trainer.FINAL_METRICS)) as f:
+    assert json.load(f) == final
+
+
+def test_a_finished_run_is_not_trained_again(finished_run):
+  config, workdir, final = finished_run
+  before = open(os.path.join(workdir, 'metrics.jsonl')).read()
+  assert trainer.train_and_evaluate(config, workdir) == final
+  assert open(os.path.join(workdir, 'metrics.jsonl')).read() == before
+
+
+def _restore_all(config, workdir):
+  exp = experiment.build(config, workdir)
+  ckpts = checkpointing.Checkpoints(workdir, every_steps=1, keep=10)
+  out = {s: ckpts.restore(s, exp.abstract_state)[0] for s in ckpts.all_steps()}
+  ckpts.close()
+  return out
+
+
+def test_nonfinite_loss_stops_naming_the_step_and_saves_nothing_bad(
+    digits_config, tmp_path):
+  config = digits_config
+  config.optimizer.learning_rate = 1e30
+  config.optimizer.warmup_steps = 0
+  config.optimizer.schedule = 'constant'
+  config.checkpoint_every = 1  # Any non-finite state would be saved at once.
+  with pytest.raises(NonFiniteLossError) as info:
+    trainer.train_and_evaluate(config, str(tmp_path))
+  bad = info.value.step
+  assert f'at step {bad}' in str(info.value)
+  saved = _restore_all(config, str(tmp_path))
+  assert max(saved) <= bad  # Nothing saved after the bad step ...
+  for state in saved.values():  # ... and everything saved is finite.
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(
+        jax.device_get(state.params)))
+  assert not os.path.exists(os.path.join(tmp_path, trainer.FINAL_METRICS))
+
+
+def test_nonfinite_skip_policy_keeps_the_last_finite_parameters(
+    digits_config, tmp_path):
+  config = digits_config
+  config.optimizer.learning_rate = 1e30
+  config.optimizer.warmup_steps = 0
+  config.optimizer.schedule = 'constant'
+  config.nonfinite = 'skip'
+  config.num_steps = 10
+  config.log_every = 5
+  config.eval_every = 5
+  trainer.train_and_evaluate(config, str(tmp_path))
+  final = _restore_all(config, str(tmp_path))[10]
+  assert int(final.skipped_steps) > 0
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(
+      jax.device_get(final.params)))
+  records = [json.loads(l) for l in open(tmp_path / 'metrics.jsonl')]
+  assert records[-2]['skipped_steps'] == int(final.skipped_steps)
