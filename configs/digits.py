@@ -68,6 +68,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       ('classes', None),
   )
 
+  # A training split up to this size is kept on every device and batches
+  # are gathered there (the host sends indices); 0 keeps data on the host.
+  config.device_data_max_mb = 256
   config.batch_size = 128
   config.eval_batch_size = 256
   config.num_steps = 600

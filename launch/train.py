@@ -57,10 +57,9 @@ class _LibraryNoiseFilter(logging.logging.Filter):
 def _init_jax(config) -> None:
   """Device settings that must precede JAX's backend initialisation."""
   import jax  # pylint: disable=g-import-not-at-top
-  # Only affects the CPU platform: on a CPU host the job sees this many
-  # simulated devices, so the mesh code runs as it would on accelerators.
+  from train import host_devices  # pylint: disable=g-import-not-at-top
   if config.get('cpu_devices'):
-    jax.config.update('jax_num_cpu_devices', int(config.cpu_devices))
+    host_devices.configure_cpu_devices(int(config.cpu_devices))
   if _MULTIHOST.value:
     kwargs = {k: v for k, v in (
         ('coordinator_address', _COORDINATOR.value),

@@ -22,6 +22,11 @@ atexit.register(shutil.rmtree, os.environ['TFDS_DATA_DIR'], True)
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from train import host_devices  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+# The launcher does the same from config.cpu_devices (see host_devices).
+host_devices.configure_cpu_devices(8)
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

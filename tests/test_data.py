@@ -120,13 +120,13 @@ def test_unknown_data_set_lists_the_choices():
     datasets.get_spec('imagenet2012')
 
 
-def test_prefetch_preserves_order_and_sharding():
+def test_device_batches_keep_order_and_sharding():
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   mesh = jax.make_mesh((8,), ('data',))
   sharding = NamedSharding(mesh, P('data'))
   it = _batches(batch=16)
-  out = list(input_pipeline.prefetch_to_device(it.iterate(0, 7), sharding))
+  out = list(input_pipeline.to_devices(it.iterate(0, 7), sharding))
   assert len(out) == 7
   for step, batch in enumerate(out):
     assert batch['label'].sharding == sharding

@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+from train import datasets
 from train import experiment
 from train import input_pipeline
 from train import sharding as sharding_lib
@@ -55,7 +56,7 @@ def test_optimizer_state_is_sharded_like_the_parameters(exp_and_state):
             if is_trace(s)]
   assert len(traces) == 1
   assert _specs(traces[0].trace) == param_specs
-  for leaf in (state.step, state.nonfinite_step):
+  for leaf in (state.step, state.skipped_steps):
     assert leaf.sharding.is_fully_replicated
 
 
@@ -71,17 +72,31 @@ def test_batch_is_split_over_data_and_replicated_over_model(exp_and_state):
   assert len({str(s.index) for s in shards}) == 4
 
 
-def test_train_step_keeps_the_shardings(exp_and_state):
+@pytest.mark.parametrize('data_on_device', [True, False])
+def test_train_step_keeps_the_shardings_and_both_data_paths_agree(
+    exp_and_state, data_on_device):
   from train import trainer  # pylint: disable=g-import-not-at-top
   exp, _ = exp_and_state
+  train_data = datasets.load_split('digits', 'train', None)
+  exp.config.device_data_max_mb = 256 if data_on_device else 0
+  compiled = trainer.compile_steps(exp, train_data)
+  assert compiled.data_on_device == data_on_device
+  batches = input_pipeline.TrainBatches(train_data, exp.config.batch_size, 0)
+  host_batch = next(batches.iterate(3, 4, indices_only=data_on_device))
   state = exp.init_state()
-  train_step, _ = trainer.compile_steps(exp)
-  batch = input_pipeline.to_global(
-      {'image': np.ones((64, 8, 8, 1), np.uint8),
-       'label': np.arange(64, dtype=np.int32) % 10}, exp.batch_sharding)
   before = _specs(state)
-  new_state, _ = train_step(state, batch)
+  new_state, metrics = compiled.train(
+      state, input_pipeline.to_global(host_batch, exp.batch_sharding))
   assert _specs(new_state) == before
+  assert metrics['loss'].sharding.spec == P('data')
+  # Both paths see the same examples: the loss of step 3 is the same.
+  ref = jax.jit(lambda s, b: exp.model.apply(
+      {'params': s.params, 'batch_stats': s.batch_stats}, b['image'],
+      train=True, mutable=['batch_stats'])[0])(
+          exp.init_state(), batches.local_batch(3))
+  want = optax.softmax_cross_entropy_with_integer_labels(
+      ref, batches.local_batch(3)['label'])
+  np.testing.assert_allclose(np.asarray(metrics['loss']), want, rtol=1e-5)
 
 
 def test_mesh_shape_resolution_and_errors():

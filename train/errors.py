@@ -35,15 +35,20 @@ class ConfigError(UsageError):
 
 
 class NonFiniteLossError(RuntimeError):
-  """Training produced a non-finite loss or gradient and the config says stop."""
+  """Training produced non-finite values and the config says stop.
 
-  def __init__(self, step: int, last_checkpoint: int | None):
+  `what` says where: the loss (policy 'stop'), or the train state found
+  non-finite by the check that runs before every checkpoint.
+  """
+
+  def __init__(self, step: int, last_checkpoint: int | None,
+               what: str = 'loss'):
     self.step = step
     self.last_checkpoint = last_checkpoint
     where = ('no checkpoint was written' if last_checkpoint is None
              else f'last good checkpoint: step {last_checkpoint}')
     super().__init__(
-        f'non-finite loss or gradient at step {step}; stopped without saving '
+        f'non-finite {what} at step {step}; stopped without saving '
         f'({where}). Lower the learning rate, or set '
         '--config.nonfinite=skip to skip such steps.')
 

@@ -64,6 +64,10 @@ class Experiment:
                                            sharding=s)
     return batch
 
+  def abstract_index_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+    return {'index': jax.ShapeDtypeStruct((batch_size,), np.int32,
+                                          sharding=self.batch_sharding)}
+
 
 def _check_positive(config: ml_collections.ConfigDict, *fields: str) -> None:
   for field in fields:
@@ -93,6 +97,9 @@ def _batch_divisor(mesh: Mesh, rules) -> int:
 
 def build(config: ml_collections.ConfigDict, workdir: str) -> Experiment:
   """Validates `config` and builds the run's parts (see module docstring)."""
+  if config.device_data_max_mb < 0:
+    raise ConfigError('device_data_max_mb', config.device_data_max_mb,
+                      'must be >= 0 (0 keeps data on the host)')
   _check_positive(config, 'num_steps', 'batch_size', 'eval_batch_size',
                   'log_every', 'eval_every', 'checkpoint_every',
                   'keep_checkpoints')
@@ -134,7 +141,7 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> Experiment:
       step=repl, params=param_shardings, batch_stats=stats_shardings,
       opt_state=sharding_lib.optimizer_state_shardings(
           tx, abstract_params, param_shardings, mesh),
-      nonfinite_step=repl, skipped_steps=repl)
+      skipped_steps=repl)
   abstract = jax.eval_shape(
       functools.partial(steps.init_state, model, tx, example),
       jax.random.key(0))

@@ -110,9 +110,3 @@ def log_progress(step: int, total: int, scalars: Mapping[str, float],
   shown = ' | '.join(f'{k} {v:.4g}' for k, v in scalars.items())
   logging.info('step %d/%d | %s | %.1f steps/s | ETA %s', step, total, shown,
                rate, eta)
-
-
-def mean_of(records: list[Mapping[str, jax.Array]]) -> dict[str, float]:
-  """Averages per-step device scalars on the host (one transfer)."""
-  host = jax.device_get(records)
-  return {k: float(np.mean([r[k] for r in host])) for k in host[0]}

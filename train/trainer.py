@@ -13,10 +13,11 @@ included, and ends with the same parameters as an uninterrupted run.
 """
 
 import contextlib
+import functools
 import os
 import signal
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 from absl import logging
 import jax
@@ -59,29 +60,67 @@ class _SigtermFlag:
     return self.event.is_set()
 
 
-def compile_steps(exp: experiment_lib.Experiment):
-  """AOT-compiles the train and eval steps; logs their memory statistics."""
+class CompiledSteps(NamedTuple):
+  train: Any  # (state, batch) -> (state, metrics); donates the state.
+  eval: Any  # (state, batch) -> sums of loss, correct, count.
+  state_is_finite: Any  # state -> bool scalar.
+  # Whether the training split lives on the devices: then `train` takes
+  # batches of indices ({'index': int32}) and gathers the examples itself.
+  data_on_device: bool
+
+
+def compile_steps(exp: experiment_lib.Experiment,
+                  train_data: datasets.ArraySplit) -> CompiledSteps:
+  """AOT-compiles the train and eval steps; logs their memory statistics.
+
+  When `train_data` fits in `config.device_data_max_mb` per device, it is
+  placed (replicated) on the devices once and the train step gathers each
+  batch there; the host then sends indices only, which is what keeps the
+  trainer within a few percent of a bare loop on small data sets.
+  """
   config = exp.config
   repl = jax.sharding.NamedSharding(exp.mesh, jax.sharding.PartitionSpec())
-  train_step = jax.jit(
-      steps.make_train_step(exp.model, exp.tx, exp.learning_rate,
-                            config.nonfinite),
-      in_shardings=(exp.state_shardings, exp.batch_sharding),
-      out_shardings=(exp.state_shardings, repl),
-      donate_argnums=(0,))
-  eval_step = jax.jit(
+  train_fn = steps.make_train_step(exp.model, exp.tx, config.nonfinite,
+                                   config.log_every)
+  out_shardings = (exp.state_shardings,
+                   steps.metric_shardings(exp.batch_sharding, repl))
+  on_device = input_pipeline.fits_on_devices(train_data,
+                                             config.device_data_max_mb)
+  if on_device:
+    resident = input_pipeline.put_replicated(train_data, repl)
+    compiled_train = jax.jit(
+        lambda state, data, batch: train_fn(
+            state, input_pipeline.gather(data, batch['index'])),
+        in_shardings=(exp.state_shardings, repl, exp.batch_sharding),
+        out_shardings=out_shardings, donate_argnums=(0,)).lower(
+            exp.abstract_state, resident,
+            exp.abstract_index_batch(config.batch_size)).compile()
+    train = functools.partial(
+        lambda c, data, state, batch: c(state, data, batch),
+        compiled_train, resident)
+  else:
+    compiled_train = train = jax.jit(
+        train_fn, in_shardings=(exp.state_shardings, exp.batch_sharding),
+        out_shardings=out_shardings, donate_argnums=(0,)).lower(
+            exp.abstract_state,
+            exp.abstract_batch(config.batch_size)).compile()
+  compiled_eval = jax.jit(
       steps.make_eval_step(exp.model),
       in_shardings=(exp.state_shardings, exp.batch_sharding),
-      out_shardings=repl)
-  compiled_train = train_step.lower(
-      exp.abstract_state, exp.abstract_batch(config.batch_size)).compile()
-  compiled_eval = eval_step.lower(
-      exp.abstract_state,
-      exp.abstract_batch(config.eval_batch_size, with_mask=True)).compile()
+      out_shardings=repl).lower(
+          exp.abstract_state,
+          exp.abstract_batch(config.eval_batch_size, with_mask=True)).compile()
+  # Guards every checkpoint; compiled here so a save never waits for it.
+  compiled_finite = jax.jit(
+      steps.state_is_finite, in_shardings=(exp.state_shardings,),
+      out_shardings=repl).lower(exp.abstract_state).compile()
+  logging.info('Training data on the devices: %s (%.2f MiB per device)',
+               on_device,
+               (train_data.images.nbytes + train_data.labels.nbytes) / 2**20)
   for name, compiled in (('train_step', compiled_train),
                          ('eval_step', compiled_eval)):
     log_memory_stats(name, compiled)
-  return compiled_train, compiled_eval
+  return CompiledSteps(train, compiled_eval, compiled_finite, on_device)
 
 
 def log_memory_stats(name: str, compiled: Any) -> dict[str, int]:
@@ -117,15 +156,6 @@ def evaluate(exp: experiment_lib.Experiment, compiled_eval: Any,
           f'{prefix}_accuracy': float(totals['correct']) / count}
 
 
-def _check_finite(state: steps.TrainState, policy: str,
-                  last_checkpoint: int | None):
-  if policy != 'stop':
-    return
-  bad = int(jax.device_get(state.nonfinite_step))
-  if bad >= 0:
-    raise NonFiniteLossError(bad, last_checkpoint)
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict,
                        workdir: str) -> dict[str, float]:
   """Trains, evaluates and checkpoints into `workdir`; returns the final metrics.
@@ -155,17 +185,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       state, _ = ckpts.restore(latest, exp.abstract_state)
       logging.info('Resumed from the checkpoint at step %d', latest)
 
-    compiled_train, compiled_eval = compile_steps(exp)
-    val_data = datasets.load_split(config.dataset, 'validation',
-                                   config.data_dir)
+    train_data, val_data = (
+        datasets.load_split(config.dataset, split, config.data_dir)
+        for split in ('train', 'validation'))
+    compiled = compile_steps(exp, train_data)
     with contextlib.closing(metrics_lib.MetricWriter(
         workdir, resume_step=latest)) as writer:
-      state = _train(exp, state, compiled_train, compiled_eval, val_data,
-                     ckpts, writer, latest)
+      state = train_loop(exp, state, compiled, train_data, val_data, ckpts,
+                         writer, latest)
       test_data = datasets.load_split(config.dataset, 'test', config.data_dir)
       final = {'step': config.num_steps}
-      final.update(evaluate(exp, compiled_eval, state, val_data, 'val'))
-      final.update(evaluate(exp, compiled_eval, state, test_data, 'test'))
+      final.update(evaluate(exp, compiled.eval, state, val_data, 'val'))
+      final.update(evaluate(exp, compiled.eval, state, test_data, 'test'))
       writer.write(config.num_steps,
                    {k: v for k, v in final.items() if k != 'step'})
   if jax.process_index() == 0:
@@ -174,44 +205,60 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   return final
 
 
-def _train(exp: experiment_lib.Experiment, state: steps.TrainState,
-           compiled_train: Any, compiled_eval: Any,
-           val_data: datasets.ArraySplit, ckpts: checkpointing.Checkpoints,
-           writer: metrics_lib.MetricWriter,
-           last_saved: int | None) -> steps.TrainState:
-  """The training loop, from `state.step` to `config.num_steps`."""
+def train_loop(exp: experiment_lib.Experiment, state: steps.TrainState,
+               compiled: CompiledSteps, train_data: datasets.ArraySplit,
+               val_data: datasets.ArraySplit,
+               ckpts: checkpointing.Checkpoints,
+               writer: metrics_lib.MetricWriter,
+               last_saved: int | None) -> steps.TrainState:
+  """Trains from `state.step` to `config.num_steps`: data, logging, eval, saves.
+
+  `last_saved` is the step of the latest checkpoint on disk (for messages).
+  Metrics of the steps since the last log line stay on the devices until
+  the next log line or save, where the host reduces them and checks their
+  losses: with `nonfinite='stop'` a non-finite loss ends the run there,
+  naming its step, before anything after it is saved.
+  """
   config = exp.config
   start, total = int(jax.device_get(state.step)), config.num_steps
   batches = input_pipeline.TrainBatches(
-      datasets.load_split(config.dataset, 'train', config.data_dir),
-      config.batch_size, config.seed, jax.process_index(),
+      train_data, config.batch_size, config.seed, jax.process_index(),
       jax.process_count())
   meta = {'config': config.to_json_best_effort()}
   progress = metrics_lib.Progress(start, total)
-  pending = []
+  pending, pending_from = [], start
   sigterm = _SigtermFlag()
-  device_batches = input_pipeline.prefetch_to_device(
-      batches.iterate(start, total), exp.batch_sharding)
+  device_batches = input_pipeline.to_devices(
+      batches.iterate(start, total, indices_only=compiled.data_on_device),
+      exp.batch_sharding)
   with sigterm.installed(), contextlib.closing(device_batches):
     for step in range(start + 1, total + 1):
-      state, step_metrics = compiled_train(state, next(device_batches))
+      state, step_metrics = compiled.train(state, next(device_batches))
       pending.append(step_metrics)
       preempted = sigterm.requested(step)
       is_last = step == total
-      if step % config.log_every == 0 or is_last or preempted:
-        _check_finite(state, config.nonfinite, last_saved)
-        scalars = metrics_lib.mean_of(pending)
-        pending = []
+      log_now = step % config.log_every == 0 or is_last or preempted
+      save_now = ckpts.should_save(step) or is_last or preempted
+      if log_now or save_now:
+        scalars, first_bad = steps.summarize(
+            pending, pending_from,
+            grad_norm_sampled=step % config.log_every == 0)
+        if first_bad is not None and config.nonfinite == 'stop':
+          raise NonFiniteLossError(first_bad, last_saved)
+      if log_now:
+        scalars['learning_rate'] = float(exp.learning_rate(step - 1))
         if config.nonfinite == 'skip':
           scalars['skipped_steps'] = float(jax.device_get(state.skipped_steps))
         writer.write(step, scalars)
         metrics_lib.log_progress(step, total, scalars, *progress.update(step))
+        pending, pending_from = [], step
       if step % config.eval_every == 0 and not is_last:
-        val = evaluate(exp, compiled_eval, state, val_data, 'val')
+        val = evaluate(exp, compiled.eval, state, val_data, 'val')
         writer.write(step, val)
         logging.info('step %d: %s', step, val)
-      if ckpts.should_save(step) or is_last or preempted:
-        _check_finite(state, config.nonfinite, last_saved)
+      if save_now:
+        if not bool(compiled.state_is_finite(state)):
+          raise NonFiniteLossError(step, last_saved, 'train state')
         if ckpts.save(step, state, meta, force=is_last or preempted):
           last_saved = step
       if preempted:

@@ -1,0 +1,194 @@
+r"""Trainer step throughput against a minimal hand-written jitted loop.
+
+Both run the same model, optimizer, global batch and mesh in this process.
+The minimal loop is the floor: one jitted step (loss, gradient, optax
+update) per batch, over the very batches the trainer draws, placed on the
+devices beforehand, with nothing else.
+The trainer's loop adds what a real run needs: a new shuffled batch each
+step prefetched to the devices, metrics (accuracy, gradient norm, learning
+rate) with a host sync every `log_every` steps, the non-finite check, and
+one checkpoint at the end. Evaluation is off (eval_every > num_steps) so
+the number is about the step loop. Repeats alternate the two and report
+the median ratio.
+
+  python -m bench.trainer_overhead            # writes BENCHMARKS.md section
+  python -m bench.trainer_overhead --steps=100 --repeats=2 --nowrite
+"""
+
+import functools
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+import jax
+import numpy as np
+import optax
+
+_STEPS = flags.DEFINE_integer('steps', 200, 'Steps per timed run.')
+_REPEATS = flags.DEFINE_integer('repeats', 7, 'Alternating repeats.')
+_WRITE = flags.DEFINE_bool('write', True, 'Update BENCHMARKS.md.')
+_CONFIG_ARG = flags.DEFINE_string('config_arg', '', 'Argument of configs/digits.py.')
+
+SECTION = 'trainer_overhead'
+
+
+def device_batches(exp, train_data, steps: int) -> list[dict[str, jax.Array]]:
+  """The trainer's first `steps` batches, placed on the devices up front."""
+  from train import input_pipeline  # pylint: disable=g-import-not-at-top
+  batches = input_pipeline.TrainBatches(train_data, exp.config.batch_size,
+                                        exp.config.seed)
+  placed = [input_pipeline.to_global(b, exp.batch_sharding)
+            for b in batches.iterate(0, steps)]
+  return jax.block_until_ready(placed)
+
+
+def minimal_loop(exp, batches: list[dict[str, jax.Array]]) -> float:
+  """Seconds for one bare jitted update per batch (batches already on device)."""
+  model, tx = exp.model, exp.tx
+
+  def step(state, batch):
+    params, stats, opt_state = state
+
+    def loss_fn(p):
+      logits, upd = model.apply({'params': p, 'batch_stats': stats},
+                                batch['image'], train=True,
+                                mutable=['batch_stats'])
+      loss = optax.softmax_cross_entropy_with_integer_labels(
+          logits, batch['label']).mean()
+      return loss, upd['batch_stats']
+
+    grads, stats = jax.grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), stats, opt_state
+
+  s = exp.state_shardings
+  shardings = (s.params, s.batch_stats, s.opt_state)
+  jitted = jax.jit(step, in_shardings=(shardings, exp.batch_sharding),
+                   out_shardings=shardings, donate_argnums=(0,))
+  init = exp.init_state()
+  state = (init.params, init.batch_stats, init.opt_state)
+  state = jax.block_until_ready(jitted(state, batches[0]))  # Compile, warm up.
+  start = time.perf_counter()
+  for batch in batches:
+    state = jitted(state, batch)
+  jax.block_until_ready(state)
+  return time.perf_counter() - start
+
+
+def trainer_loop(exp, compiled, train_data, val_data, steps: int) -> float:
+  """Seconds for `steps` updates of the trainer's own loop (after warm-up)."""
+  from train import checkpointing, metrics as metrics_lib, trainer  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory() as workdir:
+    with checkpointing.Checkpoints(workdir, every_steps=10**9, keep=1) as ckpts:
+      writer = metrics_lib.MetricWriter(workdir, resume_step=None)
+      state = exp.init_state()
+      # Warm-up: the first steps of a run, not timed.
+      warm = exp.config.log_every
+      exp.config.num_steps = warm
+      state = trainer.train_loop(exp, state, compiled, train_data,
+                                 val_data, ckpts, writer, None)
+      ckpts.wait_until_finished()
+      jax.block_until_ready(state)
+      exp.config.num_steps = warm + steps
+      start = time.perf_counter()
+      state = trainer.train_loop(exp, state, compiled, train_data,
+                                 val_data, ckpts, writer, None)
+      jax.block_until_ready(state)
+      elapsed = time.perf_counter() - start
+      writer.close()
+  return elapsed
+
+
+def write_section(path: str, body: str) -> None:
+  """Replaces this benchmark's section of BENCHMARKS.md (or appends it)."""
+  begin, end = f'<!-- {SECTION}:begin -->', f'<!-- {SECTION}:end -->'
+  text = open(path).read() if os.path.exists(path) else '# Benchmarks\n'
+  block = f'{begin}\n{body.strip()}\n{end}'
+  if begin in text:
+    head, rest = text.split(begin, 1)
+    text = head + block + rest.split(end, 1)[1]
+  else:
+    text = text.rstrip('\n') + '\n\n' + block + '\n'
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    f.write(text)
+  os.replace(tmp, path)
+
+
+def measure(exp, train_data, val_data, steps: int, repeats: int):
+  """Alternates minimal loop and trainer; returns per-repeat seconds of each."""
+  from train import trainer  # pylint: disable=g-import-not-at-top
+  compiled = trainer.compile_steps(exp, train_data)
+  # The same batches the trainer will draw (its warm-up takes log_every
+  # steps first, so offset them): identical compute, no loading cost.
+  warm = exp.config.log_every
+  batches = device_batches(exp, train_data, warm + steps)[warm:]
+  minimal, ours = [], []
+  for _ in range(repeats):
+    minimal.append(minimal_loop(exp, batches))
+    ours.append(trainer_loop(exp, compiled, train_data, val_data, steps))
+  return compiled.data_on_device, minimal, ours
+
+
+def main(argv):
+  del argv
+  from configs import digits  # pylint: disable=g-import-not-at-top
+  from train import host_devices  # pylint: disable=g-import-not-at-top
+  config = digits.get_config(_CONFIG_ARG.value or None)
+  host_devices.configure_cpu_devices(config.cpu_devices)
+  from train import datasets, experiment  # pylint: disable=g-import-not-at-top
+  config.unlock()
+  config.eval_every = 10**9
+  train_data, val_data = (datasets.load_split(config.dataset, s,
+                                              config.data_dir)
+                          for s in ('train', 'validation'))
+  steps, repeats = _STEPS.value, _REPEATS.value
+  rows = []
+  # The default (training split on the devices) and the host pipeline.
+  for max_mb in (config.device_data_max_mb, 0):
+    config.device_data_max_mb = max_mb
+    with tempfile.TemporaryDirectory() as workdir:
+      exp = experiment.build(config, workdir)
+    on_device, minimal, ours = measure(exp, train_data, val_data, steps,
+                                       repeats)
+    ratios = [m / t for m, t in zip(minimal, ours)]  # Throughput ratio.
+    rows.append(
+        f'| {"on the devices (default)" if on_device else "host pipeline"} | '
+        f'{steps / statistics.median(minimal):.1f} | '
+        f'{steps / statistics.median(ours):.1f} | '
+        f'**{statistics.median(ratios):.3f}x** | '
+        f'{", ".join(f"{r:.3f}" for r in ratios)} |')
+  lines = [
+      '## Trainer overhead',
+      '',
+      'Trainer step throughput as a fraction of a minimal hand-written '
+      'jitted loop: same model, optimizer, batches and mesh, one process. '
+      'Goal: >= 0.95x. Median of alternating repeats.',
+      '',
+      f'Setup: `configs/digits.py` ({config.model.name}, global batch '
+      f'{config.batch_size}), mesh {dict(exp.mesh.shape)}, {steps} steps '
+      f'per repeat, {repeats} repeats.',
+      f'Machine: {platform.machine()}, {os.cpu_count()} CPU cores, '
+      f'{jax.device_count()} simulated CPU devices, jax {jax.__version__}.',
+      '',
+      '| training data | minimal loop (steps/s) | trainer (steps/s) | '
+      'trainer / minimal | per-repeat ratios |',
+      '|---|---|---|---|---|',
+      *rows,
+      '',
+      'Reproduce: `make bench` or `.venv/bin/python -m bench.trainer_overhead '
+      f'--steps={steps} --repeats={repeats}`.',
+  ]
+  body = '\n'.join(lines)
+  print(body)
+  if _WRITE.value:
+    write_section(os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), 'BENCHMARKS.md'), body)
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,31 @@
+"""Simulated devices on a CPU host, set before JAX creates its backends.
+
+On a CPU host the mesh code runs over N simulated devices, exactly as it
+would over N accelerators. XLA:CPU runs the devices' parts of a program on
+one shared thread pool, sized by default to the number of cores, and a
+collective (all-reduce, all-gather) blocks its thread until every peer
+device arrives. Independent collectives over different device groups may
+start in a different order on different devices, so with fewer threads
+than blocked collectives the pool starves and the program deadlocks (seen
+here: 8 devices on 2 cores, a model-parallel train step, within a few
+hundred steps). A pool with several threads per device (XLA reads its size
+from PJRT_NPROC) removes the starvation; dispatching CPU programs one at a
+time keeps at most one program's collectives in flight. Both settings only
+affect the CPU client: accelerator hosts are unchanged.
+"""
+
+import os
+
+import jax
+
+THREADS_PER_DEVICE = 8
+
+
+def configure_cpu_devices(num_devices: int) -> None:
+  """Use `num_devices` CPU devices; call before any JAX computation."""
+  jax.config.update('jax_num_cpu_devices', num_devices)
+  if num_devices > 1:
+    os.environ.setdefault(
+        'PJRT_NPROC',
+        str(max(os.cpu_count() or 1, THREADS_PER_DEVICE * num_devices)))
+    jax.config.update('jax_cpu_enable_async_dispatch', False)
