@@ -29,5 +29,11 @@ test-all: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.trainer_overhead
 
+# Bazel 4 from Debian (offline WORKSPACE, see third_party/bazel/); tests run
+# with .venv's interpreter, so the venv comes first.
+bazel-test: $(STAMP)
+	command -v bazel >/dev/null || apt-get install -y bazel-bootstrap
+	bazel test --local_test_jobs=2 //...
+
 clean-venv:
 	rm -rf $(VENV)

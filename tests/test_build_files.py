@@ -1,0 +1,115 @@
+"""The Bazel BUILD files cover every Python file and mirror its imports.
+
+Each BUILD file is parsed as Python (Starlark's syntax here is a subset).
+Checks: every .py file in the repo's packages is in some target's srcs;
+every import of a repo module from a target's sources is satisfied by the
+target itself or one of its direct deps; every dep names a real target.
+"""
+
+import ast
+import os
+
+import pytest
+
+# Under Bazel the test runs from a runfiles tree of symlinks: follow them to
+# the source tree, which is what this test checks.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+PACKAGES = ('bench', 'configs', 'geom', 'launch', 'tests', 'train')
+RULES = ('py_library', 'py_binary', 'py_test', 'pytest_test')
+
+
+def _strings(node):
+  if node is None:
+    return []
+  return [ast.literal_eval(e) for e in node.elts]
+
+
+def _targets():
+  """{'//pkg:name': {'srcs': [paths], 'deps': [labels]}} over all BUILD files."""
+  targets = {}
+  for package in ('',) + PACKAGES:
+    path = os.path.join(REPO_ROOT, package, 'BUILD')
+    if not os.path.exists(path):
+      continue
+    with open(path) as f:
+      tree = ast.parse(f.read(), path)
+    for call in ast.walk(tree):
+      if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+              and call.func.id in RULES):
+        continue
+      kw = {k.arg: k.value for k in call.keywords}
+      name = ast.literal_eval(kw['name'])
+      srcs = _strings(kw.get('srcs'))
+      if call.func.id == 'pytest_test':
+        srcs = [f'{name}.py', 'pytest_main.py']
+      deps = _strings(kw.get('deps')) + _strings(kw.get('data'))
+      if call.func.id == 'pytest_test':
+        deps.append(':conftest')
+      deps = [f'//{package}{d}' if d.startswith(':') else d for d in deps]
+      targets[f'//{package}:{name}'] = {
+          'srcs': [os.path.join(package, s) for s in srcs], 'deps': deps}
+  return targets
+
+
+def _python_files():
+  out = []
+  for package in PACKAGES:
+    for dirpath, dirnames, files in os.walk(os.path.join(REPO_ROOT, package)):
+      dirnames[:] = [d for d in dirnames if d != '__pycache__']
+      out += [os.path.relpath(os.path.join(dirpath, f), REPO_ROOT)
+              for f in files if f.endswith('.py')]
+  return sorted(out)
+
+
+def _repo_imports(path):
+  """Repo files that the module at `path` imports (package __init__ or module)."""
+  with open(os.path.join(REPO_ROOT, path)) as f:
+    tree = ast.parse(f.read(), path)
+  modules = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      modules.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      modules.add(node.module)
+      modules.update(f'{node.module}.{a.name}' for a in node.names)
+  files = set()
+  for module in modules:
+    if module.split('.')[0] not in PACKAGES:
+      continue
+    base = module.replace('.', '/')
+    if os.path.exists(os.path.join(REPO_ROOT, base + '.py')):
+      files.add(base + '.py')
+  return files
+
+
+TARGETS = _targets()
+OWNERS = {}
+for _label, _target in TARGETS.items():
+  for _src in _target['srcs']:
+    OWNERS.setdefault(_src, set()).add(_label)
+
+
+def test_every_python_file_belongs_to_a_target():
+  orphans = [p for p in _python_files() if p not in OWNERS]
+  assert not orphans, f'not in any BUILD target: {orphans}'
+
+
+def test_every_src_exists():
+  missing = [s for t in TARGETS.values() for s in t['srcs']
+             if not os.path.exists(os.path.join(REPO_ROOT, s))]
+  assert not missing
+
+
+@pytest.mark.parametrize('label', sorted(TARGETS))
+def test_deps_name_real_targets_and_cover_the_imports(label):
+  target = TARGETS[label]
+  for dep in target['deps']:
+    assert dep in TARGETS or dep.startswith('//:'), f'{label}: unknown {dep}'
+  provided = set(target['srcs'])
+  for dep in target['deps']:
+    provided.update(TARGETS.get(dep, {'srcs': []})['srcs'])
+  for src in target['srcs']:
+    for imported in _repo_imports(src):
+      assert imported in provided, (
+          f'{label}: {src} imports {imported}, but no direct dep provides it '
+          f'(add one of {sorted(OWNERS.get(imported, ["<no target>"]))})')
