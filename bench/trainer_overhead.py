@@ -28,8 +28,8 @@ import jax
 import numpy as np
 import optax
 
-_STEPS = flags.DEFINE_integer('steps', 200, 'Steps per timed run.')
-_REPEATS = flags.DEFINE_integer('repeats', 7, 'Alternating repeats.')
+_STEPS = flags.DEFINE_integer('steps', 300, 'Steps per timed run.')
+_REPEATS = flags.DEFINE_integer('repeats', 9, 'Alternating repeats.')
 _WRITE = flags.DEFINE_bool('write', True, 'Update BENCHMARKS.md.')
 _CONFIG_ARG = flags.DEFINE_string('config_arg', '', 'Argument of configs/digits.py.')
 
@@ -161,13 +161,17 @@ def main(argv):
         f'{steps / statistics.median(minimal):.1f} | '
         f'{steps / statistics.median(ours):.1f} | '
         f'**{statistics.median(ratios):.3f}x** | '
+        f'{min(minimal) / min(ours):.3f}x | '
         f'{", ".join(f"{r:.3f}" for r in ratios)} |')
   lines = [
       '## Trainer overhead',
       '',
       'Trainer step throughput as a fraction of a minimal hand-written '
       'jitted loop: same model, optimizer, batches and mesh, one process. '
-      'Goal: >= 0.95x. Median of alternating repeats.',
+      'Goal: >= 0.95x. The two run in alternating repeats; the median of '
+      'the per-repeat ratios is the headline, and the ratio of the best '
+      'times of each (the least disturbed by other load on the machine) '
+      'is shown beside it.',
       '',
       f'Setup: `configs/digits.py` ({config.model.name}, global batch '
       f'{config.batch_size}), mesh {dict(exp.mesh.shape)}, {steps} steps '
@@ -175,9 +179,10 @@ def main(argv):
       f'Machine: {platform.machine()}, {os.cpu_count()} CPU cores, '
       f'{jax.device_count()} simulated CPU devices, jax {jax.__version__}.',
       '',
-      '| training data | minimal loop (steps/s) | trainer (steps/s) | '
-      'trainer / minimal | per-repeat ratios |',
-      '|---|---|---|---|---|',
+      '| training data | minimal loop (steps/s, median) | trainer (steps/s, '
+      'median) | trainer / minimal (median) | best / best | per-repeat '
+      'ratios |',
+      '|---|---|---|---|---|---|',
       *rows,
       '',
       'Reproduce: `make bench` or `.venv/bin/python -m bench.trainer_overhead '

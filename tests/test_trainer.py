@@ -102,3 +102,19 @@ def test_nonfinite_skip_policy_keeps_the_last_finite_parameters(
       jax.device_get(final.params)))
   records = [json.loads(l) for l in open(tmp_path / 'metrics.jsonl')]
   assert records[-2]['skipped_steps'] == int(final.skipped_steps)
+
+
+def test_standard_tfds_name_trains_end_to_end_under_mock_data(
+    digits_config, tmp_path):
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  config = digits_config
+  config.dataset = 'mnist'
+  config.data_dir = str(tmp_path / 'tfds')
+  config.num_steps = 4
+  config.optimizer.warmup_steps = 1
+  config.log_every = config.eval_every = config.checkpoint_every = 2
+  with tfds.testing.mock_data(num_examples=128):
+    final = trainer.train_and_evaluate(config, str(tmp_path / 'run'))
+  assert final['step'] == 4
+  assert 0.0 <= final['test_accuracy'] <= 1.0
+  assert np.isfinite(final['test_loss'])

@@ -4,7 +4,7 @@ The 1,797 real 8x8 grey-level images (pixel values 0..16) of UCI's optical
 handwritten digits ship inside scikit-learn, so this data set is built
 locally with no download and no TensorFlow. Splits are stratified per class
 from a fixed permutation, so they are the same on every machine:
-train 1,258 / validation 179 / test 360 images. `index` is the image's
+train 1,259 / validation 179 / test 359 images. `index` is the image's
 position in `sklearn.datasets.load_digits()`, which lets tests check that
 the splits are disjoint and complete.
 """
