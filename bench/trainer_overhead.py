@@ -15,7 +15,6 @@ the median ratio.
   python -m bench.trainer_overhead --steps=100 --repeats=2 --nowrite
 """
 
-import functools
 import os
 import platform
 import statistics
@@ -25,7 +24,6 @@ import time
 from absl import app
 from absl import flags
 import jax
-import numpy as np
 import optax
 
 _STEPS = flags.DEFINE_integer('steps', 300, 'Steps per timed run.')

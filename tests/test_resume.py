@@ -8,7 +8,6 @@ import time
 
 import jax
 import numpy as np
-import pytest
 
 from tests import launch_runs
 from train import checkpointing

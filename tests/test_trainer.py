@@ -66,12 +66,17 @@ def _restore_all(config, workdir):
   return out
 
 
-def test_nonfinite_loss_stops_naming_the_step_and_saves_nothing_bad(
-    digits_config, tmp_path):
-  config = digits_config
+def _diverging(config):
+  """A learning rate that drives the loss to inf/NaN within a few steps."""
   config.optimizer.learning_rate = 1e30
   config.optimizer.warmup_steps = 0
   config.optimizer.schedule = 'constant'
+  return config
+
+
+def test_nonfinite_loss_stops_naming_the_step_and_saves_nothing_bad(
+    digits_config, tmp_path):
+  config = _diverging(digits_config)
   config.checkpoint_every = 1  # Any non-finite state would be saved at once.
   with pytest.raises(NonFiniteLossError) as info:
     trainer.train_and_evaluate(config, str(tmp_path))
@@ -87,10 +92,7 @@ def test_nonfinite_loss_stops_naming_the_step_and_saves_nothing_bad(
 
 def test_nonfinite_skip_policy_keeps_the_last_finite_parameters(
     digits_config, tmp_path):
-  config = digits_config
-  config.optimizer.learning_rate = 1e30
-  config.optimizer.warmup_steps = 0
-  config.optimizer.schedule = 'constant'
+  config = _diverging(digits_config)
   config.nonfinite = 'skip'
   config.num_steps = 10
   config.log_every = 5

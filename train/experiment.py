@@ -13,7 +13,6 @@ import functools
 import math
 import os
 import tempfile
-from typing import Any
 
 import flax.linen as nn
 import jax

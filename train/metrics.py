@@ -16,7 +16,6 @@ import time
 
 from absl import logging
 import jax
-import numpy as np
 
 
 def read_jsonl(path: str) -> list[dict[str, float]]:

@@ -2,10 +2,11 @@
 
 The flow: validate and build the experiment (no compute) -> restore the
 latest checkpoint or initialise sharded state -> compile the train and
-eval steps ahead of time (memory statistics logged) -> train with batches
-prefetched to the devices, logging, evaluating on the validation split and
-checkpointing at the configured intervals -> evaluate the test split once
-at the end -> `final_metrics.json`, and a PNG of the curves.
+eval steps ahead of time (memory statistics logged) -> train (small
+training splits live on the devices and the host sends batch indices),
+logging, evaluating on the validation split and checkpointing at the
+configured intervals -> evaluate the test split once at the end ->
+`final_metrics.json`, and a PNG of the curves.
 
 A SIGTERM makes the run save a checkpoint at the current step and raise
 `Preempted`; running the same command again resumes from it, data position
