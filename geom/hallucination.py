@@ -1,0 +1,138 @@
+"""Detecting SAM's hallucinated minimizers from the two gradients of each step.
+
+SAM moves with the gradient at the perturbed point, g+ = grad f(w + e). It
+can stall where g+ vanishes while g = grad f(w) does not (Park, Jang, Ryu &
+Yang, arXiv 2509.21818): a *hallucinated minimizer*, not a stationary point
+of f. Both gradients are already computed by every SAM step, so the
+statistics are free:
+
+  |g|, |g+|, r = |g+| / |g| and cos(g, g+),
+
+each smoothed by an exponential moving average over SAM steps (minibatch
+noise makes single steps unreliable). A step is *suspicious* when the
+smoothed ratio is below `ratio_threshold` while the smoothed |g| is above
+`min_grad_norm`; a hallucination is *flagged* once `patience` consecutive
+SAM steps are suspicious. Steps without SAM (warm-up, outside the window,
+fallback) leave the statistics unchanged.
+
+Which parts are the paper's: the definition (g+ = 0, g != 0). Ours: the
+statistics, the smoothing, the thresholds and the patience, whose defaults
+are set so that a healthy run never trips them (on a real network |g+| is
+usually *larger* than |g|: r >= 1) and a stall (r -> 0) trips them within
+tens of steps.
+"""
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class DetectorConfig:
+  """Thresholds of the hallucination detector.
+
+  Attributes:
+    ema_decay: weight of the past in the moving averages (0: no smoothing).
+    ratio_threshold: a step is suspicious when the averaged |g+| / |g| is
+      below this.
+    min_grad_norm: ... and the averaged |g| is above this (a small |g| with
+      a small |g+| is a genuine stationary point, not a hallucination).
+    patience: consecutive suspicious SAM steps before a flag.
+  """
+  ema_decay: float = 0.9
+  ratio_threshold: float = 0.1
+  min_grad_norm: float = 1e-3
+  patience: int = 20
+
+  def __post_init__(self):
+    checks = (('ema_decay', 0 <= self.ema_decay < 1, 'in [0, 1)'),
+              ('ratio_threshold', self.ratio_threshold > 0, '> 0'),
+              ('min_grad_norm', self.min_grad_norm >= 0, '>= 0'),
+              ('patience', self.patience >= 1, '>= 1'))
+    for name, ok, want in checks:
+      if not ok:
+        raise ValueError(
+            f'DetectorConfig.{name}={getattr(self, name)!r}: must be {want}')
+
+
+class DetectorState(NamedTuple):
+  """Detector statistics (float32 scalars unless noted).
+
+  Attributes:
+    grad_norm, perturbed_grad_norm, cosine: the last SAM step's |g|, |g+|
+      and cos(g, g+).
+    grad_norm_ema, ratio_ema, cosine_ema: their moving averages (ratio =
+      |g+| / |g|), bias-corrected.
+    sam_steps: number of SAM steps seen (int32).
+    streak: consecutive suspicious SAM steps (int32).
+    flagged: whether a hallucination is flagged now (bool).
+    flagged_steps: number of steps at which it was flagged (int32).
+  """
+  grad_norm: jax.Array
+  perturbed_grad_norm: jax.Array
+  cosine: jax.Array
+  grad_norm_ema: jax.Array
+  ratio_ema: jax.Array
+  cosine_ema: jax.Array
+  sam_steps: jax.Array
+  streak: jax.Array
+  flagged: jax.Array
+  flagged_steps: jax.Array
+
+
+def init() -> DetectorState:
+  f = lambda: jnp.zeros((), jnp.float32)
+  i = lambda: jnp.zeros((), jnp.int32)
+  return DetectorState(
+      grad_norm=f(), perturbed_grad_norm=f(), cosine=f(), grad_norm_ema=f(),
+      ratio_ema=f(), cosine_ema=f(), sam_steps=i(), streak=i(),
+      flagged=jnp.zeros((), jnp.bool_), flagged_steps=i())
+
+
+def step_statistics(grad_norm: jax.Array, perturbed_grad_norm: jax.Array,
+                    inner_product: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(|g+| / |g|, cos(g, g+)) from norms and <g, g+>, safe at zero."""
+  tiny = jnp.finfo(jnp.float32).tiny
+  ratio = perturbed_grad_norm / jnp.maximum(grad_norm, tiny)
+  cosine = inner_product / jnp.maximum(grad_norm * perturbed_grad_norm, tiny)
+  return ratio, jnp.clip(cosine, -1.0, 1.0)
+
+
+def update(state: DetectorState, config: DetectorConfig, sam_step: jax.Array,
+           grad_norm: jax.Array, perturbed_grad_norm: jax.Array,
+           inner_product: jax.Array) -> DetectorState:
+  """Folds one step in; a step with `sam_step` False leaves `state` as is."""
+  grad_norm = grad_norm.astype(jnp.float32)
+  perturbed_grad_norm = perturbed_grad_norm.astype(jnp.float32)
+  ratio, cosine = step_statistics(grad_norm, perturbed_grad_norm,
+                                  inner_product.astype(jnp.float32))
+  n = state.sam_steps + 1
+  d = config.ema_decay
+  # Bias-corrected EMA: avg_n = (d avg_{n-1} (1 - d^{n-1}) + (1 - d) x) / (1 - d^n).
+  prev_weight = 1.0 - d ** (n - 1).astype(jnp.float32)
+  norm = 1.0 - d ** n.astype(jnp.float32)
+
+  def ema(avg, x):
+    return (d * avg * prev_weight + (1.0 - d) * x) / norm
+
+  grad_norm_ema = ema(state.grad_norm_ema, grad_norm)
+  ratio_ema = ema(state.ratio_ema, ratio)
+  suspicious = ((ratio_ema < config.ratio_threshold)
+                & (grad_norm_ema > config.min_grad_norm))
+  streak = jnp.where(suspicious, state.streak + 1, 0)
+  flagged = streak >= config.patience
+  new = DetectorState(
+      grad_norm=grad_norm, perturbed_grad_norm=perturbed_grad_norm,
+      cosine=cosine, grad_norm_ema=grad_norm_ema, ratio_ema=ratio_ema,
+      cosine_ema=ema(state.cosine_ema, cosine), sam_steps=n,
+      streak=streak.astype(jnp.int32), flagged=flagged,
+      flagged_steps=state.flagged_steps + flagged.astype(jnp.int32))
+  return jax.tree.map(lambda a, b: jnp.where(sam_step, a, b), new, state)
+
+
+def restart(state: DetectorState) -> DetectorState:
+  """Forgets the averages (after a response), keeps the flagged-step count."""
+  fresh = init()
+  return fresh._replace(flagged_steps=state.flagged_steps)

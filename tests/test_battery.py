@@ -1,0 +1,144 @@
+"""Every geom transformation through the shared battery (tests/transformation_battery.py)."""
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+from tests import transformation_battery as battery
+
+CASES = {c.name: c for c in battery.CASES}
+NAMES = sorted(CASES)
+
+
+def _run(tx, params, loss, batch, steps, needs_grad_fn, jit=True):
+  state = tx.init(params)
+  fn = battery.step
+  if jit:
+    fn = jax.jit(battery.step, static_argnums=(0, 3, 5))
+  for _ in range(steps):
+    params, state = fn(tx, params, state, loss, batch, needs_grad_fn)
+  return params, state
+
+
+def _close(a, b, **kw):
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(
+      np.asarray(x, np.float32), np.asarray(y, np.float32), **kw), a, b)
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_optimises_the_toy_problem(name):
+  case = CASES[name]
+  params, loss, batch = battery.problem()
+  final, _ = _run(case.make(), params, loss, batch, 60, case.needs_grad_fn)
+  assert loss(final, batch) < 0.7 * loss(params, batch)
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_jit_gives_the_same_result(name):
+  case = CASES[name]
+  params, loss, batch = battery.problem()
+  eager, _ = _run(case.make(), params, loss, batch, 4, case.needs_grad_fn,
+                  jit=False)
+  jitted, _ = _run(case.make(), params, loss, batch, 4, case.needs_grad_fn)
+  _close(eager, jitted, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('name', NAMES)
+def test_dtypes_are_preserved(name, dtype):
+  case = CASES[name]
+  params, loss, batch = battery.problem(dtype)
+  tx = case.make()
+  state = tx.init(params)
+  dtypes = jax.tree.map(lambda x: x.dtype, state)
+  new_params, new_state = jax.jit(battery.step, static_argnums=(0, 3, 5))(
+      tx, params, state, loss, batch, case.needs_grad_fn)
+  assert jax.tree.map(lambda x: x.dtype, new_params) == jax.tree.map(
+      lambda x: x.dtype, params)
+  assert jax.tree.map(lambda x: x.dtype, new_state) == dtypes
+  assert all(jnp.isfinite(x.astype(jnp.float32)).all()
+             for x in jax.tree.leaves(new_params))
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_state_stays_sharded_on_the_mesh(name):
+  case = CASES[name]
+  params, loss, batch = battery.problem()
+  mesh = jax.make_mesh((8,), ('model',),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  # Split the hidden dimension over 8 devices.
+  param_shardings = {'w1': NamedSharding(mesh, P(None, 'model')),
+                     'b1': NamedSharding(mesh, P('model')),
+                     'w2': NamedSharding(mesh, P('model', None))}
+  repl = NamedSharding(mesh, P())
+  tx = case.make()
+  state_shardings = optax.tree_map_params(
+      tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_shardings,
+      transform_non_params=lambda _: repl)
+  params = jax.device_put(params, param_shardings)
+  state = jax.jit(tx.init, out_shardings=state_shardings)(params)
+  step = jax.jit(battery.step, static_argnums=(0, 3, 5),
+                 out_shardings=(param_shardings, state_shardings))
+  new_params, new_state = step(tx, params, state, loss, batch,
+                               case.needs_grad_fn)
+  specs = lambda t: jax.tree.map(lambda x: x.sharding.spec, t)
+  assert specs(new_state) == specs(state)
+  assert specs(new_params) == specs(params)
+  sharded = [x for x in jax.tree.leaves(new_state)
+             if not x.sharding.is_fully_replicated]
+  assert sharded, 'no per-parameter state was sharded'
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_gradient_accumulation_over_identical_microbatches(name):
+  # Accumulating k equal micro-batches must equal one step on the batch.
+  case = CASES[name]
+  if not case.accumulates:
+    pytest.skip(f'{name}: one update spans several calls')
+  params, loss, batch = battery.problem()
+  single, _ = _run(case.make(), params, loss, batch, 3, case.needs_grad_fn)
+  accumulated, _ = _run(optax.MultiSteps(case.make(), every_k_schedule=2),
+                        params, loss, batch, 6, case.needs_grad_fn)
+  _close(single, accumulated, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_inside_chain_and_inject_hyperparams(name):
+  case = CASES[name]
+  params, loss, batch = battery.problem()
+  plain, _ = _run(case.make(), params, loss, batch, 3, case.needs_grad_fn)
+  chained, _ = _run(optax.chain(case.make(), optax.scale(1.0)), params, loss,
+                    batch, 3, case.needs_grad_fn)
+  _close(plain, chained, rtol=1e-6, atol=1e-7)
+  injected_tx = optax.inject_hyperparams(case.factory)(**case.kwargs)
+  injected, _ = _run(injected_tx, params, loss, batch, 3, case.needs_grad_fn)
+  _close(plain, injected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_state_survives_a_checkpoint(name, tmp_path):
+  case = CASES[name]
+  params, loss, batch = battery.problem()
+  tx = case.make()
+  mid_params, mid_state = _run(tx, params, loss, batch, 3,
+                               case.needs_grad_fn)
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(tmp_path / 'ckpt', {'params': mid_params, 'state': mid_state})
+  with ocp.StandardCheckpointer() as ckptr:
+    restored = ckptr.restore(
+        tmp_path / 'ckpt',
+        jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                     {'params': mid_params, 'state': mid_state}))
+  assert jax.tree.structure(restored['state']) == jax.tree.structure(
+      mid_state)
+  ref_p, ref_s = mid_params, mid_state
+  got_p, got_s = restored['params'], restored['state']
+  step = jax.jit(battery.step, static_argnums=(0, 3, 5))
+  for _ in range(2):
+    ref_p, ref_s = step(tx, ref_p, ref_s, loss, batch, case.needs_grad_fn)
+    got_p, got_s = step(tx, got_p, got_s, loss, batch, case.needs_grad_fn)
+  jax.tree.map(np.testing.assert_array_equal, got_p, ref_p)

@@ -1,0 +1,347 @@
+"""geom.sam against independent references: optax's SAM, hand-written ASAM and m-sharpness."""
+
+import functools
+
+import jax
+from jax.sharding import PartitionSpec as P
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from geom import hallucination
+from geom import sam
+from tests import transformation_battery as battery
+
+
+def _mlp():
+  params, loss, batch = battery.problem()
+  return params, lambda p: loss(p, batch), batch
+
+
+def _trajectory(tx, params, loss_fn, steps, jit=True, **extra):
+  grad = jax.grad(loss_fn)
+
+  def one(p, s):
+    u, s = tx.update(grad(p), s, p, grad_fn=grad, **extra)
+    return optax.apply_updates(p, u), s
+
+  one = jax.jit(one) if jit else one
+  state = tx.init(params)
+  for _ in range(steps):
+    params, state = one(params, state)
+  return params, state
+
+
+def _max_diff(a, b):
+  return max(float(jnp.max(jnp.abs(x.astype(jnp.float32) -
+                                   y.astype(jnp.float32))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_equals_optax_contrib_sam_in_opaque_mode():
+  params, loss, _ = _mlp()
+  grad = jax.grad(loss)
+  base = lambda: optax.sgd(0.05, momentum=0.9)
+  ours, _ = _trajectory(sam.sam(base(), rho=0.1), params, loss, 20)
+  ref_tx = optax.contrib.sam(
+      base(), optax.chain(optax.contrib.normalize(), optax.sgd(0.1)),
+      opaque_mode=True)
+  p, s = params, ref_tx.init(params)
+  step = jax.jit(lambda p, s: ref_tx.update(grad(p), s, p,
+                                            grad_fn=lambda q, i: grad(q)))
+  for _ in range(20):
+    u, s = step(p, s)
+    p = optax.apply_updates(p, u)
+  assert _max_diff(ours, p) < 1e-6
+
+
+@pytest.mark.parametrize('mode', ['opaque', 'two_call'])
+def test_rho_zero_is_the_base_optimizer_exactly(mode):
+  # Op by op (no jit): one jitted program may round differently from another
+  # even for the same arithmetic, which says nothing about the method.
+  params, loss, _ = _mlp()
+  base = lambda: optax.adamw(1e-2, weight_decay=1e-3)
+  want, _ = _trajectory(optax.with_extra_args_support(base()), params, loss,
+                        4, jit=False)
+  if mode == 'opaque':
+    got, state = _trajectory(sam.sam(base(), rho=0.0), params, loss, 4,
+                             jit=False)
+  else:
+    got, state = _two_call_trajectory(sam.sam(base(), rho=0.0,
+                                              mode='two_call'),
+                                      params, loss, 4, jit=False)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  assert not bool(sam.diagnostics(state)['sam_active'])
+
+
+def test_a_rho_schedule_that_reaches_zero_gives_plain_steps():
+  params, loss, _ = _mlp()
+  schedule = optax.linear_schedule(0.1, 0.0, 3)  # 0.1, 0.067, 0.033, 0, 0 ...
+  tx = sam.sam(optax.sgd(0.05), rho=schedule)
+  _, state = _trajectory(tx, params, loss, 5)
+  assert not bool(state.sam_active) and float(state.rho) == 0.0
+  _, state = _trajectory(tx, params, loss, 2)
+  assert bool(state.sam_active)
+  np.testing.assert_allclose(float(state.rho), 0.1 * 2 / 3, rtol=1e-6)
+
+
+def test_asam_matches_a_hand_written_reference():
+  params, loss, _ = _mlp()
+  grad = jax.grad(loss)
+  rho, eta, lr = 0.5, 0.01, 0.05
+  got, _ = _trajectory(sam.sam(optax.sgd(lr), rho=rho, adaptive=True,
+                               eta=eta), params, loss, 5)
+  p = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+  for _ in range(5):
+    g = jax.tree.map(lambda x: np.asarray(x, np.float64),
+                     grad(jax.tree.map(jnp.float32, p)))
+    t = jax.tree.map(lambda w: np.abs(w) + eta, p)
+    norm = np.sqrt(sum(np.sum((ti * gi) ** 2)
+                       for ti, gi in zip(jax.tree.leaves(t),
+                                         jax.tree.leaves(g))))
+    adv = jax.tree.map(lambda w, ti, gi: w + rho * ti * ti * gi / norm, p, t,
+                       g)
+    g_adv = grad(jax.tree.map(jnp.float32, adv))
+    p = jax.tree.map(lambda w, ga: w - lr * np.asarray(ga, np.float64), p,
+                     g_adv)
+  assert _max_diff(got, jax.tree.map(jnp.float32, p)) < 1e-5
+
+
+def test_m_sharpness_matches_a_per_device_loop():
+  params, loss_fn, batch = battery.problem()
+  mesh = jax.make_mesh((8,), ('batch',),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  rho, lr = 0.1, 0.05
+  tx = sam.sam(optax.sgd(lr), rho=rho, batch_axis_name='batch')
+
+  @functools.partial(
+      jax.shard_map, mesh=mesh,
+      in_specs=(P(), P(), P('batch')), out_specs=(P(), P()))
+  def step(p, s, b):
+    # The gradient at the device-varying copy of p is this device's own; at
+    # the replicated p, shard_map would already sum it over the axis.
+    grad = lambda q: jax.grad(loss_fn)(q, b)
+    local_p = jax.lax.pcast(p, 'batch', to='varying')
+    u, s = tx.update(grad(local_p), s, p, grad_fn=grad)
+    return optax.apply_updates(p, u), s
+
+  state = tx.init(params)
+  got = params
+  for _ in range(3):
+    got, state = jax.jit(step)(got, state, batch)
+
+  want = params
+  shards = [jax.tree.map(lambda x: x[i * 8:(i + 1) * 8], batch)
+            for i in range(8)]
+  for _ in range(3):
+    perturbed_grads = []
+    for b in shards:
+      g = jax.grad(loss_fn)(want, b)
+      norm = optax.tree.norm(g)
+      adv = jax.tree.map(lambda w, gi: w + rho * gi / norm, want, g)
+      perturbed_grads.append(jax.grad(loss_fn)(adv, b))
+    mean = jax.tree.map(lambda *gs: sum(gs) / 8, *perturbed_grads)
+    want = jax.tree.map(lambda w, g: w - lr * g, want, mean)
+  assert _max_diff(got, want) < 1e-5
+  # And it differs from global SAM (the point of m-sharpness).
+  global_sam, _ = _trajectory(sam.sam(optax.sgd(lr), rho=rho), params,
+                              lambda p: loss_fn(p, batch), 3)
+  assert _max_diff(global_sam, want) > 1e-4
+
+
+def test_bfloat16_params_are_perturbed_in_float32():
+  params, loss, _ = _mlp()
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  grad = jax.grad(lambda p: loss(jax.tree.map(jnp.float32, p)))
+  seen = []
+
+  def grad_fn(p):
+    jax.debug.callback(lambda q: seen.append(q), p)  # The values, not tracers.
+    return grad(p)
+
+  tx = sam.sam(optax.sgd(0.05), rho=0.05)
+  g = grad(params)
+  updates, _ = tx.update(g, tx.init(params), params, grad_fn=grad_fn)
+  jax.effects_barrier()
+  assert all(u.dtype == jnp.bfloat16 for u in jax.tree.leaves(updates))
+  g32 = jax.tree.map(lambda x: x.astype(jnp.float32), g)
+  norm = np.sqrt(sum(np.sum(np.square(np.asarray(x))) for x in
+                     jax.tree.leaves(g32)))
+  want = jax.tree.map(
+      lambda w, gi: (w.astype(jnp.float32) + 0.05 * gi / norm).astype(
+          jnp.bfloat16), params, g32)
+  jax.tree.map(np.testing.assert_array_equal, seen[-1], want)
+
+
+def test_warmup_steps_do_not_compute_the_second_gradient():
+  params, loss, _ = _mlp()
+  grad = jax.grad(loss)
+  calls = []
+
+  def counted_grad_fn(p):
+    jax.debug.callback(lambda: calls.append(1))
+    return grad(p)
+
+  tx = sam.sam(optax.sgd(0.05), rho=0.05, warmup_steps=3)
+
+  @jax.jit
+  def step(p, s):
+    u, s = tx.update(grad(p), s, p, grad_fn=counted_grad_fn)
+    return optax.apply_updates(p, u), s
+
+  p, s = params, tx.init(params)
+  active = []
+  for _ in range(5):
+    p, s = step(p, s)
+    active.append(bool(s.sam_active))
+  jax.effects_barrier()
+  assert active == [False, False, False, True, True]
+  assert len(calls) == 2  # Executed on the two SAM steps only.
+  # And the warm-up steps are the base optimizer's, exactly.
+  want, _ = _trajectory(optax.with_extra_args_support(optax.sgd(0.05)),
+                        params, loss, 3, jit=False)
+  got, _ = _trajectory(tx, params, loss, 3, jit=False)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_window_limits_sam_to_its_steps():
+  params, loss, _ = _mlp()
+  tx = sam.sam(optax.sgd(0.05), rho=0.05, window=(2, 4))
+  grad = jax.grad(loss)
+  step = jax.jit(lambda p, s: tx.update(grad(p), s, p, grad_fn=grad))
+  p, s, active = params, tx.init(params), []
+  for _ in range(6):
+    u, s = step(p, s)
+    p = optax.apply_updates(p, u)
+    active.append(bool(s.sam_active))
+  assert active == [False, False, True, True, False, False]
+
+
+def _two_call_trajectory(tx, params, loss, steps, jit=True):
+  grad = jax.grad(loss)
+  update = jax.jit(tx.update) if jit else tx.update
+  state = tx.init(params)
+  done = 0
+  while done < steps:
+    updates, state = update(grad(params), state, params)
+    params = optax.apply_updates(params, updates)
+    done = int(state.count)
+  return params, state
+
+
+def test_two_call_mode_follows_the_opaque_trajectory():
+  params, loss, _ = _mlp()
+  kw = dict(rho=0.1, warmup_steps=2)
+  opaque, s1 = _trajectory(sam.sam(optax.sgd(0.05, momentum=0.9), **kw),
+                           params, loss, 6)
+  two, s2 = _two_call_trajectory(
+      sam.sam(optax.sgd(0.05, momentum=0.9), mode='two_call', **kw), params,
+      loss, 6)
+  assert _max_diff(opaque, two) < 1e-5
+  d1, d2 = sam.diagnostics(s1), sam.diagnostics(s2)
+  np.testing.assert_allclose(d1['grad_ratio'], d2['grad_ratio'], rtol=1e-4)
+
+
+def test_inject_hyperparams_changes_lr_and_rho_mid_run():
+  params, loss, _ = _mlp()
+  tx = optax.inject_hyperparams(sam.sam)(
+      base_optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.05),
+      rho=0.05)
+  p, s = _trajectory(tx, params, loss, 3)
+  s.hyperparams['rho'] = jnp.asarray(0.2)
+  s.inner_state.base_state.hyperparams['learning_rate'] = jnp.asarray(0.01)
+  grad = jax.grad(loss)
+  u, s = tx.update(grad(p), s, p, grad_fn=grad)
+  got = optax.apply_updates(p, u)
+  e, _ = sam.perturbation(grad(p), p, 0.2)
+  want = jax.tree.map(lambda w, g: w - 0.01 * g, p,
+                      grad(sam.perturbed_params(p, e)))
+  assert _max_diff(got, want) < 1e-6
+
+
+def test_multisteps_accumulates_g_then_perturbs_with_the_mean():
+  params, loss_fn, batch = battery.problem()
+  micro = [jax.tree.map(lambda x: x[i * 16:(i + 1) * 16], batch)
+           for i in range(3)]
+  tx = optax.MultiSteps(sam.sam(optax.sgd(0.05), rho=0.1),
+                        every_k_schedule=3)
+  s, p = tx.init(params), params
+  for b in micro:
+    grad = lambda q, b=b: jax.grad(loss_fn)(q, b)
+    u, s = tx.update(grad(p), s, p, grad_fn=grad)
+    p = optax.apply_updates(p, u)
+  mean_g = jax.tree.map(lambda *g: sum(g) / 3,
+                        *[jax.grad(loss_fn)(params, b) for b in micro])
+  e, _ = sam.perturbation(mean_g, params, 0.1)
+  # grad_fn of the last micro-step evaluates the perturbed gradient.
+  g_adv = jax.grad(loss_fn)(sam.perturbed_params(params, e), micro[-1])
+  want = jax.tree.map(lambda w, g: w - 0.05 * g, params, g_adv)
+  assert _max_diff(p, want) < 1e-6
+
+
+def test_apply_if_finite_skips_a_nan_step():
+  params, loss, _ = _mlp()
+  grad = jax.grad(loss)
+  tx = optax.apply_if_finite(sam.sam(optax.sgd(0.05), rho=0.05), 3)
+  s = tx.init(params)
+  nan_grads = jax.tree.map(lambda g: g * jnp.nan, grad(params))
+  u, s = tx.update(nan_grads, s, params, grad_fn=lambda q: nan_grads)
+  assert all(float(jnp.max(jnp.abs(x))) == 0 for x in jax.tree.leaves(u))
+  assert int(s.notfinite_count) == 1
+  u, s = tx.update(grad(params), s, params, grad_fn=grad)
+  assert int(s.notfinite_count) == 0
+  assert float(optax.tree.norm(u)) > 0
+
+
+def test_zero_gradient_gives_no_nan():
+  params, _, _ = _mlp()
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  for adaptive in (False, True):
+    tx = sam.sam(optax.sgd(0.1), rho=0.05, adaptive=adaptive)
+    u, s = tx.update(zeros, tx.init(params), params, grad_fn=lambda p: zeros)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(u))
+    assert all(bool(jnp.isfinite(v)) for v in sam.diagnostics(s).values())
+
+
+def test_diagnostics_report_the_step():
+  params, loss, _ = _mlp()
+  _, state = _trajectory(sam.sam(optax.sgd(0.05), rho=0.05), params, loss, 3)
+  d = sam.diagnostics(optax.chain(optax.identity()).init(params) + (state,))
+  for key in ('grad_norm', 'perturbed_grad_norm', 'hallucination',
+              'hallucination_steps', 'sam_active', 'grad_ratio', 'cosine',
+              'rho'):
+    assert key in d
+  assert bool(d['sam_active']) and not bool(d['hallucination'])
+  assert float(d['grad_norm']) > 0 and 0.9 < float(d['cosine']) <= 1.0
+  with pytest.raises(ValueError, match='contains no geom.sam.sam state'):
+    sam.diagnostics(optax.sgd(0.1).init(params))
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(rho=-0.1), r'rho=-0.1: must be >= 0'),
+    (dict(warmup_steps=-1), r'warmup_steps=-1: must be >= 0'),
+    (dict(window=(5, 5)), r'window=\(5, 5\): empty'),
+    (dict(window=(5, 2)), r'window=\(5, 2\): empty'),
+    (dict(adaptive=True, eta=0.0), r'eta=0.0: must be > 0'),
+    (dict(response='panic'), r"response='panic'; valid choices: flag, "
+     r'warm_restart, shrink_rho'),
+    (dict(mode='lazy'), r"mode='lazy'; valid choices: opaque, two_call"),
+    (dict(shrink_factor=1.5), r'shrink_factor=1.5: must be in \(0, 1\)'),
+    (dict(response='shrink_rho', detector=None), r'needs a detector'),
+])
+def test_bad_arguments_are_named_at_construction(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    sam.sam(optax.sgd(0.1), **kwargs)
+
+
+def test_missing_grad_fn_is_named_at_the_first_call():
+  params, loss, _ = _mlp()
+  tx = sam.sam(optax.sgd(0.1))
+  with pytest.raises(ValueError, match=r'needs grad_fn='):
+    tx.update(jax.grad(loss)(params), tx.init(params), params)
+
+
+def test_detector_config_validates_its_fields():
+  with pytest.raises(ValueError, match=r'DetectorConfig.patience=0'):
+    hallucination.DetectorConfig(patience=0)
