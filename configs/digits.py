@@ -8,6 +8,8 @@ Variants through the config argument (comma-separated, combinable):
 
   python -m launch.train --config=configs/digits.py:runlocal --workdir=/tmp/d
   python -m launch.train --config=configs/digits.py:model=mlp --workdir=/tmp/m
+  python -m launch.train --config=configs/digits.py --workdir=/tmp/sam \
+    --config.optimizer.sam.enabled=True --config.optimizer.sam.rho=0.1
 
 `runlocal` shrinks the run for tests and laptops. Any field can be
 overridden, e.g. `--config.optimizer.learning_rate=0.05
@@ -19,6 +21,8 @@ already prepared (array_record) in a data_dir:
 """
 
 import ml_collections
+
+from configs import sam_block
 
 
 def _parse_arg(arg: str | None) -> dict[str, str]:
@@ -89,6 +93,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       weight_decay=5e-4,
       weight_decay_exclude=r'(bias|scale)$',
       grad_clip_norm=0.0,  # 0: no clipping.
+      sam=sam_block.sam_block(),
   ))
   config.nonfinite = 'stop'  # stop | skip
 

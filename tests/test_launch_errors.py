@@ -53,6 +53,10 @@ CASES = {
     'data set missing from data_dir': (
         ['--config.dataset=cifar10', '--config.data_dir={empty}'],
         "config.dataset='cifar10': not found in data_dir='{empty}'"),
+    'negative SAM radius': (
+        ['--config.optimizer.sam.enabled=True',
+         '--config.optimizer.sam.rho=-0.1'],
+        'config.optimizer.sam.rho=-0.1: must be >= 0'),
     'zero steps': (['--config.num_steps=0'],
                    'config.num_steps=0: must be a positive integer'),
     'negative steps': (['--config.num_steps=-5'],

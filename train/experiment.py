@@ -124,6 +124,15 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> Experiment:
         raise ConfigError(field, config[field],
                           f'must be divisible by {what} ({n})')
 
+  sam_cfg = config.optimizer.get('sam')
+  if sam_cfg and sam_cfg.enabled and sam_cfg.m_sharpness:
+    batch_axes = nn.logical_to_mesh_axes(('batch',), rules)[0]
+    if batch_axes != optim.M_SHARPNESS_AXIS:
+      raise ConfigError(
+          'optimizer.sam.m_sharpness', True,
+          f'needs the batch split over the mesh axis '
+          f'{optim.M_SHARPNESS_AXIS!r} alone (logical_axis_rules map '
+          f"'batch' to {batch_axes!r})")
   workdir = check_workdir(workdir)
   datasets.check_available(config.dataset, config.data_dir)
 

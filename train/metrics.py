@@ -104,8 +104,13 @@ class Progress:
     return rate, eta
 
 
+# Method diagnostics ('opt/...') shown on the console; all go to the files.
+CONSOLE_DIAGNOSTICS = ('opt/grad_ratio_ema', 'opt/hallucination_steps')
+
+
 def log_progress(step: int, total: int, scalars: Mapping[str, float],
                  rate: float, eta: str) -> None:
-  shown = ' | '.join(f'{k} {v:.4g}' for k, v in scalars.items())
+  shown = ' | '.join(f'{k} {v:.4g}' for k, v in scalars.items()
+                     if '/' not in k or k in CONSOLE_DIAGNOSTICS)
   logging.info('step %d/%d | %s | %.1f steps/s | ETA %s', step, total, shown,
                rate, eta)

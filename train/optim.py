@@ -14,6 +14,11 @@ the loss gradient at other weights on the same batch. Chains built with
 `optax.chain` accept and forward such extra arguments, so a geom
 transformation that needs a second gradient (SAM) receives it without any
 change to the trainer.
+
+SAM (`config.optimizer.sam`, see `configs/sam_block.py`) wraps the whole chain
+above: the perturbation uses the raw gradient g, and the chain (clipping
+included) steps with the SAM gradient g+. Clipping g itself would not
+change the perturbation, which is normalised.
 """
 
 import re
@@ -22,6 +27,8 @@ from typing import Any
 import jax
 import optax
 
+from geom import hallucination
+from geom import sam as sam_lib
 from train.errors import ConfigError
 
 OPTIMIZERS = ('sgd', 'momentum', 'adamw')
@@ -95,4 +102,59 @@ def create_optimizer(cfg: Any,
         cfg.weight_decay,
         mask=lambda p: weight_decay_mask(p, cfg.weight_decay_exclude)))
   parts.append(optax.scale_by_learning_rate(schedule))
-  return optax.chain(*parts)
+  tx = optax.chain(*parts)
+  if 'sam' in cfg and cfg.sam.enabled:
+    tx = _sam_from_config(tx, cfg.sam)
+  return tx
+
+
+def _sam_from_config(base: optax.GradientTransformation,
+                     cfg: Any) -> optax.GradientTransformationExtraArgs:
+  # geom validates its arguments; its message names the argument, which
+  # is the field's name here.
+  try:
+    detector = None
+    if cfg.detector.enabled:
+      detector = hallucination.DetectorConfig(
+          ema_decay=cfg.detector.ema_decay,
+          ratio_threshold=cfg.detector.ratio_threshold,
+          min_grad_norm=cfg.detector.min_grad_norm,
+          patience=cfg.detector.patience)
+    window = None
+    if cfg.window_start > 0 or cfg.window_stop != -1:
+      window = (cfg.window_start,
+                None if cfg.window_stop == -1 else cfg.window_stop)
+    return sam_lib.sam(
+        base, rho=cfg.rho, adaptive=cfg.adaptive, eta=cfg.eta,
+        warmup_steps=cfg.warmup_steps, window=window,
+        batch_axis_name=M_SHARPNESS_AXIS if cfg.m_sharpness else None,
+        detector=detector, response=cfg.response,
+        restart_steps=cfg.restart_steps, shrink_factor=cfg.shrink_factor)
+  except ValueError as e:
+    # "geom.sam.sam: NAME=VALUE: PROBLEM" or "DetectorConfig.NAME=...".
+    message = str(e).removeprefix('geom.sam.sam: ')
+    detector_field = message.startswith('DetectorConfig.')
+    match = re.match(r'(\w+)=(.*?)(?:: |; )(.*)$',
+                     message.removeprefix('DetectorConfig.'))
+    if not match:
+      raise ConfigError('optimizer.sam', cfg.to_dict(), message) from None
+    name, raw_value, problem = match.groups()
+    if detector_field:
+      field, value = f'detector.{name}', cfg.detector[name]
+    elif name == 'window':
+      field, value = 'window_start/window_stop', (cfg.window_start,
+                                                  cfg.window_stop)
+    else:
+      field, value = name, cfg.get(name, raw_value)
+    raise ConfigError(f'optimizer.sam.{field}', value, problem) from None
+
+
+# The mesh axis along which m-sharpness perturbs per device.
+M_SHARPNESS_AXIS = 'data'
+
+
+def method_diagnostics(cfg: Any):
+  """`opt_state -> dict` of the method wrapped around the chain, or None."""
+  if 'sam' in cfg and cfg.sam.enabled:
+    return sam_lib.diagnostics
+  return None

@@ -64,7 +64,8 @@ def make_mesh(shape: Sequence[int], axes: Sequence[str]) -> Mesh:
 
 def check_rules(rules: Rules, mesh_axes: Sequence[str]) -> None:
   for logical, mesh_axis in rules:
-    if mesh_axis is not None and mesh_axis not in mesh_axes:
+    axes = mesh_axis if isinstance(mesh_axis, (tuple, list)) else (mesh_axis,)
+    if any(a is not None and a not in mesh_axes for a in axes):
       raise ConfigError('logical_axis_rules', (logical, mesh_axis),
                         'maps to an axis that is not in the mesh',
                         list(mesh_axes) + [None])

@@ -15,6 +15,7 @@ import flax.linen as nn
 from flax import struct
 import jax
 from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -51,75 +52,117 @@ def init_state(model: nn.Module, tx: optax.GradientTransformation,
       skipped_steps=jnp.zeros((), jnp.int32))
 
 
-def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
-                    nonfinite: str,
-                    log_every: int) -> Callable[..., tuple[TrainState, dict]]:
+def make_train_step(
+    model: nn.Module, tx: optax.GradientTransformation, nonfinite: str,
+    log_every: int, *,
+    diagnostics: Callable[[Any], dict[str, jax.Array]] | None = None,
+    local_axis: str | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+) -> Callable[..., tuple[TrainState, dict]]:
   """One update on one batch; returns the new state and per-step metrics.
 
-  Metrics: `loss` and `correct`, per example (sharded like the batch), and
-  `grad_norm`, a scalar on logging steps (`(step + 1) % log_every == 0`)
-  and 0 between. With `nonfinite='skip'` an update whose loss, gradient or
-  update is non-finite is not applied (those checks do reduce across the
-  mesh, so they run only under that policy).
+  Args:
+    model, tx: the model and the optax transformation. `tx.update` gets
+      `grad_fn(params)`, the loss gradient at other weights on the same
+      batch (BatchNorm statistics come from the clean pass only).
+    nonfinite: 'stop' or 'skip' (see the trainer).
+    log_every: the gradient norm is computed on logging steps only.
+    diagnostics: `opt_state -> dict of scalars` of the method in `tx` (e.g.
+      SAM's), reported each step under `opt/<name>`.
+    local_axis: m-sharpness: the mesh axis (the data axis) along which each
+      device computes its own gradient, inside `jax.shard_map`; `tx` must
+      average over it (`geom.sam.sam(batch_axis_name=local_axis)`).
+      BatchNorm then normalises with per-device statistics, as in the
+      reference implementation, and their running averages are averaged.
+    mesh: the mesh, needed with `local_axis`.
+
+  Returns:
+    `train_step(state, batch) -> (state, metrics)`. Metrics: `loss` and
+    `correct` per example (sharded like the batch), `grad_norm` on logging
+    steps (`(step + 1) % log_every == 0`, else 0; with `local_axis`, the
+    mean over devices of their gradients' norms), and the diagnostics.
+    With `nonfinite='skip'` an update whose loss, gradient or update is
+    non-finite is not applied (those checks reduce across the mesh, so
+    they run only under that policy).
   """
   if nonfinite not in NONFINITE_POLICIES:
     raise ValueError(f'nonfinite={nonfinite!r}; valid choices: '
                      f'{NONFINITE_POLICIES}')
+  if local_axis is not None and mesh is None:
+    raise ValueError('make_train_step: local_axis needs the mesh')
 
-  def train_step(state: TrainState, batch: dict[str, jax.Array]):
+  def across(fn, x):
+    return x if local_axis is None else fn(x, local_axis)
 
-    def loss_fn(params):
-      logits, updates = model.apply(
-          {'params': params, 'batch_stats': state.batch_stats},
+  def update(params, batch_stats, opt_state, skipped, step, batch):
+
+    def loss_fn(p):
+      logits, new_vars = model.apply(
+          {'params': p, 'batch_stats': batch_stats},
           batch['image'], train=True, mutable=['batch_stats'])
       losses = optax.softmax_cross_entropy_with_integer_labels(
           logits, batch['label'])
-      return losses.mean(), (losses, logits, updates['batch_stats'])
+      return losses.mean(), (losses, logits, new_vars['batch_stats'])
 
-    (loss, (losses, logits, batch_stats)), grads = jax.value_and_grad(
-        loss_fn, has_aux=True)(state.params)
-
-    def grad_fn(params):
-      # Gradient at other weights on the same batch, for transformations
-      # such as SAM. BatchNorm statistics come from the clean pass only.
-      return jax.grad(lambda p: loss_fn(p)[0])(params)
-
-    updates, opt_state = tx.update(grads, state.opt_state, state.params,
-                                   grad_fn=grad_fn)
-    params = optax.apply_updates(state.params, updates)
-    skipped = state.skipped_steps
+    # With local_axis, differentiate at the device-varying copy of the
+    # weights: the gradient at the replicated weights would already be
+    # summed over the axis.
+    at = params if local_axis is None else jax.lax.pcast(
+        params, local_axis, to='varying')
+    (loss, (losses, logits, new_stats)), grads = jax.value_and_grad(
+        loss_fn, has_aux=True)(at)
+    new_stats = across(jax.lax.pmean, new_stats)
+    grad_fn = lambda p: jax.grad(lambda q: loss_fn(q)[0])(p)
+    updates, new_opt = tx.update(grads, opt_state, params, grad_fn=grad_fn)
+    new_params = optax.apply_updates(params, updates)
     if nonfinite == 'skip':
       # A non-finite element makes a norm non-finite: one scalar per tree.
       # The update is checked too: a finite gradient times a huge learning
       # rate can overflow.
       finite = (jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
                 & jnp.isfinite(optax.tree.norm(updates)))
-      params, batch_stats, opt_state = jax.tree.map(
+      finite = across(jax.lax.pmin, finite.astype(jnp.int32)) > 0
+      new_params, new_stats, new_opt = jax.tree.map(
           lambda new, old: jnp.where(finite, new, old),
-          (params, batch_stats, opt_state),
-          (state.params, state.batch_stats, state.opt_state))
+          (new_params, new_stats, new_opt), (params, batch_stats, opt_state))
       skipped = skipped + (~finite).astype(jnp.int32)
+    # The zero keeps the gradient's device-variance (for shard_map's types).
+    zero = lambda g: jnp.zeros_like(jax.tree.leaves(g)[0].ravel()[0],
+                                    jnp.float32)
+    grad_norm = jax.lax.cond((step + 1) % log_every == 0, optax.tree.norm,
+                             zero, grads)
+    correct = (jnp.argmax(logits, -1) == batch['label']).astype(jnp.float32)
+    return (new_params, new_stats, new_opt, skipped, losses, correct,
+            across(jax.lax.pmean, grad_norm))
+
+  if local_axis is not None:
+    rep, loc = P(), P(local_axis)
+    update = jax.shard_map(
+        update, mesh=mesh, in_specs=(rep, rep, rep, rep, rep, loc),
+        out_specs=(rep, rep, rep, rep, loc, loc, rep),
+        axis_names={local_axis})
+
+  def train_step(state: TrainState, batch: dict[str, jax.Array]):
+    params, stats, opt_state, skipped, losses, correct, grad_norm = update(
+        state.params, state.batch_stats, state.opt_state,
+        state.skipped_steps, state.step, batch)
     new_state = TrainState(step=state.step + 1, params=params,
-                           batch_stats=batch_stats, opt_state=opt_state,
+                           batch_stats=stats, opt_state=opt_state,
                            skipped_steps=skipped)
-    log_step = (state.step + 1) % log_every == 0
-    metrics = {
-        'loss': losses,
-        'correct': (jnp.argmax(logits, -1) == batch['label']).astype(
-            jnp.float32),
-        'grad_norm': jax.lax.cond(log_step, optax.tree.norm,
-                                  lambda g: jnp.zeros((), jnp.float32), grads),
-    }
+    metrics = {'loss': losses, 'correct': correct, 'grad_norm': grad_norm}
+    if diagnostics is not None:
+      metrics.update({f'opt/{k}': v.astype(jnp.float32)
+                      for k, v in diagnostics(opt_state).items()})
     return new_state, metrics
 
   return train_step
 
 
 def metric_shardings(batch_sharding: jax.sharding.Sharding,
-                     replicated: jax.sharding.Sharding) -> dict[str, Any]:
-  """Out-shardings of the train step's metrics (see `make_train_step`)."""
-  return {'loss': batch_sharding, 'correct': batch_sharding,
-          'grad_norm': replicated}
+                     replicated: jax.sharding.Sharding) -> Callable[[str], Any]:
+  """Out-sharding of each train-step metric (see `make_train_step`)."""
+  per_example = ('loss', 'correct')
+  return lambda name: batch_sharding if name in per_example else replicated
 
 
 def _to_host(tree: Any) -> Any:
@@ -139,9 +182,10 @@ def summarize(records: Sequence[dict[str, jax.Array]], first_step: int,
       holds the gradient norm.
 
   Returns:
-    `train_loss` and `train_accuracy` averaged over the finite steps, plus
-    `grad_norm` when sampled; and the first step whose loss is non-finite,
-    or None.
+    `train_loss` and `train_accuracy` averaged over the finite steps;
+    `grad_norm` when sampled; the other metrics (the method's diagnostics)
+    as of the last step; and the first step whose loss is non-finite, or
+    None.
   """
   host = _to_host(list(records))
   step_loss = np.array([np.mean(r['loss']) for r in host])
@@ -155,6 +199,8 @@ def summarize(records: Sequence[dict[str, jax.Array]], first_step: int,
     scalars['train_accuracy'] = float(step_acc[finite].mean())
   if grad_norm_sampled:
     scalars['grad_norm'] = float(host[-1]['grad_norm'])
+  scalars.update({k: float(v) for k, v in host[-1].items()
+                  if k not in ('loss', 'correct', 'grad_norm')})
   return scalars, first_bad
 
 

@@ -30,6 +30,7 @@ from train import datasets
 from train import experiment as experiment_lib
 from train import input_pipeline
 from train import metrics as metrics_lib
+from train import optim
 from train import plots
 from train import steps
 from train.errors import NonFiniteLossError, Preempted
@@ -81,10 +82,18 @@ def compile_steps(exp: experiment_lib.Experiment,
   """
   config = exp.config
   repl = jax.sharding.NamedSharding(exp.mesh, jax.sharding.PartitionSpec())
-  train_fn = steps.make_train_step(exp.model, exp.tx, config.nonfinite,
-                                   config.log_every)
+  sam_cfg = config.optimizer.get('sam')
+  m_sharpness = bool(sam_cfg and sam_cfg.enabled and sam_cfg.m_sharpness)
+  train_fn = steps.make_train_step(
+      exp.model, exp.tx, config.nonfinite, config.log_every,
+      diagnostics=optim.method_diagnostics(config.optimizer),
+      local_axis=optim.M_SHARPNESS_AXIS if m_sharpness else None,
+      mesh=exp.mesh)
+  sharding_of = steps.metric_shardings(exp.batch_sharding, repl)
+  metric_names = jax.eval_shape(
+      train_fn, exp.abstract_state, exp.abstract_batch(config.batch_size))[1]
   out_shardings = (exp.state_shardings,
-                   steps.metric_shardings(exp.batch_sharding, repl))
+                   {name: sharding_of(name) for name in metric_names})
   on_device = input_pipeline.fits_on_devices(train_data,
                                              config.device_data_max_mb)
   if on_device:

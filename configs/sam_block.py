@@ -1,0 +1,28 @@
+"""The `config.optimizer.sam` block shared by experiment configs (SAM off).
+
+Fields mirror `geom.sam.sam`'s arguments: `window_stop=-1` means no end;
+`m_sharpness` makes each device perturb with its own gradient along the
+data axis; `detector` holds the hallucination detector's thresholds
+(`enabled=False` drops it; defaults equal `geom.hallucination.DetectorConfig`,
+which a test checks). Turn SAM on with `--config.optimizer.sam.enabled=True`.
+"""
+
+import ml_collections
+
+
+def sam_block() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
+      enabled=False,
+      rho=0.05,
+      adaptive=False,
+      eta=0.01,
+      warmup_steps=0,
+      window_start=0,
+      window_stop=-1,
+      m_sharpness=False,
+      response='flag',  # flag | warm_restart | shrink_rho
+      restart_steps=100,
+      shrink_factor=0.5,
+      detector=dict(enabled=True, ema_decay=0.9, ratio_threshold=0.1,
+                    min_grad_norm=1e-3, patience=20),
+  ))

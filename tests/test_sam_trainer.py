@@ -1,0 +1,183 @@
+"""SAM in the trainer: config, diagnostics in the logs, BatchNorm, m-sharpness, resume."""
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from configs import sam_block
+from geom import hallucination
+from geom import sam as sam_lib
+from train import checkpointing
+from train import datasets
+from train import experiment
+from train import input_pipeline
+from train import optim
+from train import steps
+from train import trainer
+from train.errors import ConfigError, Preempted
+
+
+def _sam_config(digits_config, **sam):
+  config = digits_config
+  config.optimizer.sam.enabled = True
+  for key, value in sam.items():
+    config.optimizer.sam[key] = value
+  return config
+
+
+def test_config_block_defaults_are_the_detectors():
+  block = sam_block.sam_block().detector
+  for field in dataclasses.fields(hallucination.DetectorConfig):
+    assert block[field.name] == getattr(hallucination.DetectorConfig(),
+                                        field.name)
+
+
+def test_sam_run_logs_its_diagnostics_and_warm_start(digits_config,
+                                                     tmp_path):
+  config = _sam_config(digits_config, rho=0.1, warmup_steps=25)
+  final = trainer.train_and_evaluate(config, str(tmp_path))
+  assert final['test_accuracy'] > 0.85
+  records = [json.loads(l) for l in open(tmp_path / 'metrics.jsonl')]
+  train = [r for r in records if 'train_loss' in r]
+  for key in ('opt/grad_norm', 'opt/perturbed_grad_norm', 'opt/hallucination',
+              'opt/hallucination_steps', 'opt/sam_active', 'opt/grad_ratio',
+              'opt/cosine', 'opt/rho'):
+    assert all(key in r for r in train), key
+  # Steps 10 and 20 are inside the 25-step warm-up; 30 and 40 are SAM.
+  assert [r['opt/sam_active'] for r in train] == [0.0, 0.0, 1.0, 1.0]
+  assert train[-1]['opt/rho'] == pytest.approx(0.1)
+  assert train[-1]['opt/hallucination'] == 0.0
+  events = os.listdir(tmp_path / 'tensorboard')
+  assert events
+
+
+def _one_step(config, workdir, batch_step=3):
+  config.optimizer.warmup_steps = 0  # A learning rate of 0 would hide it all.
+  exp = experiment.build(config, workdir)
+  train_data = datasets.load_split('digits', 'train', None)
+  compiled = trainer.compile_steps(exp, train_data)
+  batches = input_pipeline.TrainBatches(train_data, config.batch_size, 0)
+  host = next(batches.iterate(batch_step, batch_step + 1,
+                              indices_only=compiled.data_on_device))
+  state, _ = compiled.train(exp.init_state(),
+                            input_pipeline.to_global(host, exp.batch_sharding))
+  return exp, jax.device_get(state), batches.local_batch(batch_step)
+
+
+def test_batchnorm_statistics_come_from_the_clean_pass(digits_config,
+                                                       tmp_path):
+  from configs import digits  # pylint: disable=g-import-not-at-top
+  plain_cfg = digits.get_config('runlocal')
+  _, plain, _ = _one_step(plain_cfg, str(tmp_path / 'a'))
+  _, with_sam, _ = _one_step(_sam_config(digits_config, rho=0.5),
+                             str(tmp_path / 'b'))
+  # Same statistics (from w, not w + e), different weights (g+ vs g).
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
+                                                       atol=1e-7),
+               with_sam.batch_stats, plain.batch_stats)
+  diff = max(float(np.max(np.abs(a - b))) for a, b in zip(
+      jax.tree.leaves(with_sam.params), jax.tree.leaves(plain.params)))
+  assert diff > 1e-4
+
+
+def test_m_sharpness_step_matches_a_per_device_loop(digits_config, tmp_path):
+  config = _sam_config(digits_config, rho=0.5, m_sharpness=True)
+  config.optimizer.weight_decay = 0.0
+  exp, got, batch = _one_step(config, str(tmp_path))
+  init = jax.device_get(exp.init_state())
+  model = exp.model
+  data_shards = exp.mesh.shape['data']
+  n = len(batch['label']) // data_shards
+
+  def local_loss(params, stats, b):
+    logits, new = model.apply({'params': params, 'batch_stats': stats},
+                              b['image'], train=True, mutable=['batch_stats'])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, b['label']).mean(), new['batch_stats']
+
+  perturbed, new_stats = [], []
+  for i in range(data_shards):
+    b = jax.tree.map(lambda x, i=i: x[i * n:(i + 1) * n], batch)
+    g, s = jax.grad(local_loss, has_aux=True)(init.params,
+                                               init.batch_stats, b)
+    e, _ = sam_lib.perturbation(g, init.params, 0.5)
+    perturbed.append(jax.grad(local_loss, has_aux=True)(
+        sam_lib.perturbed_params(init.params, e), init.batch_stats, b)[0])
+    new_stats.append(s)
+  mean = lambda trees: jax.tree.map(lambda *x: sum(x) / len(x), *trees)
+  base_cfg = config.optimizer.copy_and_resolve_references()
+  base_cfg.sam.enabled = False
+  base = optim.create_optimizer(base_cfg, config.num_steps)
+  updates, _ = base.update(mean(perturbed), base.init(init.params),
+                           init.params)
+  want = optax.apply_updates(init.params, updates)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4,
+                                                       atol=2e-6),
+               got.params, want)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
+                                                       atol=1e-6),
+               got.batch_stats, mean(new_stats))
+
+
+def test_sam_state_resumes_bit_exactly_after_preemption(digits_config,
+                                                        tmp_path):
+  config = _sam_config(digits_config, rho=0.1, warmup_steps=5)
+  config.checkpoint_every = 10
+  trainer.train_and_evaluate(config, str(tmp_path / 'ref'))
+  workdir = tmp_path / 'preempted'
+
+  def preempt_after_first_checkpoint():
+    deadline = time.monotonic() + 120
+    while not (workdir / 'checkpoints' / '10').is_dir():
+      if time.monotonic() > deadline:
+        return
+      time.sleep(0.005)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  threading.Thread(target=preempt_after_first_checkpoint, daemon=True).start()
+  with pytest.raises(Preempted) as info:
+    trainer.train_and_evaluate(config, str(workdir))
+  assert 10 <= info.value.step < config.num_steps
+  trainer.train_and_evaluate(config, str(workdir))
+
+  def final(path):
+    exp = experiment.build(config, str(path))
+    with checkpointing.Checkpoints(str(path), every_steps=1, keep=9) as c:
+      return jax.device_get(c.restore(config.num_steps,
+                                      exp.abstract_state)[0])
+
+  want, got = final(tmp_path / 'ref'), final(workdir)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  state = sam_lib.find_state(got.opt_state)
+  assert int(state.count) == config.num_steps
+  assert int(state.detector.sam_steps) == config.num_steps - 5
+
+
+def test_m_sharpness_needs_the_batch_on_the_data_axis(digits_config,
+                                                      tmp_path):
+  config = _sam_config(digits_config, m_sharpness=True)
+  config.logical_axis_rules = (('batch', ('data', 'model')),) + tuple(
+      r for r in config.logical_axis_rules if r[0] != 'batch')
+  with pytest.raises(ConfigError, match='optimizer.sam.m_sharpness'):
+    experiment.build(config, str(tmp_path))
+
+
+def test_diagnostics_metric_names_are_prefixed(digits_config, tmp_path):
+  config = _sam_config(digits_config)
+  exp = experiment.build(config, str(tmp_path))
+  fn = steps.make_train_step(
+      exp.model, exp.tx, 'stop', 10,
+      diagnostics=optim.method_diagnostics(config.optimizer))
+  names = jax.eval_shape(fn, exp.abstract_state,
+                         exp.abstract_batch(config.batch_size))[1]
+  assert {'loss', 'correct', 'grad_norm', 'opt/hallucination',
+          'opt/sam_active'} <= set(names)
+
