@@ -427,7 +427,8 @@ def diagnostics(opt_state: Any) -> dict[str, jax.Array]:
     |g+|/|g| and `cosine` cos(g, g+) of the last SAM step, their moving
     averages `grad_norm_ema`, `grad_ratio_ema`, `cosine_ema`,
     `hallucination` (flagged now), `hallucination_steps` (steps flagged so
-    far) and `cooldown` (plain steps left of a warm restart). Without a
+    far), `sam_steps` (SAM steps so far) and `cooldown` (plain steps left
+    of a warm restart). Without a
     detector, only `sam_active`, `rho` and `cooldown`.
 
   Raises:
@@ -447,5 +448,6 @@ def diagnostics(opt_state: Any) -> dict[str, jax.Array]:
         grad_norm=det.grad_norm, perturbed_grad_norm=det.perturbed_grad_norm,
         grad_ratio=ratio, cosine=det.cosine, grad_norm_ema=det.grad_norm_ema,
         grad_ratio_ema=det.ratio_ema, cosine_ema=det.cosine_ema,
-        hallucination=det.flagged, hallucination_steps=det.flagged_steps)
+        hallucination=det.flagged, hallucination_steps=det.flagged_steps,
+        sam_steps=det.sam_steps)
   return out
