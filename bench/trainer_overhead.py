@@ -26,6 +26,8 @@ from absl import flags
 import jax
 import optax
 
+from bench import report
+
 _STEPS = flags.DEFINE_integer('steps', 300, 'Steps per timed run.')
 _REPEATS = flags.DEFINE_integer('repeats', 9, 'Alternating repeats.')
 _WRITE = flags.DEFINE_bool('write', True, 'Update BENCHMARKS.md.')
@@ -101,22 +103,6 @@ def trainer_loop(exp, compiled, train_data, val_data, steps: int) -> float:
   return elapsed
 
 
-def write_section(path: str, body: str) -> None:
-  """Replaces this benchmark's section of BENCHMARKS.md (or appends it)."""
-  begin, end = f'<!-- {SECTION}:begin -->', f'<!-- {SECTION}:end -->'
-  text = open(path).read() if os.path.exists(path) else '# Benchmarks\n'
-  block = f'{begin}\n{body.strip()}\n{end}'
-  if begin in text:
-    head, rest = text.split(begin, 1)
-    text = head + block + rest.split(end, 1)[1]
-  else:
-    text = text.rstrip('\n') + '\n\n' + block + '\n'
-  tmp = path + '.tmp'
-  with open(tmp, 'w') as f:
-    f.write(text)
-  os.replace(tmp, path)
-
-
 def measure(exp, train_data, val_data, steps: int, repeats: int):
   """Alternates minimal loop and trainer; returns per-repeat seconds of each."""
   from train import trainer  # pylint: disable=g-import-not-at-top
@@ -189,8 +175,7 @@ def main(argv):
   body = '\n'.join(lines)
   print(body)
   if _WRITE.value:
-    write_section(os.path.join(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), 'BENCHMARKS.md'), body)
+    report.write_section(SECTION, body)
 
 
 if __name__ == '__main__':

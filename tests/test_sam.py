@@ -345,3 +345,63 @@ def test_missing_grad_fn_is_named_at_the_first_call():
 def test_detector_config_validates_its_fields():
   with pytest.raises(ValueError, match=r'DetectorConfig.patience=0'):
     hallucination.DetectorConfig(patience=0)
+
+
+@pytest.mark.parametrize('adaptive', [False, True])
+def test_cosine_from_the_applied_perturbation_matches_the_direct_one(
+    adaptive):
+  params, loss, _ = _mlp()
+  grad = jax.grad(loss)
+  tx = sam.sam(optax.sgd(0.05), rho=0.05, adaptive=adaptive)
+  g = grad(params)
+  _, state = tx.update(g, tx.init(params), params, grad_fn=grad)
+  e, _ = sam.perturbation(g, params, 0.05, adaptive=adaptive)
+  g_adv = grad(sam.perturbed_params(params, e))
+  want = float(optax.tree.vdot(g, g_adv) /
+               (optax.tree.norm(g) * optax.tree.norm(g_adv)))
+  got = sam.diagnostics(state)
+  np.testing.assert_allclose(float(got['cosine']), want, atol=1e-4)
+  np.testing.assert_allclose(float(got['grad_norm']),
+                             float(optax.tree.norm(g)), rtol=1e-5)
+
+
+def test_detector_without_cosine_still_flags_and_omits_it():
+  params, loss, _ = _mlp()
+  cfg = hallucination.DetectorConfig(track_cosine=False)
+  _, state = _trajectory(sam.sam(optax.sgd(0.05), rho=0.05, detector=cfg),
+                         params, loss, 3)
+  d = sam.diagnostics(state)
+  assert 'cosine' not in d and 'cosine_ema' not in d
+  assert float(d['grad_ratio']) > 0 and int(d['sam_steps']) == 3
+
+
+def test_docstring_example_runs():
+  import doctest  # pylint: disable=g-import-not-at-top
+  result = doctest.testmod(sam, verbose=False)
+  assert result.attempted > 0 and result.failed == 0
+
+
+def test_sam_step_fixes_the_branch_at_trace_time():
+  params, loss, _ = _mlp()
+  grad = jax.grad(loss)
+  tx = sam.sam(optax.sgd(0.05), rho=0.1, warmup_steps=1)
+  state = tx.init(params)
+  g = grad(params)
+  free, s_free = jax.jit(lambda p, s: tx.update(grad(p), s, p,
+                                                grad_fn=grad))(params, state)
+  plain, s_plain = tx.update(g, state, params, grad_fn=grad, sam_step=False)
+  _close = lambda a, b: jax.tree.map(
+      lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7),
+      a, b)
+  _close(plain, free)  # Step 0 is a warm-up step either way.
+  assert not bool(s_plain.sam_active) and not bool(s_free.sam_active)
+  sam_updates, s_sam = tx.update(grad(params), s_plain, params, grad_fn=grad,
+                                 sam_step=True)
+  free, s_free = jax.jit(lambda p, s: tx.update(grad(p), s, p,
+                                                grad_fn=grad))(params, s_free)
+  _close(sam_updates, free)
+  assert bool(s_sam.sam_active) and int(s_sam.detector.sam_steps) == 1
+  assert sam.StepSchedule(1)(0) is False and sam.StepSchedule(1)(1) is True
+  with pytest.raises(ValueError, match="sam_step is for mode='opaque'"):
+    two = sam.sam(optax.sgd(0.1), mode='two_call')
+    two.update(g, two.init(params), params, sam_step=True)

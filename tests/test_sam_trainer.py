@@ -68,7 +68,8 @@ def _one_step(config, workdir, batch_step=3):
   host = next(batches.iterate(batch_step, batch_step + 1,
                               indices_only=compiled.data_on_device))
   state, _ = compiled.train(exp.init_state(),
-                            input_pipeline.to_global(host, exp.batch_sharding))
+                            input_pipeline.to_global(host, exp.batch_sharding),
+                            0)
   return exp, jax.device_get(state), batches.local_batch(batch_step)
 
 
@@ -181,3 +182,32 @@ def test_diagnostics_metric_names_are_prefixed(digits_config, tmp_path):
   assert {'loss', 'correct', 'grad_norm', 'opt/hallucination',
           'opt/sam_active'} <= set(names)
 
+
+
+def test_host_chosen_branches_match_the_transformations_own_choice(
+    digits_config, tmp_path):
+  # The trainer compiles a SAM and a plain step and picks one on the host;
+  # the result must be what geom.sam decides by itself inside one program.
+  config = _sam_config(digits_config, rho=0.2, warmup_steps=2,
+                       window_start=0, window_stop=4)
+  config.optimizer.warmup_steps = 0
+  exp = experiment.build(config, str(tmp_path))
+  train_data = datasets.load_split('digits', 'train', None)
+  compiled = trainer.compile_steps(exp, train_data)
+  assert set(compiled.variants) == {True, False}
+  batches = input_pipeline.TrainBatches(train_data, config.batch_size, 0)
+  one_program = jax.jit(steps.make_train_step(exp.model, exp.tx, 'stop', 10))
+  state_a, state_b = exp.init_state(), exp.init_state()
+  active = []
+  for step in range(6):
+    host = next(batches.iterate(step, step + 1,
+                                indices_only=compiled.data_on_device))
+    state_a, _ = compiled.train(
+        state_a, input_pipeline.to_global(host, exp.batch_sharding), step)
+    state_b, _ = one_program(state_b, input_pipeline.to_global(
+        batches.local_batch(step), exp.batch_sharding))
+    active.append(bool(sam_lib.find_state(state_a.opt_state).sam_active))
+  assert active == [False, False, True, True, False, False]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
+                                                       atol=1e-6),
+               jax.device_get(state_a.params), jax.device_get(state_b.params))

@@ -86,7 +86,7 @@ def test_train_step_keeps_the_shardings_and_both_data_paths_agree(
   state = exp.init_state()
   before = _specs(state)
   new_state, metrics = compiled.train(
-      state, input_pipeline.to_global(host_batch, exp.batch_sharding))
+      state, input_pipeline.to_global(host_batch, exp.batch_sharding), 0)
   assert _specs(new_state) == before
   assert metrics['loss'].sharding.spec == P('data')
   # Both paths see the same examples: the loss of step 3 is the same.

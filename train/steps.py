@@ -58,6 +58,7 @@ def make_train_step(
     diagnostics: Callable[[Any], dict[str, jax.Array]] | None = None,
     local_axis: str | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    sam_step: bool | None = None,
 ) -> Callable[..., tuple[TrainState, dict]]:
   """One update on one batch; returns the new state and per-step metrics.
 
@@ -75,6 +76,8 @@ def make_train_step(
       BatchNorm then normalises with per-device statistics, as in the
       reference implementation, and their running averages are averaged.
     mesh: the mesh, needed with `local_axis`.
+    sam_step: passed to `tx.update` when not None: a SAM (True) or plain
+      (False) step fixed at trace time (see `geom.sam.sam`).
 
   Returns:
     `train_step(state, batch) -> (state, metrics)`. Metrics: `loss` and
@@ -113,7 +116,9 @@ def make_train_step(
         loss_fn, has_aux=True)(at)
     new_stats = across(jax.lax.pmean, new_stats)
     grad_fn = lambda p: jax.grad(lambda q: loss_fn(q)[0])(p)
-    updates, new_opt = tx.update(grads, opt_state, params, grad_fn=grad_fn)
+    extra = {} if sam_step is None else {'sam_step': sam_step}
+    updates, new_opt = tx.update(grads, opt_state, params, grad_fn=grad_fn,
+                                 **extra)
     new_params = optax.apply_updates(params, updates)
     if nonfinite == 'skip':
       # A non-finite element makes a norm non-finite: one scalar per tree.

@@ -63,12 +63,28 @@ class _SigtermFlag:
 
 
 class CompiledSteps(NamedTuple):
-  train: Any  # (state, batch) -> (state, metrics); donates the state.
-  eval: Any  # (state, batch) -> sums of loss, correct, count.
-  state_is_finite: Any  # state -> bool scalar.
-  # Whether the training split lives on the devices: then `train` takes
-  # batches of indices ({'index': int32}) and gathers the examples itself.
+  """The compiled steps of a run.
+
+  Attributes:
+    variants: train steps `(state, batch) -> (state, metrics)` (donating
+      the state), keyed by the `sam_step` they were traced with (None: the
+      only one).
+    choose: `(step, opt_state) -> key of variants`, or None for the only one.
+    eval: `(state, batch) -> sums of loss, correct, count`.
+    state_is_finite: `state -> bool scalar`.
+    data_on_device: whether the training split lives on the devices; then
+      train steps take batches of indices ({'index': int32}).
+  """
+  variants: dict[bool | None, Any]
+  choose: Any
+  eval: Any
+  state_is_finite: Any
   data_on_device: bool
+
+  def train(self, state, batch, step: int):
+    """One update; `step` is the state's step count (known on the host)."""
+    key = None if self.choose is None else self.choose(step, state.opt_state)
+    return self.variants[key](state, batch)
 
 
 def compile_steps(exp: experiment_lib.Experiment,
@@ -78,42 +94,53 @@ def compile_steps(exp: experiment_lib.Experiment,
   When `train_data` fits in `config.device_data_max_mb` per device, it is
   placed (replicated) on the devices once and the train step gathers each
   batch there; the host then sends indices only, which is what keeps the
-  trainer within a few percent of a bare loop on small data sets.
+  trainer within a few percent of a bare loop on small data sets. When
+  SAM has plain steps (warm-up, window, warm restarts), a SAM and a plain
+  variant are compiled and the host picks one per step
+  (`optim.sam_step_chooser`).
   """
   config = exp.config
   repl = jax.sharding.NamedSharding(exp.mesh, jax.sharding.PartitionSpec())
   sam_cfg = config.optimizer.get('sam')
   m_sharpness = bool(sam_cfg and sam_cfg.enabled and sam_cfg.m_sharpness)
-  train_fn = steps.make_train_step(
-      exp.model, exp.tx, config.nonfinite, config.log_every,
-      diagnostics=optim.method_diagnostics(config.optimizer),
-      local_axis=optim.M_SHARPNESS_AXIS if m_sharpness else None,
-      mesh=exp.mesh)
-  sharding_of = steps.metric_shardings(exp.batch_sharding, repl)
-  metric_names = jax.eval_shape(
-      train_fn, exp.abstract_state, exp.abstract_batch(config.batch_size))[1]
-  out_shardings = (exp.state_shardings,
-                   {name: sharding_of(name) for name in metric_names})
+  choose = optim.sam_step_chooser(config.optimizer)
   on_device = input_pipeline.fits_on_devices(train_data,
                                              config.device_data_max_mb)
-  if on_device:
-    resident = input_pipeline.put_replicated(train_data, repl)
-    compiled_train = jax.jit(
+  resident = (input_pipeline.put_replicated(train_data, repl) if on_device
+              else None)
+  sharding_of = steps.metric_shardings(exp.batch_sharding, repl)
+
+  def compile_train(sam_step):
+    train_fn = steps.make_train_step(
+        exp.model, exp.tx, config.nonfinite, config.log_every,
+        diagnostics=optim.method_diagnostics(config.optimizer),
+        local_axis=optim.M_SHARPNESS_AXIS if m_sharpness else None,
+        mesh=exp.mesh, sam_step=sam_step)
+    metric_names = jax.eval_shape(
+        train_fn, exp.abstract_state,
+        exp.abstract_batch(config.batch_size))[1]
+    out_shardings = (exp.state_shardings,
+                     {name: sharding_of(name) for name in metric_names})
+    if not on_device:
+      compiled = jax.jit(
+          train_fn, in_shardings=(exp.state_shardings, exp.batch_sharding),
+          out_shardings=out_shardings, donate_argnums=(0,)).lower(
+              exp.abstract_state,
+              exp.abstract_batch(config.batch_size)).compile()
+      return compiled, compiled
+    compiled = jax.jit(
         lambda state, data, batch: train_fn(
             state, input_pipeline.gather(data, batch['index'])),
         in_shardings=(exp.state_shardings, repl, exp.batch_sharding),
         out_shardings=out_shardings, donate_argnums=(0,)).lower(
             exp.abstract_state, resident,
             exp.abstract_index_batch(config.batch_size)).compile()
-    train = functools.partial(
-        lambda c, data, state, batch: c(state, data, batch),
-        compiled_train, resident)
-  else:
-    compiled_train = train = jax.jit(
-        train_fn, in_shardings=(exp.state_shardings, exp.batch_sharding),
-        out_shardings=out_shardings, donate_argnums=(0,)).lower(
-            exp.abstract_state,
-            exp.abstract_batch(config.batch_size)).compile()
+    return compiled, functools.partial(
+        lambda c, data, state, batch: c(state, data, batch), compiled,
+        resident)
+
+  keys = (None,) if choose is None else (True, False)
+  compiled_variants = {k: compile_train(k) for k in keys}
   compiled_eval = jax.jit(
       steps.make_eval_step(exp.model),
       in_shardings=(exp.state_shardings, exp.batch_sharding),
@@ -127,10 +154,13 @@ def compile_steps(exp: experiment_lib.Experiment,
   logging.info('Training data on the devices: %s (%.2f MiB per device)',
                on_device,
                (train_data.images.nbytes + train_data.labels.nbytes) / 2**20)
-  for name, compiled in (('train_step', compiled_train),
-                         ('eval_step', compiled_eval)):
+  for key, (compiled, _) in compiled_variants.items():
+    name = 'train_step' + ('' if key is None else
+                           ' (SAM)' if key else ' (plain)')
     log_memory_stats(name, compiled)
-  return CompiledSteps(train, compiled_eval, compiled_finite, on_device)
+  log_memory_stats('eval_step', compiled_eval)
+  return CompiledSteps({k: fn for k, (_, fn) in compiled_variants.items()},
+                       choose, compiled_eval, compiled_finite, on_device)
 
 
 def log_memory_stats(name: str, compiled: Any) -> dict[str, int]:
@@ -243,7 +273,8 @@ def train_loop(exp: experiment_lib.Experiment, state: steps.TrainState,
       exp.batch_sharding)
   with sigterm.installed(), contextlib.closing(device_batches):
     for step in range(start + 1, total + 1):
-      state, step_metrics = compiled.train(state, next(device_batches))
+      state, step_metrics = compiled.train(state, next(device_batches),
+                                           step - 1)
       pending.append(step_metrics)
       preempted = sigterm.requested(step)
       is_last = step == total
