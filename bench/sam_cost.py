@@ -14,7 +14,9 @@ Ratios (goal in brackets):
 - geom SAM step / base step (<= 2.0x: two gradients are the floor);
 - geom SAM / optax.contrib.sam in opaque mode, time and peak memory (<= 1.0x);
 - a warm-up step of geom SAM / a base step (<= 1.05x);
-- geom SAM with the detector / without it (<= 1.02x).
+- geom SAM with the detector / without it (<= 1.02x);
+and, for information, what tracking cos(g, g+) (off by default) costs.
+geom SAM is the default: detector on, cosine off.
 """
 
 import os
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from bench import report
+from geom import hallucination
 from geom import sam
 
 _STEPS = flags.DEFINE_integer('steps', 100, 'Steps per timed run.')
@@ -72,6 +75,10 @@ def variants():
       'geom_sam': (sam.sam(base(), rho=RHO), 'params'),
       'geom_sam_no_detector': (sam.sam(base(), rho=RHO, detector=None),
                                'params'),
+      'geom_sam_detector_with_cosine': (sam.sam(
+          base(), rho=RHO,
+          detector=hallucination.DetectorConfig(track_cosine=True)),
+                                        'params'),
       'geom_sam_warmup': (sam.sam(base(), rho=RHO, warmup_steps=10**9),
                           'params'),
       'optax_sam': (optax.contrib.sam(
@@ -135,6 +142,11 @@ def main(argv):
        ratio('geom_sam_warmup', 'base'), '<= 1.05x'),
       ('geom SAM with detector / without',
        ratio('geom_sam', 'geom_sam_no_detector'), '<= 1.02x'),
+      ('detector tracking cos(g, g+) too / without detector (time)',
+       ratio('geom_sam_detector_with_cosine', 'geom_sam_no_detector'), '-'),
+      ('detector tracking cos(g, g+) too / without detector (peak memory)',
+       peak['geom_sam_detector_with_cosine'] / peak['geom_sam_no_detector'],
+       '-'),
   ]
   lines = [
       '## SAM cost',

@@ -24,5 +24,5 @@ def sam_block() -> ml_collections.ConfigDict:
       restart_steps=100,
       shrink_factor=0.5,
       detector=dict(enabled=True, ema_decay=0.9, ratio_threshold=0.1,
-                    min_grad_norm=1e-3, patience=20, track_cosine=True),
+                    min_grad_norm=1e-3, patience=20, track_cosine=False),
   ))

@@ -306,7 +306,9 @@ def test_zero_gradient_gives_no_nan():
 
 def test_diagnostics_report_the_step():
   params, loss, _ = _mlp()
-  _, state = _trajectory(sam.sam(optax.sgd(0.05), rho=0.05), params, loss, 3)
+  with_cosine = hallucination.DetectorConfig(track_cosine=True)
+  _, state = _trajectory(sam.sam(optax.sgd(0.05), rho=0.05,
+                                 detector=with_cosine), params, loss, 3)
   d = sam.diagnostics(optax.chain(optax.identity()).init(params) + (state,))
   for key in ('grad_norm', 'perturbed_grad_norm', 'hallucination',
               'hallucination_steps', 'sam_active', 'grad_ratio', 'cosine',
@@ -352,7 +354,8 @@ def test_cosine_from_the_applied_perturbation_matches_the_direct_one(
     adaptive):
   params, loss, _ = _mlp()
   grad = jax.grad(loss)
-  tx = sam.sam(optax.sgd(0.05), rho=0.05, adaptive=adaptive)
+  tx = sam.sam(optax.sgd(0.05), rho=0.05, adaptive=adaptive,
+               detector=hallucination.DetectorConfig(track_cosine=True))
   g = grad(params)
   _, state = tx.update(g, tx.init(params), params, grad_fn=grad)
   e, _ = sam.perturbation(g, params, 0.05, adaptive=adaptive)
@@ -365,9 +368,9 @@ def test_cosine_from_the_applied_perturbation_matches_the_direct_one(
                              float(optax.tree.norm(g)), rtol=1e-5)
 
 
-def test_detector_without_cosine_still_flags_and_omits_it():
+def test_default_detector_omits_the_cosine():
   params, loss, _ = _mlp()
-  cfg = hallucination.DetectorConfig(track_cosine=False)
+  cfg = hallucination.DetectorConfig()
   _, state = _trajectory(sam.sam(optax.sgd(0.05), rho=0.05, detector=cfg),
                          params, loss, 3)
   d = sam.diagnostics(state)

@@ -43,6 +43,7 @@ def test_config_block_defaults_are_the_detectors():
 def test_sam_run_logs_its_diagnostics_and_warm_start(digits_config,
                                                      tmp_path):
   config = _sam_config(digits_config, rho=0.1, warmup_steps=25)
+  config.optimizer.sam.detector.track_cosine = True
   final = trainer.train_and_evaluate(config, str(tmp_path))
   assert final['test_accuracy'] > 0.85
   records = [json.loads(l) for l in open(tmp_path / 'metrics.jsonl')]
