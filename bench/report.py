@@ -24,3 +24,11 @@ def write_section(name: str, body: str, path: str = BENCHMARKS_MD) -> None:
   with open(tmp, 'w') as f:
     f.write(text)
   os.replace(tmp, path)
+
+
+def publish(name: str, lines: list[str], write: bool) -> None:
+  """Prints a benchmark's section and, if `write`, puts it in BENCHMARKS.md."""
+  body = '\n'.join(lines)
+  print(body)
+  if write:
+    write_section(name, body)

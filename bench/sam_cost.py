@@ -169,10 +169,7 @@ def main(argv):
       'Reproduce: `.venv/bin/python -m bench.sam_cost '
       f'--steps={_STEPS.value} --repeats={_REPEATS.value}`.',
   ]
-  body = '\n'.join(lines)
-  print(body)
-  if _WRITE.value:
-    report.write_section(SECTION, body)
+  report.publish(SECTION, lines, _WRITE.value)
 
 
 if __name__ == '__main__':

@@ -172,10 +172,7 @@ def main(argv):
       'Reproduce: `make bench` or `.venv/bin/python -m bench.trainer_overhead '
       f'--steps={steps} --repeats={repeats}`.',
   ]
-  body = '\n'.join(lines)
-  print(body)
-  if _WRITE.value:
-    report.write_section(SECTION, body)
+  report.publish(SECTION, lines, _WRITE.value)
 
 
 if __name__ == '__main__':
