@@ -20,6 +20,7 @@ def sam_block() -> ml_collections.ConfigDict:
       window_start=0,
       window_stop=-1,
       m_sharpness=False,
+      fused=False,  # The Pallas perturbation kernels (geom.kernels).
       response='flag',  # flag | warm_restart | shrink_rho
       restart_steps=100,
       shrink_factor=0.5,

@@ -27,10 +27,13 @@ def _strings(node):
 def _targets():
   """{'//pkg:name': {'srcs': [paths], 'deps': [labels]}} over all BUILD files."""
   targets = {}
-  for package in ('',) + PACKAGES:
+  packages = [''] + sorted(
+      os.path.relpath(dirpath, REPO_ROOT)
+      for top in PACKAGES
+      for dirpath, _, files in os.walk(os.path.join(REPO_ROOT, top))
+      if 'BUILD' in files)
+  for package in packages:
     path = os.path.join(REPO_ROOT, package, 'BUILD')
-    if not os.path.exists(path):
-      continue
     with open(path) as f:
       tree = ast.parse(f.read(), path)
     for call in ast.walk(tree):

@@ -212,3 +212,18 @@ def test_host_chosen_branches_match_the_transformations_own_choice(
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
                                                        atol=1e-6),
                jax.device_get(state_a.params), jax.device_get(state_b.params))
+
+
+@pytest.mark.parametrize('m_sharpness', [False, True])
+def test_fused_perturbation_matches_the_unfused_step(digits_config, tmp_path,
+                                                     m_sharpness):
+  from configs import digits  # pylint: disable=g-import-not-at-top
+  states = {}
+  for fused in (False, True):
+    config = _sam_config(digits.get_config('runlocal'), rho=0.5,
+                         m_sharpness=m_sharpness, fused=fused)
+    _, states[fused], _ = _one_step(config, str(tmp_path / str(fused)))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
+                                                       atol=1e-6),
+               states[True].params, states[False].params)
+  del digits_config

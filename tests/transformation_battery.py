@@ -45,6 +45,7 @@ CASES = [
     _sam_case('sam_warmup', warmup_steps=2),
     _sam_case('sam_window', window=(1, 4)),
     _sam_case('sam_no_detector', detector=None),
+    _sam_case('sam_fused', fused=True),
     _sam_case('sam_warm_restart', response='warm_restart',
               detector=hallucination.DetectorConfig(patience=1),
               restart_steps=2),

@@ -163,7 +163,8 @@ def _sam_from_config(base: optax.GradientTransformation,
         warmup_steps=cfg.warmup_steps, window=window,
         batch_axis_name=M_SHARPNESS_AXIS if cfg.m_sharpness else None,
         detector=detector, response=cfg.response,
-        restart_steps=cfg.restart_steps, shrink_factor=cfg.shrink_factor)
+        restart_steps=cfg.restart_steps, shrink_factor=cfg.shrink_factor,
+        fused=cfg.fused)
   except ValueError as e:
     # "geom.sam.sam: NAME=VALUE: PROBLEM" or "DetectorConfig.NAME=...".
     message = str(e).removeprefix('geom.sam.sam: ')

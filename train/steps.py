@@ -59,6 +59,7 @@ def make_train_step(
     local_axis: str | None = None,
     mesh: jax.sharding.Mesh | None = None,
     sam_step: bool | None = None,
+    check_vma: bool = True,
 ) -> Callable[..., tuple[TrainState, dict]]:
   """One update on one batch; returns the new state and per-step metrics.
 
@@ -78,6 +79,10 @@ def make_train_step(
     mesh: the mesh, needed with `local_axis`.
     sam_step: passed to `tx.update` when not None: a SAM (True) or plain
       (False) step fixed at trace time (see `geom.sam.sam`).
+    check_vma: shard_map's check of device-variance (with `local_axis`).
+      False for Pallas kernels in interpret mode, whose interpreter
+      rejects device-varying operands; the explicit means above keep the
+      outputs replicated either way.
 
   Returns:
     `train_step(state, batch) -> (state, metrics)`. Metrics: `loss` and
@@ -110,8 +115,9 @@ def make_train_step(
     # With local_axis, differentiate at the device-varying copy of the
     # weights: the gradient at the replicated weights would already be
     # summed over the axis.
-    at = params if local_axis is None else jax.lax.pcast(
-        params, local_axis, to='varying')
+    at = params
+    if local_axis is not None and check_vma:
+      at = jax.lax.pcast(params, local_axis, to='varying')
     (loss, (losses, logits, new_stats)), grads = jax.value_and_grad(
         loss_fn, has_aux=True)(at)
     new_stats = across(jax.lax.pmean, new_stats)
@@ -145,7 +151,7 @@ def make_train_step(
     update = jax.shard_map(
         update, mesh=mesh, in_specs=(rep, rep, rep, rep, rep, loc),
         out_specs=(rep, rep, rep, rep, loc, loc, rep),
-        axis_names={local_axis})
+        axis_names={local_axis}, check_vma=check_vma)
 
   def train_step(state: TrainState, batch: dict[str, jax.Array]):
     params, stats, opt_state, skipped, losses, correct, grad_norm = update(

@@ -115,7 +115,10 @@ def compile_steps(exp: experiment_lib.Experiment,
         exp.model, exp.tx, config.nonfinite, config.log_every,
         diagnostics=optim.method_diagnostics(config.optimizer),
         local_axis=optim.M_SHARPNESS_AXIS if m_sharpness else None,
-        mesh=exp.mesh, sam_step=sam_step)
+        mesh=exp.mesh, sam_step=sam_step,
+        # Pallas's interpreter (CPU) rejects device-varying operands.
+        check_vma=not (m_sharpness and sam_cfg.fused
+                       and jax.default_backend() == 'cpu'))
     metric_names = jax.eval_shape(
         train_fn, exp.abstract_state,
         exp.abstract_batch(config.batch_size))[1]

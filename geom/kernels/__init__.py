@@ -1,0 +1,1 @@
+"""Pallas kernels for geom's methods, each beside its plain-jnp reference."""

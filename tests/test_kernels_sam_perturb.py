@@ -1,0 +1,172 @@
+"""geom.kernels.sam_perturb against its plain-jnp reference and unfused geom.sam.
+
+As in jax's Pallas ops tests, one class holds the tests and a subclass
+runs them in interpret mode; the compiled class runs on GPU or TPU only.
+"""
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from geom import sam
+from geom.kernels import sam_perturb as k
+
+# Odd sizes: every leaf's last block is ragged at the small block size used.
+SHAPES = [(3,), (17, 5), (129, 31), (7,), (1000, 65), (2, 3, 5)]
+SMALL_BLOCKS = k.BlockSizes(block=4096, pack_below=1024)
+
+
+def _tree(dtype=jnp.float32, scale=1.0, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 2 * len(SHAPES))
+  w = {f'l{i}': (jax.random.normal(keys[2 * i], s) * 0.5).astype(dtype)
+       for i, s in enumerate(SHAPES)}
+  g = {f'l{i}': (jax.random.normal(keys[2 * i + 1], s) * scale).astype(dtype)
+       for i, s in enumerate(SHAPES)}
+  return w, g
+
+
+def _assert_tree_close(a, b, rtol, atol):
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(
+      np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol,
+      atol=atol), a, b)
+
+
+class TestSamPerturb:
+  INTERPRET = False
+
+  def setup_method(self):
+    if not self.INTERPRET and jax.default_backend() == 'cpu':
+      pytest.skip('compiled Pallas kernels need a GPU or TPU')
+
+  def perturb(self, *args, **kw):
+    kw.setdefault('block_sizes', SMALL_BLOCKS)
+    return k.sam_perturb(*args, interpret=self.INTERPRET, **kw)
+
+  @pytest.mark.parametrize('adaptive', [False, True])
+  def test_matches_the_reference_in_float32(self, adaptive):
+    w, g = _tree()
+    got, norm = self.perturb(w, g, 0.3, adaptive=adaptive)
+    want, want_norm = k.sam_perturb_reference(w, g, 0.3, adaptive=adaptive)
+    np.testing.assert_allclose(norm, want_norm, rtol=1e-6)
+    _assert_tree_close(got, want, rtol=1e-6, atol=1e-6)
+
+  @pytest.mark.parametrize('adaptive', [False, True])
+  def test_bfloat16_leaves_accumulate_in_float32(self, adaptive):
+    w, g = _tree(jnp.bfloat16)
+    got, norm = self.perturb(w, g, 0.3, adaptive=adaptive)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(got))
+    assert norm.dtype == jnp.float32
+    # The reference also upcasts: same float32 arithmetic, same rounding.
+    want, want_norm = k.sam_perturb_reference(w, g, 0.3, adaptive=adaptive)
+    np.testing.assert_allclose(norm, want_norm, rtol=1e-5)
+    _assert_tree_close(got, want, rtol=1e-2, atol=1e-2)
+    exact = jax.tree.map(lambda x: np.asarray(x, np.float64), g)
+    norm64 = np.sqrt(sum(np.sum(x * x) for x in jax.tree.leaves(exact)))
+    if not adaptive:
+      np.testing.assert_allclose(float(norm), norm64, rtol=1e-6)
+
+  def test_mixed_dtypes_keep_each_leaf_dtype(self):
+    w, g = _tree()
+    w['l1'] = w['l1'].astype(jnp.bfloat16)
+    g['l1'] = g['l1'].astype(jnp.bfloat16)
+    got, norm = self.perturb(w, g, 0.1)
+    want, want_norm = k.sam_perturb_reference(w, g, 0.1)
+    assert got['l1'].dtype == jnp.bfloat16 and got['l0'].dtype == jnp.float32
+    np.testing.assert_allclose(norm, want_norm, rtol=1e-6)
+
+  @pytest.mark.parametrize('adaptive', [False, True])
+  def test_zero_gradient_gives_the_weights_back(self, adaptive):
+    w, g = _tree()
+    zeros = jax.tree.map(jnp.zeros_like, g)
+    got, norm = self.perturb(w, zeros, 0.3, adaptive=adaptive)
+    assert float(norm) == 0.0
+    jax.tree.map(np.testing.assert_array_equal, got, w)
+
+  @pytest.mark.parametrize('scale', [1e20, 1e-25])
+  def test_no_overflow_or_underflow_in_the_norm(self, scale):
+    w, g = _tree(scale=scale)
+    # eps = 0: the step is then rho g / |g| however small |g| is.
+    got, norm = self.perturb(w, g, 0.3, eps=0.0)
+    exact = jax.tree.map(lambda x: np.asarray(x, np.float64), g)
+    norm64 = np.sqrt(sum(np.sum(x * x) for x in jax.tree.leaves(exact)))
+    np.testing.assert_allclose(float(norm), norm64, rtol=1e-5)
+    # A plain float32 sum of squares would give inf or 0 here.
+    naive = float(k.sam_perturb_reference(w, g, 0.3)[1])
+    assert naive in (0.0, float('inf'))
+    e = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, got, w)
+    e_norm = np.sqrt(sum(np.sum(x * x) for x in jax.tree.leaves(e)))
+    np.testing.assert_allclose(e_norm, 0.3, rtol=1e-3)
+
+  def test_equals_unfused_geom_sam_inside_jit(self):
+    w, g = _tree()
+    loss = lambda p: sum(jnp.sum(jnp.sin(x) ** 2) for x in jax.tree.leaves(p))
+    grad = jax.grad(loss)
+    outs = {}
+    for fused in (False, True):
+      tx = sam.sam(optax.sgd(0.1, momentum=0.9), rho=0.2, fused=fused)
+
+      @jax.jit
+      def step(p, s, tx=tx):
+        u, s = tx.update(grad(p), s, p, grad_fn=grad)
+        return optax.apply_updates(p, u), s
+
+      p, s = w, tx.init(w)
+      for _ in range(3):
+        p, s = step(p, s)
+      outs[fused] = p
+    _assert_tree_close(outs[True], outs[False], rtol=1e-5, atol=1e-6)
+
+  def test_few_launches_for_many_small_leaves(self):
+    w = {f'l{i}': jnp.ones((i + 3,)) for i in range(40)}
+    w['big'] = jnp.ones((5000,))
+    jaxpr = jax.make_jaxpr(lambda p: self.perturb(p, p, 0.1))(w)
+    launches = str(jaxpr).count('pallas_call')
+    assert launches == 4  # Norm and update, for the big leaf and the pack.
+
+  def test_grad_through_the_kernel_is_a_clear_error(self):
+    w, g = _tree()
+    f = lambda p: jnp.sum(self.perturb(p, g, 0.1)[0]['l0'])
+    with pytest.raises(TypeError, match='not differentiable'):
+      jax.grad(f)(w)
+
+
+class TestSamPerturbInterpret(TestSamPerturb):
+  INTERPRET = True
+
+
+def test_norm_is_global_across_shards():
+  mesh = jax.make_mesh((8,), ('x',), axis_types=(jax.sharding.AxisType.Auto,))
+  w = {'a': jnp.linspace(-1, 1, 8 * 1000).reshape(8, 1000),
+       'b': jnp.ones((16,))}
+  g = jax.tree.map(lambda x: jnp.cos(3 * x), w)
+  shardings = {'a': NamedSharding(mesh, P('x')), 'b': NamedSharding(mesh, P())}
+  ws, gs = jax.device_put(w, shardings), jax.device_put(g, shardings)
+  got, norm = jax.jit(lambda a, b: k.sam_perturb(a, b, 0.5, block_sizes=(
+      SMALL_BLOCKS)), out_shardings=(shardings, None))(ws, gs)
+  want, want_norm = k.sam_perturb_reference(w, g, 0.5)
+  np.testing.assert_allclose(norm, want_norm, rtol=1e-6)
+  _assert_tree_close(got, want, rtol=1e-6, atol=1e-6)
+  assert got['a'].sharding.spec == P('x')
+
+
+def test_per_device_norms_inside_shard_map():
+  mesh = jax.make_mesh((8,), ('x',), axis_types=(jax.sharding.AxisType.Auto,))
+  w = jnp.linspace(-1, 1, 8 * 64).reshape(8, 64)
+  g = jnp.cos(3 * w) * jnp.arange(1, 9)[:, None]
+
+  @jax.jit
+  def per_device(w, g):
+    return jax.shard_map(
+        lambda a, b: k.sam_perturb(a, b, 0.5)[1][None], mesh=mesh,
+        in_specs=(P('x'), P('x')), out_specs=P('x'), check_vma=False)(w, g)
+
+  np.testing.assert_allclose(per_device(w, g), np.linalg.norm(g, axis=1),
+                             rtol=1e-6)
+
+
+def test_block_sizes_are_validated():
+  with pytest.raises(ValueError, match='block=0'):
+    k.BlockSizes(block=0)
