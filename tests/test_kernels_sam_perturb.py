@@ -170,3 +170,9 @@ def test_per_device_norms_inside_shard_map():
 def test_block_sizes_are_validated():
   with pytest.raises(ValueError, match='block=0'):
     k.BlockSizes(block=0)
+
+
+def test_docstring_example_runs():
+  import doctest  # pylint: disable=g-import-not-at-top
+  result = doctest.testmod(k, verbose=False)
+  assert result.attempted > 0 and result.failed == 0

@@ -79,14 +79,14 @@ def _ascent_direction(w, g, adaptive: bool, eta: float):
   return None, g
 
 
-def _norm_kernel(*refs, n: int, block: int, adaptive: bool, eta: float):
+def _norm_kernel(*refs, n: int, block: int, adaptive: bool):
   if adaptive:
-    w_ref, g_ref, m_ref, s_ref = refs
+    eta_ref, w_ref, g_ref, m_ref, s_ref = refs
   else:
     g_ref, m_ref, s_ref = refs
   g = g_ref[...].astype(jnp.float32)
   w = w_ref[...].astype(jnp.float32) if adaptive else None
-  _, x = _ascent_direction(w, g, adaptive, eta)
+  _, x = _ascent_direction(w, g, adaptive, eta_ref[0] if adaptive else None)
   index = (pl.program_id(0) * block
            + jax.lax.broadcasted_iota(jnp.int32, (block,), 0))
   # Elements past the end of a ragged last block are undefined (NaN in the
@@ -97,14 +97,14 @@ def _norm_kernel(*refs, n: int, block: int, adaptive: bool, eta: float):
   s_ref[0] = s
 
 
-def _update_kernel(scale_ref, w_ref, g_ref, o_ref, *, adaptive: bool,
-                   eta: float):
+def _update_kernel(scalars_ref, w_ref, g_ref, o_ref, *, adaptive: bool):
+  # scalars: (scale, eta).
   w = w_ref[...].astype(jnp.float32)
   g = g_ref[...].astype(jnp.float32)
-  t, _ = _ascent_direction(w, g, adaptive, eta)
+  t, _ = _ascent_direction(w, g, adaptive, scalars_ref[1])
   d = t * t * g if adaptive else g
   # Writes past the end of a ragged last block are dropped by Pallas.
-  o_ref[...] = (w + scale_ref[0] * d).astype(o_ref.dtype)
+  o_ref[...] = (w + scalars_ref[0] * d).astype(o_ref.dtype)
 
 
 def _out_like(x: jax.Array, shape, dtype) -> jax.ShapeDtypeStruct:
@@ -113,7 +113,7 @@ def _out_like(x: jax.Array, shape, dtype) -> jax.ShapeDtypeStruct:
                               manual_axis_type=jax.typeof(x).mat)
 
 
-def _norm_stats(w, g, *, adaptive, eta, block, interpret):
+def _norm_stats(eta, w, g, *, adaptive, block, interpret):
   n = g.shape[0]
   block = min(block, n)
   grid = pl.cdiv(n, block)
@@ -121,24 +121,27 @@ def _norm_stats(w, g, *, adaptive, eta, block, interpret):
   one = pl.BlockSpec((1,), lambda i: (i,))
   stats = _out_like(g, (grid,), jnp.float32)
   kernel = functools.partial(_norm_kernel, n=n, block=block,
-                             adaptive=adaptive, eta=eta)
-  operands = (w, g) if adaptive else (g,)
+                             adaptive=adaptive)
+  if adaptive:
+    operands = (eta.reshape(1), w, g)
+    in_specs = [pl.BlockSpec((1,), lambda i: (0,)), vec, vec]
+  else:
+    operands, in_specs = (g,), [vec]
   return pl.pallas_call(
-      kernel, out_shape=(stats, stats), grid=(grid,),
-      in_specs=[vec] * len(operands), out_specs=(one, one),
-      interpret=interpret)(*operands)
+      kernel, out_shape=(stats, stats), grid=(grid,), in_specs=in_specs,
+      out_specs=(one, one), interpret=interpret)(*operands)
 
 
-def _update(scale, w, g, *, adaptive, eta, block, interpret):
+def _update(scale, eta, w, g, *, adaptive, block, interpret):
   n = w.shape[0]
   block = min(block, n)
   vec = pl.BlockSpec((block,), lambda i: (i,))
   return pl.pallas_call(
-      functools.partial(_update_kernel, adaptive=adaptive, eta=eta),
+      functools.partial(_update_kernel, adaptive=adaptive),
       out_shape=_out_like(g, w.shape, w.dtype),
       grid=(pl.cdiv(n, block),),
-      in_specs=[pl.BlockSpec((1,), lambda i: (0,)), vec, vec],
-      out_specs=vec, interpret=interpret)(scale.reshape(1), w, g)
+      in_specs=[pl.BlockSpec((2,), lambda i: (0,)), vec, vec],
+      out_specs=vec, interpret=interpret)(jnp.stack([scale, eta]), w, g)
 
 
 def _buffers(params, grads, pack_below: int):
@@ -177,10 +180,12 @@ def _buffers(params, grads, pack_below: int):
   return buffers, unflatten
 
 
-def _fused(params, grads, rho, *, adaptive, eta, eps, block_sizes, interpret):
+def _fused(params, grads, rho, eta, eps, *, adaptive, block_sizes,
+           interpret):
+  eta = jnp.asarray(eta, jnp.float32)
   buffers, unflatten = _buffers(params, grads, block_sizes.pack_below)
-  stats = [_norm_stats(w, g, adaptive=adaptive, eta=eta,
-                       block=block_sizes.block, interpret=interpret)
+  stats = [_norm_stats(eta, w, g, adaptive=adaptive, block=block_sizes.block,
+                       interpret=interpret)
            for w, g in buffers if w.size]
   if stats:
     norm = _combine(jnp.concatenate([m for m, _ in stats]),
@@ -188,21 +193,22 @@ def _fused(params, grads, rho, *, adaptive, eta, eps, block_sizes, interpret):
   else:
     norm = jnp.zeros((), jnp.float32)
   scale = (jnp.asarray(rho, jnp.float32) / (norm + eps)).astype(jnp.float32)
-  outs = [_update(scale, w, g, adaptive=adaptive, eta=eta,
-                  block=block_sizes.block, interpret=interpret) if w.size else w
+  outs = [_update(scale, eta, w, g, adaptive=adaptive,
+                  block=block_sizes.block, interpret=interpret)
+          if w.size else w
           for w, g in buffers]
   return unflatten(outs), norm
 
 
 @functools.lru_cache(maxsize=None)
-def _differentiation_guarded(adaptive, eta, eps, block_sizes, interpret):
+def _differentiation_guarded(adaptive, block_sizes, interpret):
   """`_fused` for these static options, with a VJP that explains itself."""
-  fn = functools.partial(_fused, adaptive=adaptive, eta=eta, eps=eps,
-                         block_sizes=block_sizes, interpret=interpret)
+  fn = functools.partial(_fused, adaptive=adaptive, block_sizes=block_sizes,
+                         interpret=interpret)
   guarded = jax.custom_vjp(fn)
 
-  def fwd(params, grads, rho):
-    return fn(params, grads, rho), None
+  def fwd(*args):
+    return fn(*args), None
 
   def bwd(_, cotangents):
     del cotangents
@@ -225,7 +231,7 @@ def sam_perturb(params: Params, grads: Params, rho: float | jax.Array, *,
   Args:
     params: w (any float dtypes; each leaf keeps its dtype).
     grads: g, a tree like `params`.
-    rho: the radius (a scalar, may be traced).
+    rho: the radius (a scalar; rho, eta and eps may be traced).
     adaptive: ASAM, with T = |w| + eta elementwise.
     eta: ASAM's offset.
     eps: added to the norm (g = 0 gives w back, not NaN).
@@ -246,9 +252,9 @@ def sam_perturb(params: Params, grads: Params, rho: float | jax.Array, *,
   """
   if interpret is None:
     interpret = jax.default_backend() == 'cpu'
-  fn = _differentiation_guarded(bool(adaptive), float(eta), float(eps),
-                                block_sizes or BlockSizes(), bool(interpret))
-  return fn(params, grads, rho)
+  fn = _differentiation_guarded(bool(adaptive), block_sizes or BlockSizes(),
+                                bool(interpret))
+  return fn(params, grads, rho, eta, eps)
 
 
 def sam_perturb_reference(params: Params, grads: Params, rho, *,
