@@ -64,6 +64,11 @@ class Checkpoints:
                                 meta=ocp.args.JsonRestore()))
     return restored.state, restored.meta
 
+  def restore_meta(self, step: int) -> dict[str, Any]:
+    """The JSON metadata saved with `step` (e.g. the run's config), alone."""
+    return self._manager.restore(
+        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+
   def wait_until_finished(self) -> None:
     self._manager.wait_until_finished()
 

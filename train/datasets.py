@@ -58,6 +58,9 @@ DATASETS: dict[str, DatasetSpec] = {
 SPLITS = ('train', 'validation', 'test')
 
 
+Batch = dict[str, np.ndarray]
+
+
 @dataclasses.dataclass(frozen=True)
 class ArraySplit:
   """One split in host memory."""
@@ -66,6 +69,9 @@ class ArraySplit:
 
   def __len__(self) -> int:
     return len(self.labels)
+
+  def rows(self, indices: np.ndarray) -> Batch:
+    return {'image': self.images[indices], 'label': self.labels[indices]}
 
 
 def get_spec(name: str) -> DatasetSpec:

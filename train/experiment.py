@@ -68,7 +68,7 @@ class Experiment:
                                           sharding=self.batch_sharding)}
 
 
-def _check_positive(config: ml_collections.ConfigDict, *fields: str) -> None:
+def check_positive(config: ml_collections.ConfigDict, *fields: str) -> None:
   for field in fields:
     value = config[field]
     if not isinstance(value, int) or value <= 0:
@@ -94,23 +94,9 @@ def _batch_divisor(mesh: Mesh, rules) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
-def build(config: ml_collections.ConfigDict, workdir: str) -> Experiment:
-  """Validates `config` and builds the run's parts (see module docstring)."""
-  if config.device_data_max_mb < 0:
-    raise ConfigError('device_data_max_mb', config.device_data_max_mb,
-                      'must be >= 0 (0 keeps data on the host)')
-  _check_positive(config, 'num_steps', 'batch_size', 'eval_batch_size',
-                  'log_every', 'eval_every', 'checkpoint_every',
-                  'keep_checkpoints')
-  spec = datasets.get_spec(config.dataset)
-  if config.nonfinite not in steps.NONFINITE_POLICIES:
-    raise ConfigError('nonfinite', config.nonfinite, 'unknown policy',
-                      steps.NONFINITE_POLICIES)
-  model = models.create_model(config.model, spec.num_classes, spec.pixel_max)
-  tx = optim.create_optimizer(config.optimizer, config.num_steps)
-  learning_rate = optim.learning_rate_schedule(config.optimizer,
-                                               config.num_steps)
-
+def build_mesh(config: ml_collections.ConfigDict) -> tuple[Mesh, list]:
+  """The mesh and logical-axis rules of `config`, after checking that the
+  mesh fits the devices and the batch sizes split over it and the hosts."""
   axes = tuple(config.mesh.axes)
   sharding_lib.mesh_shape(config.mesh.shape, axes, jax.device_count())
   rules = [tuple(r) for r in config.logical_axis_rules]
@@ -123,6 +109,28 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> Experiment:
       if config[field] % n:
         raise ConfigError(field, config[field],
                           f'must be divisible by {what} ({n})')
+
+  return mesh, rules
+
+
+def build(config: ml_collections.ConfigDict, workdir: str) -> Experiment:
+  """Validates `config` and builds the run's parts (see module docstring)."""
+  if config.device_data_max_mb < 0:
+    raise ConfigError('device_data_max_mb', config.device_data_max_mb,
+                      'must be >= 0 (0 keeps data on the host)')
+  check_positive(config, 'num_steps', 'batch_size', 'eval_batch_size',
+                  'log_every', 'eval_every', 'checkpoint_every',
+                  'keep_checkpoints')
+  spec = datasets.get_spec(config.dataset)
+  if config.nonfinite not in steps.NONFINITE_POLICIES:
+    raise ConfigError('nonfinite', config.nonfinite, 'unknown policy',
+                      steps.NONFINITE_POLICIES)
+  model = models.create_model(config.model, spec.num_classes, spec.pixel_max)
+  tx = optim.create_optimizer(config.optimizer, config.num_steps)
+  learning_rate = optim.learning_rate_schedule(config.optimizer,
+                                               config.num_steps)
+
+  mesh, rules = build_mesh(config)
 
   sam_cfg = config.optimizer.get('sam')
   if sam_cfg and sam_cfg.enabled and sam_cfg.m_sharpness:

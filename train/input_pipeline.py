@@ -14,13 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train.datasets import ArraySplit
-
-Batch = dict[str, np.ndarray]
+from train.datasets import ArraySplit, Batch
 
 
 class TrainBatches:
-  """Shuffled, drop-remainder training batches addressed by step number."""
+  """Shuffled, drop-remainder training batches addressed by step number.
+
+  `data` is any split with `len()` and `rows(indices) -> Batch`
+  (`datasets.ArraySplit`, `lm_data.TokenWindows`).
+  """
 
   def __init__(self, data: ArraySplit, global_batch_size: int, seed: int,
                process_index: int = 0, process_count: int = 1):
@@ -54,8 +56,7 @@ class TrainBatches:
     return self.global_indices(step)[self._rows]
 
   def local_batch(self, step: int) -> Batch:
-    idx = self.local_indices(step)
-    return {'image': self.data.images[idx], 'label': self.data.labels[idx]}
+    return self.data.rows(self.local_indices(step))
 
   def iterate(self, start_step: int, stop_step: int,
               indices_only: bool = False) -> Iterator[Batch]:
@@ -102,8 +103,9 @@ def eval_batches(data: ArraySplit, global_batch_size: int,
     idx = np.arange(start, start + global_batch_size)
     mask = idx < n
     idx = np.where(mask, idx, 0)[rows]
-    yield {'image': data.images[idx], 'label': data.labels[idx],
-           'mask': mask[rows].astype(np.float32)}
+    batch = data.rows(idx)
+    batch['mask'] = mask[rows].astype(np.float32)
+    yield batch
 
 
 def to_global(batch: Batch, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:

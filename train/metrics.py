@@ -30,7 +30,7 @@ def read_json(path: str) -> dict:
     return json.load(f)
 
 
-def _atomic_write_text(path: str, text: str) -> None:
+def write_text_atomic(path: str, text: str) -> None:
   tmp = f'{path}.tmp.{os.getpid()}'
   with open(tmp, 'w') as f:
     f.write(text)
@@ -40,7 +40,7 @@ def _atomic_write_text(path: str, text: str) -> None:
 
 
 def write_json_atomic(path: str, obj: object) -> None:
-  _atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + '\n')
+  write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + '\n')
 
 
 class MetricWriter:
@@ -56,7 +56,7 @@ class MetricWriter:
       kept = []
     else:
       kept = [r for r in read_jsonl(self.path) if r['step'] <= resume_step]
-    _atomic_write_text(self.path, ''.join(json.dumps(r) + '\n' for r in kept))
+    write_text_atomic(self.path, ''.join(json.dumps(r) + '\n' for r in kept))
     self._file = open(self.path, 'a')
     # Imported here: only process 0 needs it.
     from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top

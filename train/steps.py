@@ -40,6 +40,41 @@ class TrainState:
   skipped_steps: jax.Array
 
 
+# (model, variables, batch, train) -> (per-example loss, per-example
+# correctness in [0, 1], new batch_stats).
+PerExample = Callable[[nn.Module, dict[str, Any], dict[str, jax.Array], bool],
+                      tuple[jax.Array, jax.Array, Any]]
+
+
+def classification_loss(model: nn.Module, variables: dict[str, Any],
+                        batch: dict[str, jax.Array], train: bool):
+  """Cross-entropy and correctness of `batch['image']` against `batch['label']`."""
+  if train:
+    logits, new_vars = model.apply(variables, batch['image'], train=True,
+                                   mutable=['batch_stats'])
+    new_stats = new_vars['batch_stats']
+  else:
+    logits = model.apply(variables, batch['image'], train=False)
+    new_stats = variables['batch_stats']
+  losses = optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch['label'])
+  correct = (jnp.argmax(logits, -1) == batch['label']).astype(jnp.float32)
+  return losses, correct, new_stats
+
+
+def lm_loss(model: nn.Module, variables: dict[str, Any],
+            batch: dict[str, jax.Array], train: bool):
+  """Next-token cross-entropy (mean over positions) of `batch['tokens']`
+  (batch, seq + 1), and next-token accuracy, per sequence."""
+  del train  # No dropout or batch statistics in the LM.
+  tokens = batch['tokens'].astype(jnp.int32)
+  logits, _ = model.apply({'params': variables['params']}, tokens[:, :-1])
+  targets = tokens[:, 1:]
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+  return losses.mean(-1), correct.mean(-1), variables['batch_stats']
+
+
 def init_state(model: nn.Module, tx: optax.GradientTransformation,
                example_images: jax.Array, rng: jax.Array) -> TrainState:
   variables = nn.meta.unbox(model.init(rng, example_images, train=False))
@@ -60,6 +95,7 @@ def make_train_step(
     mesh: jax.sharding.Mesh | None = None,
     sam_step: bool | None = None,
     check_vma: bool = True,
+    per_example: PerExample | None = None,
 ) -> Callable[..., tuple[TrainState, dict]]:
   """One update on one batch; returns the new state and per-step metrics.
 
@@ -83,6 +119,9 @@ def make_train_step(
       False for Pallas kernels in interpret mode, whose interpreter
       rejects device-varying operands; the explicit means above keep the
       outputs replicated either way.
+    per_example: the loss, as `(model, variables, batch, train) ->
+      (losses, correct, new batch_stats)` per example (default:
+      `classification_loss`; `lm_loss` for language models).
 
   Returns:
     `train_step(state, batch) -> (state, metrics)`. Metrics: `loss` and
@@ -98,6 +137,7 @@ def make_train_step(
                      f'{NONFINITE_POLICIES}')
   if local_axis is not None and mesh is None:
     raise ValueError('make_train_step: local_axis needs the mesh')
+  per_example = per_example or classification_loss
 
   def across(fn, x):
     return x if local_axis is None else fn(x, local_axis)
@@ -105,12 +145,9 @@ def make_train_step(
   def update(params, batch_stats, opt_state, skipped, step, batch):
 
     def loss_fn(p):
-      logits, new_vars = model.apply(
-          {'params': p, 'batch_stats': batch_stats},
-          batch['image'], train=True, mutable=['batch_stats'])
-      losses = optax.softmax_cross_entropy_with_integer_labels(
-          logits, batch['label'])
-      return losses.mean(), (losses, logits, new_vars['batch_stats'])
+      losses, correct, new_stats = per_example(
+          model, {'params': p, 'batch_stats': batch_stats}, batch, True)
+      return losses.mean(), (losses, correct, new_stats)
 
     # With local_axis, differentiate at the device-varying copy of the
     # weights: the gradient at the replicated weights would already be
@@ -118,7 +155,7 @@ def make_train_step(
     at = params
     if local_axis is not None and check_vma:
       at = jax.lax.pcast(params, local_axis, to='varying')
-    (loss, (losses, logits, new_stats)), grads = jax.value_and_grad(
+    (loss, (losses, correct, new_stats)), grads = jax.value_and_grad(
         loss_fn, has_aux=True)(at)
     new_stats = across(jax.lax.pmean, new_stats)
     grad_fn = lambda p: jax.grad(lambda q: loss_fn(q)[0])(p)
@@ -142,7 +179,6 @@ def make_train_step(
                                     jnp.float32)
     grad_norm = jax.lax.cond((step + 1) % log_every == 0, optax.tree.norm,
                              zero, grads)
-    correct = (jnp.argmax(logits, -1) == batch['label']).astype(jnp.float32)
     return (new_params, new_stats, new_opt, skipped, losses, correct,
             across(jax.lax.pmean, grad_norm))
 
@@ -227,16 +263,16 @@ def state_is_finite(state: TrainState) -> jax.Array:
   return jnp.all(jnp.stack(checks)) if checks else jnp.array(True)
 
 
-def make_eval_step(model: nn.Module) -> Callable[..., dict[str, jax.Array]]:
+def make_eval_step(
+    model: nn.Module,
+    per_example: PerExample | None = None) -> Callable[..., dict[str, jax.Array]]:
   """Sums of loss, correct predictions and real examples (mask) of one batch."""
+  per_example = per_example or classification_loss
 
   def eval_step(state: TrainState, batch: dict[str, jax.Array]):
-    logits = model.apply(
-        {'params': state.params, 'batch_stats': state.batch_stats},
-        batch['image'], train=False)
-    loss = optax.softmax_cross_entropy_with_integer_labels(
-        logits, batch['label'])
-    correct = jnp.argmax(logits, -1) == batch['label']
+    loss, correct, _ = per_example(
+        model, {'params': state.params, 'batch_stats': state.batch_stats},
+        batch, False)
     mask = batch['mask']
     return {'loss_sum': jnp.sum(loss * mask),
             'correct': jnp.sum(correct * mask),
