@@ -1,0 +1,295 @@
+"""Spherical steering of activations, with addition baselines behind one interface.
+
+Spherical steering (chili-lab/Spherical-Steering) moves a hidden state x
+along the great circle from its direction x/|x| toward a unit target mu,
+keeping |x|:
+
+    c      = <x/|x|, mu>,   theta = angle(x, mu)
+    t      = fraction of the way to rotate (see the gate below)
+    x'     = |x| (cos((1 - t) theta) mu + sin((1 - t) theta) u),
+    u      = (x/|x| - c mu) / |x/|x| - c mu|
+
+which is slerp(x/|x|, mu; t) scaled by |x|: t = 0 is the identity, t = 1
+lands on mu. The gate is a von Mises-Fisher comparison of x against the
+target and its antipode: softmax([kappa c, -kappa c]) gives p_T, p_H and
+delta = p_H - p_T = -tanh(kappa c). A token is steered only when
+delta > beta, by t = clip(alpha (delta - beta) / (1 - beta), 0, 1): tokens
+already on the target's side are left alone. Without the gate every token
+rotates by t = alpha.
+
+Addition (ActAdd / CAA): x' = x + alpha * coefficient * mu, optionally
+renormalised to |x| (repeng's option). `coefficient` sets the scale of
+alpha, e.g. the mean activation norm at the layer, so that alpha in [0, 1]
+means comparable strengths for every method.
+
+Everything is computed in float32 and cast back to the input dtype;
+tokens outside `mask` and tokens the gate leaves alone come back bit for
+bit. The angle is atan2(|x_hat - c mu|, c), accurate at both ends; at
+theta near pi (x = -|x| mu) the rotation plane is not defined by x, and a
+fixed unit vector orthogonal to mu is used (any choice gives a valid
+geodesic; a fixed one keeps the result deterministic).
+
+Which parts are the reference's: the rotation, the vMF gate with kappa,
+alpha, beta. Ours: the theta-near-pi plane, the exact pass-through of
+ungated tokens, the uncentred PCA (below) and the trigger statistics.
+
+Example:
+
+  >>> import jax.numpy as jnp
+  >>> from geom import steering
+  >>> mu = jnp.array([1.0, 0.0, 0.0])
+  >>> s = steering.Steering(method='spherical', direction=mu, alpha=1.0,
+  ...                       gate=False)
+  >>> x = jnp.array([[[0.0, 2.0, 0.0]]])
+  >>> y, stats = s(x)
+  >>> [round(float(v), 4) for v in y[0, 0]]
+  [2.0, 0.0, 0.0]
+
+References:
+  Spherical Steering: geodesic activation steering with a confidence gate
+    (2026), code: github.com/chili-lab/Spherical-Steering.
+  Turner et al., Activation Addition (ActAdd), arXiv 2308.10248.
+  Rimsky et al., Steering Llama 2 via Contrastive Activation Addition
+    (CAA), arXiv 2312.06681.
+  Vogel, repeng (representation engineering), github.com/vgel/repeng.
+"""
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+METHODS = ('none', 'addition', 'spherical')
+DIRECTION_METHODS = ('mean_diff', 'pca')
+
+# Below this angle a token already points at the target (the reference
+# skips theta < 1e-4 too); |x_hat - c mu| below this uses the fixed plane.
+_MIN_THETA = 1e-4
+_MIN_NORM = 1e-12
+
+
+def _is_concrete(x) -> bool:
+  """A value to check now: numbers and arrays, not tracers or the
+  placeholders JAX's tree utilities unflatten with."""
+  if isinstance(x, jax.core.Tracer):
+    return False
+  return isinstance(x, (int, float, list, tuple, np.ndarray, np.generic,
+                        jax.Array))
+
+
+def _check_scalar(name: str, value, ok, problem: str) -> None:
+  """Checks a concrete scalar hyper-parameter (traced ones pass through)."""
+  if _is_concrete(value) and np.ndim(value) == 0 and not ok(float(value)):
+    raise ValueError(f'{name}={float(value)!r}: {problem}')
+
+
+def check_direction(direction, name: str = 'direction') -> np.ndarray:
+  """The direction as float32 numpy after checking it is usable (a vector,
+  finite, non-zero); raises ValueError naming `name` otherwise."""
+  d = np.asarray(direction, np.float32)
+  if d.ndim != 1 or d.size == 0:
+    raise ValueError(f'{name}: must be a non-empty vector, got shape '
+                     f'{d.shape}')
+  if not np.all(np.isfinite(d)):
+    raise ValueError(f'{name}: has non-finite entries')
+  if not np.linalg.norm(d.astype(np.float64)) > 0:
+    raise ValueError(f'{name}: is zero; a steering direction needs a '
+                     'non-zero vector')
+  return d
+
+
+def unit(direction) -> jax.Array:
+  d = jnp.asarray(direction, jnp.float32)
+  return d / jnp.linalg.norm(d)
+
+
+def mean_difference(positive, negative) -> jax.Array:
+  """normalize(mean(positive) - mean(negative)); inputs are (n, dim) activations."""
+  positive = jnp.asarray(positive, jnp.float32)
+  negative = jnp.asarray(negative, jnp.float32)
+  if positive.ndim != 2 or negative.shape[1:] != positive.shape[1:]:
+    raise ValueError(f'positive {positive.shape} and negative '
+                     f'{negative.shape}: need (n, dim) arrays of one dim')
+  diff = positive.mean(0) - negative.mean(0)
+  check_direction(diff, 'mean difference of positive and negative')
+  return unit(diff)
+
+
+def pca_direction(positive, negative) -> jax.Array:
+  """First principal direction of the paired differences positive[i] - negative[i].
+
+  Uncentred (the top right-singular vector of the difference matrix): the
+  differences share their mean, which is the concept itself, and
+  centring would remove it. The sign is chosen so that the mean difference
+  projects positively.
+  """
+  positive = jnp.asarray(positive, jnp.float32)
+  negative = jnp.asarray(negative, jnp.float32)
+  if positive.shape != negative.shape or positive.ndim != 2:
+    raise ValueError(f'positive {positive.shape} and negative '
+                     f'{negative.shape}: pca needs paired (n, dim) arrays')
+  diffs = positive - negative
+  check_direction(diffs.mean(0), 'mean of the paired differences')
+  _, _, vt = jnp.linalg.svd(diffs, full_matrices=False)
+  top = vt[0]
+  return unit(jnp.where(jnp.dot(top, diffs.mean(0)) < 0, -top, top))
+
+
+def extract_direction(positive, negative, method: str = 'mean_diff') -> jax.Array:
+  """A unit direction from contrastive activations: 'mean_diff' or 'pca'."""
+  if method == 'mean_diff':
+    return mean_difference(positive, negative)
+  if method == 'pca':
+    return pca_direction(positive, negative)
+  raise ValueError(f'method={method!r}: unknown direction method; valid '
+                   f'choices: {", ".join(DIRECTION_METHODS)}')
+
+
+def gate(cos: jax.Array, *, alpha, kappa, beta) -> tuple[jax.Array, jax.Array]:
+  """The vMF gate: (delta, t) with delta = -tanh(kappa cos) and the fraction t.
+
+  delta is p_H - p_T of softmax([kappa cos, -kappa cos]); t = 0 where
+  delta <= beta, else clip(alpha (delta - beta) / (1 - beta), 0, 1).
+  """
+  delta = -jnp.tanh(kappa * cos)
+  t = jnp.clip(alpha * (delta - beta) / (1.0 - beta), 0.0, 1.0)
+  return delta, jnp.where(delta > beta, t, 0.0)
+
+
+def _orthogonal_unit(mu: jax.Array) -> jax.Array:
+  """A fixed unit vector orthogonal to mu (Gram-Schmidt of mu's smallest axis)."""
+  e = jax.nn.one_hot(jnp.argmin(jnp.abs(mu)), mu.shape[-1], dtype=mu.dtype)
+  v = e - jnp.dot(e, mu) * mu
+  return v / jnp.linalg.norm(v)
+
+
+def slerp_rotate(x: jax.Array, mu: jax.Array, t: jax.Array) -> jax.Array:
+  """x rotated by fraction t of its angle toward unit mu, norm kept (float32).
+
+  x: (..., dim); t broadcasts against x[..., 0]. Returns float32.
+  """
+  x = x.astype(jnp.float32)
+  mu = mu.astype(jnp.float32)
+  norm = jnp.linalg.norm(x, axis=-1, keepdims=True)
+  x_hat = x / jnp.maximum(norm, _MIN_NORM)
+  c = jnp.sum(x_hat * mu, axis=-1, keepdims=True)
+  perp = x_hat - c * mu
+  sin = jnp.linalg.norm(perp, axis=-1, keepdims=True)
+  theta = jnp.arctan2(sin, c)
+  u = jnp.where(sin > _MIN_NORM, perp / jnp.maximum(sin, _MIN_NORM),
+                _orthogonal_unit(mu))
+  new_theta = (1.0 - jnp.asarray(t, jnp.float32)[..., None]) * theta
+  rotated = norm * (jnp.cos(new_theta) * mu + jnp.sin(new_theta) * u)
+  return jnp.where(theta < _MIN_THETA, x, rotated)
+
+
+class SteerStats(NamedTuple):
+  """Sums over the steered tokens of one call; add them across calls.
+
+  Attributes:
+    tokens: tokens in the mask.
+    triggered: tokens that were changed (t > 0; every masked token for
+      addition with alpha > 0).
+    t_sum: sum of the rotation fraction t (spherical) or of alpha (addition).
+  """
+  tokens: jax.Array
+  triggered: jax.Array
+  t_sum: jax.Array
+
+  @property
+  def trigger_rate(self) -> jax.Array:
+    return self.triggered / jnp.maximum(self.tokens, 1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Steering:
+  """One steering operator, applied as `steering(x, mask) -> (x', SteerStats)`.
+
+  A pytree whose numbers (direction, alpha, kappa, beta, coefficient) are
+  leaves, so a jitted function taking it as an argument sweeps alpha
+  without recompiling; `method`, `gate` and `renormalize` are static.
+
+  Attributes:
+    method: 'spherical', 'addition' or 'none'.
+    direction: (dim,) target direction (normalised here).
+    alpha: strength in [0, 1]: the rotation fraction (gated: its maximum)
+      or the addition coefficient's multiplier.
+    kappa: vMF concentration of the gate (reference: 20).
+    beta: gate threshold in [-1, 1): steer only where delta > beta.
+    coefficient: addition scale (e.g. the mean activation norm).
+    gate: spherical only: gate the rotation (else t = alpha everywhere).
+    renormalize: addition only: rescale x' to |x|.
+  """
+  method: str = dataclasses.field(metadata=dict(static=True))
+  direction: jax.Array
+  alpha: float | jax.Array = 0.5
+  kappa: float | jax.Array = 20.0
+  beta: float | jax.Array = 0.0
+  coefficient: float | jax.Array = 1.0
+  gate: bool = dataclasses.field(default=True, metadata=dict(static=True))
+  renormalize: bool = dataclasses.field(default=False,
+                                        metadata=dict(static=True))
+
+  def __post_init__(self):
+    if self.method not in METHODS:
+      raise ValueError(f'method={self.method!r}: unknown steering method; '
+                       f'valid choices: {", ".join(METHODS)}')
+    # Checked when concrete; inside jit the values were checked on entry.
+    if _is_concrete(self.direction):
+      check_direction(self.direction)
+    _check_scalar('alpha', self.alpha, lambda v: 0.0 <= v <= 1.0,
+                  'must be in [0, 1]')
+    _check_scalar('beta', self.beta, lambda v: -1.0 <= v < 1.0,
+                  'must be in [-1, 1)')
+    _check_scalar('kappa', self.kappa, lambda v: v >= 0, 'must be >= 0')
+    _check_scalar('coefficient', self.coefficient, lambda v: v >= 0,
+                  'must be >= 0')
+
+  @property
+  def hidden_size(self) -> int:
+    return int(np.shape(self.direction)[-1])
+
+  def __call__(self, x: jax.Array,
+               mask: jax.Array | None = None) -> tuple[jax.Array, SteerStats]:
+    """Steers x: (..., dim) where `mask` (x.shape[:-1], bool) is set.
+
+    Raises:
+      ValueError: x's last dimension differs from the direction's.
+    """
+    if x.shape[-1] != self.hidden_size:
+      raise ValueError(f'direction: hidden size {self.hidden_size} does not '
+                       f'match the activations\' {x.shape[-1]} (shape '
+                       f'{x.shape})')
+    mask = (jnp.ones(x.shape[:-1], bool) if mask is None
+            else jnp.broadcast_to(jnp.asarray(mask, bool), x.shape[:-1]))
+    tokens = jnp.sum(mask, dtype=jnp.float32)
+    if self.method == 'none':
+      zero = jnp.zeros((), jnp.float32)
+      return x, SteerStats(tokens, zero, zero)
+    mu = unit(self.direction)
+    xf = x.astype(jnp.float32)
+    alpha = jnp.asarray(self.alpha, jnp.float32)
+    if self.method == 'addition':
+      new = xf + alpha * self.coefficient * mu
+      if self.renormalize:
+        scale = (jnp.linalg.norm(xf, axis=-1, keepdims=True)
+                 / jnp.maximum(jnp.linalg.norm(new, axis=-1, keepdims=True),
+                               _MIN_NORM))
+        new = new * scale
+      t = jnp.broadcast_to(alpha, mask.shape)
+    else:
+      if self.gate:
+        norm = jnp.linalg.norm(xf, axis=-1)
+        cos = jnp.sum(xf * mu, -1) / jnp.maximum(norm, _MIN_NORM)
+        _, t = gate(cos, alpha=alpha, kappa=self.kappa, beta=self.beta)
+      else:
+        t = jnp.broadcast_to(alpha, mask.shape)
+      new = slerp_rotate(xf, mu, t)
+    changed = mask & (t > 0)
+    out = jnp.where(changed[..., None], new.astype(x.dtype), x)
+    return out, SteerStats(tokens, jnp.sum(changed, dtype=jnp.float32),
+                           jnp.sum(jnp.where(changed, t, 0.0)))
+

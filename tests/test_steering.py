@@ -1,0 +1,218 @@
+"""geom.steering against closed forms and plain loops: slerp, the gate, masks, extraction."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from geom import steering as st
+
+
+def _slerp64(a, b, t):
+  """The textbook slerp of unit vectors a, b (float64)."""
+  omega = np.arccos(np.clip(np.dot(a, b), -1, 1))
+  if omega < 1e-9:
+    return a
+  return (np.sin((1 - t) * omega) * a + np.sin(t * omega) * b) / np.sin(omega)
+
+
+def _random(shape, seed):
+  return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+
+
+@pytest.mark.parametrize('t', [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_rotation_equals_slerp_and_keeps_the_norm(t):
+  x = _random((64, 16), 0) * 3.0
+  mu = _random((16,), 1)
+  mu /= np.linalg.norm(mu)
+  out = np.asarray(st.slerp_rotate(jnp.asarray(x), jnp.asarray(mu),
+                                   jnp.full((64,), t)))
+  norms = np.linalg.norm(x, axis=-1)
+  np.testing.assert_allclose(np.linalg.norm(out, axis=-1), norms, rtol=1e-5)
+  for i in range(64):
+    ref = norms[i] * _slerp64(x[i].astype(np.float64) / norms[i],
+                              mu.astype(np.float64), t)
+    np.testing.assert_allclose(out[i], ref, atol=2e-5 * norms[i])
+
+
+def test_t0_is_identity_and_t1_lands_on_the_target():
+  x = jnp.asarray(_random((2, 5, 8), 2))
+  mu = jnp.asarray(_random((8,), 3))
+  ident, stats = st.Steering('spherical', mu, alpha=0.0, gate=False)(x)
+  np.testing.assert_array_equal(ident, x)  # Bit for bit.
+  assert float(stats.triggered) == 0
+  full, _ = st.Steering('spherical', mu, alpha=1.0, gate=False)(x)
+  unit = np.asarray(mu) / np.linalg.norm(mu)
+  directions = np.asarray(full) / np.linalg.norm(full, axis=-1, keepdims=True)
+  np.testing.assert_allclose(directions, np.broadcast_to(unit, x.shape),
+                             atol=1e-5)
+
+
+def test_gate_equals_the_reference_softmax_and_minus_tanh():
+  kappa, alpha, beta = 20.0, 0.7, 0.2
+  x = _random((200, 8), 4)
+  mu = _random((8,), 5)
+  mu /= np.linalg.norm(mu)
+  c = (x @ mu) / np.linalg.norm(x, axis=-1)
+  # The reference: softmax over [kappa <x, mu_T>, kappa <x, mu_H>], mu_H = -mu_T.
+  logits = np.stack([kappa * c, kappa * -c], -1).astype(np.float64)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  delta_ref = p[:, 1] - p[:, 0]
+  np.testing.assert_allclose(delta_ref, -np.tanh(kappa * c), atol=1e-7)
+  delta, t = st.gate(jnp.asarray(c), alpha=alpha, kappa=kappa, beta=beta)
+  np.testing.assert_allclose(delta, delta_ref, atol=1e-6)
+  t_ref = np.where(delta_ref > beta,
+                   np.clip(alpha * (delta_ref - beta) / (1 - beta), 0, 1), 0)
+  np.testing.assert_allclose(t, t_ref, atol=1e-6)
+  assert 0 < np.mean(t_ref > 0) < 1  # Both branches exercised.
+  # The operator rotates by exactly that t and leaves the rest alone.
+  out, stats = st.Steering('spherical', mu, alpha=alpha, kappa=kappa,
+                           beta=beta)(jnp.asarray(x))
+  out = np.asarray(out)
+  off = t_ref == 0
+  np.testing.assert_array_equal(out[off], x[off])
+  on = np.flatnonzero(~off)
+  ref = np.asarray(st.slerp_rotate(jnp.asarray(x[on]), jnp.asarray(mu),
+                                   jnp.asarray(t_ref[on])))
+  np.testing.assert_allclose(out[on], ref, atol=1e-5)
+  assert float(stats.triggered) == on.size
+  np.testing.assert_allclose(float(stats.t_sum), t_ref.sum(), rtol=1e-5)
+
+
+@pytest.mark.parametrize('noise', [0.0, 1e-7, 1e-4])
+def test_theta_near_pi_is_finite_and_geodesic(noise):
+  mu = np.zeros(6, np.float32)
+  mu[2] = 1.0
+  x = (-2.5 * mu + noise * _random((6,), 6)).astype(np.float32)
+  for t in (0.25, 0.5, 1.0):
+    out = np.asarray(st.slerp_rotate(jnp.asarray(x), jnp.asarray(mu),
+                                     jnp.asarray(t)))
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(np.linalg.norm(out), np.linalg.norm(x),
+                               rtol=1e-5)
+    # Angle to the target shrinks to (1 - t) * pi.
+    cos = out @ mu / np.linalg.norm(out)
+    np.testing.assert_allclose(np.arccos(np.clip(cos, -1, 1)),
+                               (1 - t) * np.pi, atol=2e-3)
+
+
+def test_zero_activation_stays_zero():
+  mu = jnp.ones(4)
+  out, _ = st.Steering('spherical', mu, alpha=1.0, gate=False)(jnp.zeros(
+      (1, 4)))
+  np.testing.assert_array_equal(out, 0.0)
+
+
+@pytest.mark.parametrize('method,kwargs', [
+    ('spherical', dict(gate=True, beta=-0.3)),
+    ('spherical', dict(gate=False)),
+    ('addition', dict(coefficient=2.0)),
+    ('addition', dict(coefficient=2.0, renormalize=True)),
+])
+def test_vectorised_equals_per_token_loop_with_mask(method, kwargs):
+  x = _random((3, 7, 16), 7)
+  mask = np.random.default_rng(8).random((3, 7)) < 0.6
+  mu = _random((16,), 9)
+  op = st.Steering(method, jnp.asarray(mu), alpha=0.6, **kwargs)
+  out, stats = jax.jit(lambda s, x, m: s(x, m))(op, jnp.asarray(x),
+                                                jnp.asarray(mask))
+  out = np.asarray(out)
+  changed = 0
+  for b in range(3):
+    for s in range(7):
+      if not mask[b, s]:
+        np.testing.assert_array_equal(out[b, s], x[b, s])
+        continue
+      one, one_stats = op(jnp.asarray(x[b, s]))
+      np.testing.assert_allclose(out[b, s], one, atol=1e-5)
+      changed += int(one_stats.triggered)
+  assert float(stats.tokens) == mask.sum()
+  assert float(stats.triggered) == changed
+
+
+def test_addition_and_renormalisation_closed_forms():
+  x = _random((10, 8), 10)
+  mu = _random((8,), 11)
+  unit = mu / np.linalg.norm(mu)
+  out, _ = st.Steering('addition', jnp.asarray(mu), alpha=0.5,
+                       coefficient=3.0)(jnp.asarray(x))
+  np.testing.assert_allclose(out, x + 1.5 * unit, atol=1e-5)
+  out, _ = st.Steering('addition', jnp.asarray(mu), alpha=0.5,
+                       coefficient=3.0, renormalize=True)(jnp.asarray(x))
+  new = x + 1.5 * unit
+  np.testing.assert_allclose(
+      out, new * (np.linalg.norm(x, axis=-1) / np.linalg.norm(new, axis=-1)
+                  )[:, None], atol=1e-5)
+
+
+def test_bfloat16_in_bfloat16_out_computed_in_float32():
+  x32 = _random((4, 32), 12) * 50
+  x = jnp.asarray(x32, jnp.bfloat16)
+  mu = jnp.asarray(_random((32,), 13))
+  out, _ = st.Steering('spherical', mu, alpha=0.5, gate=False)(x)
+  assert out.dtype == jnp.bfloat16
+  ref = st.slerp_rotate(x.astype(jnp.float32), st.unit(mu),
+                        jnp.full((4,), 0.5)).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                np.asarray(ref, np.float32))
+  np.testing.assert_allclose(
+      np.linalg.norm(np.asarray(out, np.float32), axis=-1),
+      np.linalg.norm(np.asarray(x, np.float32), axis=-1), rtol=1e-2)
+
+
+def test_alpha_is_a_traced_leaf_no_recompile():
+  traces = []
+
+  @jax.jit
+  def apply(op, x):
+    traces.append(1)
+    return op(x)[0]
+
+  x = jnp.asarray(_random((2, 8), 14))
+  mu = jnp.asarray(_random((8,), 15))
+  outs = [apply(st.Steering('spherical', mu, alpha=a, gate=False), x)
+          for a in (0.1, 0.4, 0.9)]
+  assert len(traces) == 1
+  assert not np.allclose(outs[0], outs[2])
+
+
+def test_directions_recover_a_planted_concept():
+  rng = np.random.default_rng(16)
+  concept = rng.normal(size=32)
+  concept /= np.linalg.norm(concept)
+  base = rng.normal(size=(400, 32))
+  pos = base + 2.0 * concept + 0.3 * rng.normal(size=(400, 32))
+  neg = base - 2.0 * concept + 0.3 * rng.normal(size=(400, 32))
+  md = np.asarray(st.extract_direction(pos, neg, 'mean_diff'))
+  ref = pos.mean(0) - neg.mean(0)
+  np.testing.assert_allclose(md, ref / np.linalg.norm(ref), atol=1e-5)
+  pca = np.asarray(st.extract_direction(pos, neg, 'pca'))
+  assert pca @ concept > 0.99  # Sign follows the mean difference.
+  assert md @ concept > 0.99
+
+
+@pytest.mark.parametrize('make,message', [
+    (lambda: st.Steering('spherical', jnp.zeros(4)), 'direction: is zero'),
+    (lambda: st.Steering('spherical', jnp.array([1.0, np.nan])),
+     'direction: has non-finite'),
+    (lambda: st.Steering('spherical', jnp.array([1.0, np.inf])),
+     'direction: has non-finite'),
+    (lambda: st.Steering('spherical', jnp.ones(4), alpha=1.5),
+     r'alpha=1.5: must be in \[0, 1\]'),
+    (lambda: st.Steering('spherical', jnp.ones(4), alpha=-0.1),
+     r'alpha=-0.1: must be in \[0, 1\]'),
+    (lambda: st.Steering('spherical', jnp.ones(4), beta=1.0),
+     r'beta=1.0: must be in \[-1, 1\)'),
+    (lambda: st.Steering('rotate', jnp.ones(4)),
+     "method='rotate'.*valid choices: none, addition, spherical"),
+    (lambda: st.Steering('spherical', jnp.ones(4))(jnp.ones((2, 5))),
+     'direction: hidden size 4 does not match the activations\' 5'),
+    (lambda: st.extract_direction(np.ones((3, 4)), np.ones((3, 4))),
+     'mean difference of positive and negative: is zero'),
+    (lambda: st.extract_direction(np.ones((3, 4)), np.zeros((3, 4)), 'lda'),
+     "method='lda'.*valid choices: mean_diff, pca"),
+])
+def test_bad_input_names_the_argument(make, message):
+  with pytest.raises(ValueError, match=message):
+    make()
