@@ -1,0 +1,106 @@
+r"""A small byte-level decoder LM (pre-RMSNorm, rotary, KV cache) to steer.
+
+Trains on a mixture of the sentiment template corpus (a binary attribute
+with known ground truth) and real English text, all offline:
+
+  python -m launch.train --config=configs/lm.py --workdir=workdirs/lm
+
+Variants through the config argument (comma-separated, combinable):
+
+  python -m launch.train --config=configs/lm.py:runlocal --workdir=/tmp/lm
+  python -m launch.train --config=configs/lm.py:english=pydoc --workdir=/tmp/p
+  python -m launch.train --config=configs/lm.py:english=/data/books \
+    --workdir=/tmp/b
+
+`english=` picks the real-text source: 'fortunes' (Debian's `fortunes`
+package, `apt-get install fortunes`; the default), 'pydoc' (Python's own
+documentation, always present) or a directory of .txt files. `runlocal`
+shrinks everything for tests. The steering evaluation reads this run's
+checkpoint: `python -m launch.steer_eval --config=configs/steering.py
+--lm_workdir=workdirs/lm --workdir=workdirs/steer`.
+"""
+
+import ml_collections
+
+from configs import sam_block
+
+
+def _parse_arg(arg: str | None) -> dict[str, str]:
+  out = {}
+  for item in filter(None, (arg or '').split(',')):
+    key, _, value = item.partition('=')
+    out[key] = value or 'true'
+  unknown = sorted(set(out) - {'runlocal', 'english'})
+  if unknown:
+    raise ValueError(f'configs/lm.py: unknown config argument '
+                     f'{unknown[0]!r}; valid: runlocal, english=SOURCE')
+  return out
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """The LM experiment; `arg` selects variants (see module docstring)."""
+  args = _parse_arg(arg)
+  config = ml_collections.ConfigDict()
+  config.task = 'lm'
+  config.seed = 0
+  config.cpu_devices = 8
+
+  config.model = ml_collections.ConfigDict(dict(
+      vocab_size=256, d_model=128, num_layers=4, num_heads=4, mlp_dim=384,
+      max_len=256))
+  config.data = ml_collections.ConfigDict(dict(
+      mix=(('attribute', 0.5), (args.get('english', 'fortunes'), 0.5)),
+      train_bytes=3_000_000,
+      eval_bytes=100_000,
+      seq_len=128,
+  ))
+
+  config.mesh = ml_collections.ConfigDict(
+      dict(axes=('data', 'model'), shape=(-1, 1)))
+  config.logical_axis_rules = (
+      ('batch', 'data'),
+      ('vocab', None),
+      ('embed', None),
+      ('heads', 'model'),
+      ('mlp', 'model'),
+  )
+  config.batch_size = 32
+  config.eval_batch_size = 64
+  config.num_steps = 2500
+
+  config.optimizer = ml_collections.ConfigDict(dict(
+      name='adamw',  # sgd | momentum | adamw
+      learning_rate=3e-3,
+      schedule='cosine',
+      warmup_steps=100,
+      end_lr_fraction=0.05,
+      momentum=0.9,
+      nesterov=False,
+      b1=0.9,
+      b2=0.98,
+      eps=1e-9,
+      weight_decay=0.05,
+      weight_decay_exclude=r'(bias|scale)$',
+      grad_clip_norm=1.0,
+      sam=sam_block.sam_block(),
+  ))
+  config.nonfinite = 'stop'
+  config.log_every = 100
+  config.eval_every = 500
+  config.checkpoint_every = 500
+  config.keep_checkpoints = 2
+
+  if 'runlocal' in args:
+    config.model.update(dict(d_model=32, num_layers=2, num_heads=2,
+                             mlp_dim=64, max_len=256))
+    config.data.update(dict(train_bytes=40_000, eval_bytes=6_000, seq_len=32))
+    if 'english' not in args:
+      config.data.mix = (('attribute', 0.5), ('pydoc', 0.5))
+    config.batch_size = 16
+    config.eval_batch_size = 32
+    config.num_steps = 30
+    config.optimizer.warmup_steps = 5
+    config.log_every = 10
+    config.eval_every = 20
+    config.checkpoint_every = 20
+  return config
