@@ -9,7 +9,7 @@ CONFIG ?= configs/digits.py
 # Tests simulate an 8-device host; pytest-level setup lives in tests/conftest.py.
 PYTEST_ARGS ?=
 
-.PHONY: run test test-all bench bazel-test clean-venv
+.PHONY: run test test-all bench bazel-test steering clean-venv
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,14 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.trainer_overhead
+
+# The steering study (RESULTS.md): the LM on templates + fortunes, then the
+# method x alpha evaluation. Both resume / skip finished work.
+steering: $(STAMP)
+	test -d /usr/share/games/fortunes || apt-get install -y fortunes
+	$(PY) -m launch.train --config=configs/lm.py --workdir=workdirs/lm
+	$(PY) -m launch.steer_eval --config=configs/steering.py \
+	    --config.lm_workdir=workdirs/lm --workdir=workdirs/steer
 
 # Bazel 4 from Debian (offline WORKSPACE, see third_party/bazel/); tests run
 # with .venv's interpreter, so the venv comes first.

@@ -36,3 +36,31 @@ def plot_curves(metrics_path: str, out_path: str) -> None:
   fig.savefig(tmp, dpi=100)
   plt.close(fig)
   os.replace(tmp, out_path)
+
+
+def plot_pareto(rows: list[dict], tasks: list[str], out_path: str) -> None:
+  """Steering success (multiple-choice accuracy on mean log-prob, one panel
+  per task, and the positive share of generations) against the KL to the
+  unsteered model on held-out text: one curve per method over alpha."""
+  panels = [(f'{t}_acc_mean', f'{t}: accuracy (mean log-prob)')
+            for t in tasks] + [('positive_share',
+                                'generations: positive share')]
+  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+  methods = list(dict.fromkeys(r['method'] for r in rows))
+  for ax, (key, title) in zip(axes, panels):
+    for method in methods:
+      pts = sorted((r['kl'], r[key]) for r in rows if r['method'] == method)
+      if method == 'none':  # KL 0: a reference line, not a point.
+        ax.axhline(pts[0][1], color='k', ls='--', lw=1, label='none (KL 0)')
+        continue
+      ax.plot(*zip(*pts), 'o-', label=method, markersize=4)
+    ax.set_xscale('log')
+    ax.set_xlabel('KL(unsteered || steered) per token, held-out text')
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize=8)
+  fig.tight_layout()
+  tmp = out_path + '.tmp.png'
+  fig.savefig(tmp, dpi=100)
+  plt.close(fig)
+  os.replace(tmp, out_path)

@@ -1,0 +1,50 @@
+r"""Steering evaluation: methods x alpha on the in-project LM (offline).
+
+Train the LM first (configs/lm.py), then:
+
+  python -m launch.steer_eval --config=configs/steering.py \
+    --config.lm_workdir=workdirs/lm --workdir=workdirs/steer
+
+Writes results.md (the method table), results.json, pareto.png and the
+steering vector (steering_vector.npz, with its layer and the model's
+fingerprint) into --workdir. `runlocal` shrinks the grid for tests; any
+field can be overridden, e.g. `--config.layer=1 --config.beta=-1.0
+--config.alphas='(0.2,0.6)' --config.generation.mode=recompute`, or
+`--config.vector_file=PATH` to reuse a saved vector.
+"""
+
+import ml_collections
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  if arg not in (None, '', 'runlocal'):
+    raise ValueError(f'configs/steering.py: unknown config argument {arg!r}; '
+                     'valid: runlocal')
+  config = ml_collections.ConfigDict()
+  config.lm_workdir = ml_collections.config_dict.placeholder(str)
+  config.vector_file = ''  # Empty: extract the direction from contrastive pairs.
+  config.cpu_devices = 1  # Evaluation runs on one device.
+  config.layer = 2  # The middle of configs/lm.py's 4 blocks.
+  # Mean-difference of the activations averaged over each text's tokens
+  # ('mean'); the reference takes the last token ('last'), which on this
+  # byte-level LM mostly encodes the closing phrase just read (RESULTS.md).
+  config.direction = ml_collections.ConfigDict(
+      dict(method='mean_diff', position='mean', pairs=256, seed=1))
+  config.methods = ('none', 'addition', 'addition_renorm', 'spherical',
+                    'spherical_gate')
+  config.alphas = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.85, 1.0)
+  config.kappa = 20.0  # The reference's.
+  config.beta = 0.0
+  config.tasks = ml_collections.ConfigDict(dict(copa=200, cloze=200))
+  config.mc_seed = 7
+  config.heldout_windows = 64
+  config.generation = ml_collections.ConfigDict(dict(
+      prompts=64, steps=96, temperature=0.8, seed=0, mode='cached'))
+  if arg == 'runlocal':
+    config.layer = 1
+    config.direction.pairs = 16
+    config.alphas = (0.3, 1.0)
+    config.tasks = ml_collections.ConfigDict(dict(copa=8, cloze=8))
+    config.heldout_windows = 4
+    config.generation.update(dict(prompts=4, steps=8))
+  return config

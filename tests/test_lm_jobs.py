@@ -1,0 +1,110 @@
+"""The LM training job and the steering evaluation job, end to end in their small modes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from configs import lm as lm_config
+from configs import steering as steering_config
+from tests.conftest import REPO_ROOT
+from train import lm_trainer
+from train import steering_eval
+from train import steering_vectors
+from train.errors import ConfigError
+
+
+@pytest.fixture(scope='module')
+def lm_workdir(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('lm'))
+  final = lm_trainer.train_and_evaluate(lm_config.get_config('runlocal'),
+                                        workdir)
+  return workdir, final
+
+
+def test_lm_trains_and_reports_per_source_heldout_loss(lm_workdir):
+  workdir, final = lm_workdir
+  records = [json.loads(l) for l in open(os.path.join(workdir,
+                                                      'metrics.jsonl'))]
+  losses = [r['train_loss'] for r in records if 'train_loss' in r]
+  assert losses[-1] < losses[0] - 0.5  # It learns (5.5 -> about 3.8 nats).
+  # Uniform over 256 bytes is 5.55 nats; held-out losses must beat it.
+  for key in ('val_loss', 'val_attribute_loss', 'val_pydoc_loss',
+              'test_loss'):
+    assert final[key] < np.log(256) - 0.5, (key, final[key])
+  # A finished run is not trained again.
+  again = lm_trainer.train_and_evaluate(lm_config.get_config('runlocal'),
+                                        workdir)
+  assert again == json.load(open(os.path.join(workdir, 'final_metrics.json')))
+
+
+def _eval_config(lm_dir, **overrides):
+  config = steering_config.get_config('runlocal')
+  config.lm_workdir = lm_dir
+  config.methods = ('none', 'addition_renorm', 'spherical_gate')
+  config.alphas = (1.0,)
+  for k, v in overrides.items():
+    config[k] = v
+  return config
+
+
+def test_steering_evaluation_writes_table_plot_and_vector(lm_workdir,
+                                                          tmp_path):
+  rows = steering_eval.evaluate(_eval_config(lm_workdir[0]), str(tmp_path))
+  assert [(r['method'], r['alpha']) for r in rows] == [
+      ('none', 0.0), ('addition_renorm', 1.0), ('spherical_gate', 1.0)]
+  none, renorm, gated = rows
+  assert none['kl'] == 0.0 and none['trigger_rate'] == 0.0
+  assert gated['kl'] > 0 and renorm['kl'] > 0
+  # Both keep the norm at the steered layer (addition_renorm by rescaling).
+  assert gated['attribute_norm_ratio_at'] == pytest.approx(1.0, abs=1e-5)
+  assert renorm['attribute_norm_ratio_at'] == pytest.approx(1.0, abs=1e-5)
+  for r in rows:
+    for key in ('copa_acc_sum', 'copa_acc_mean', 'cloze_acc_sum',
+                'cloze_acc_mean', 'distinct_2', 'repetition_3'):
+      assert 0.0 <= r[key] <= 1.0
+  for name in ('results.md', 'results.json', 'pareto.png',
+               'steering_vector.npz'):
+    assert os.path.getsize(tmp_path / name) > 0
+  table = open(tmp_path / 'results.md').read()
+  assert table.count('\n') == 2 + len(rows)
+  # The saved vector loads into this model, and reusing it gives the same rows.
+  _, _, params = lm_trainer.load_trained(lm_workdir[0])
+  vec = steering_vectors.load(str(tmp_path / 'steering_vector.npz'), params)
+  assert vec.layer_path == 'block_1' and vec.hidden_size == 32
+  again = steering_eval.evaluate(
+      _eval_config(lm_workdir[0], vector_file=str(
+          tmp_path / 'steering_vector.npz'), methods=('spherical_gate',)),
+      str(tmp_path / 'reuse'))
+  assert again[0]['kl'] == pytest.approx(gated['kl'], rel=1e-5)
+
+
+@pytest.mark.parametrize('overrides,message', [
+    (dict(methods=('none', 'iti')),
+     "config.methods=.*unknown method 'iti'; valid choices: 'none', "
+     "'addition', 'addition_renorm', 'spherical', 'spherical_gate'"),
+    (dict(alphas=(0.5, 1.5)), r'config.alphas=.*alpha=1.5 is outside \[0, 1\]'),
+    (dict(beta=1.0), r'config.beta=1.0: must be in \[-1, 1\)'),
+    (dict(layer=7), r'config.layer=7: out of range; the model has 2 layers'),
+])
+def test_bad_evaluation_config_fails_before_compute(lm_workdir, tmp_path,
+                                                    overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    steering_eval.evaluate(_eval_config(lm_workdir[0], **overrides),
+                           str(tmp_path))
+  assert not os.path.exists(tmp_path / 'results.json')
+
+
+def test_launcher_reports_a_missing_lm_in_one_line(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, '-m', 'launch.steer_eval',
+       '--config=configs/steering.py:runlocal',
+       f'--config.lm_workdir={tmp_path}/none', f'--workdir={tmp_path}/out'],
+      cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr
+  lines = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
+  assert len(lines) == 1 and 'holds no checkpoints' in lines[0], proc.stderr
+  assert 'Traceback' not in proc.stderr

@@ -1,0 +1,201 @@
+"""The decoder LM's cache, steering hooks, generation modes and steering-vector files."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from geom import steering as st
+from train import decoder_lm
+from train import lm_generate
+from train import steering_hooks
+from train import steering_vectors
+
+MODEL = decoder_lm.DecoderLM(vocab_size=64, d_model=32, num_layers=3,
+                             num_heads=4, mlp_dim=64, max_len=48)
+
+
+@pytest.fixture(scope='module')
+def params():
+  return MODEL.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))['params']
+
+
+def _prompts():
+  # Left-padded: row 0 has 3 real tokens, row 1 has 6.
+  tokens = jnp.array([[0, 0, 0, 5, 6, 7], [9, 3, 4, 8, 2, 11]], jnp.int32)
+  valid = jnp.array([[False] * 3 + [True] * 3, [True] * 6])
+  return tokens, valid
+
+
+def _steering(alpha=0.8, gate=False):
+  return st.Steering('spherical', jax.random.normal(jax.random.key(1), (32,)),
+                     alpha=alpha, gate=gate, beta=-0.5)
+
+
+def test_cached_decoding_equals_one_full_pass(params):
+  tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, 64)
+  full, _ = MODEL.apply({'params': params}, tokens)
+  cache = decoder_lm.init_cache(MODEL, 2, 12)
+  logits, cache = MODEL.apply({'params': params}, tokens[:, :5],
+                              jnp.ones((2, 5), bool), cache)
+  steps = [logits]
+  for i in range(5, 12):
+    logits, cache = MODEL.apply({'params': params}, tokens[:, i:i + 1],
+                                jnp.ones((2, 1), bool), cache)
+    steps.append(logits)
+  np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=2e-5)
+
+
+def test_kv_cached_generation_equals_recomputation_without_steering(params):
+  tokens, valid = _prompts()
+  run = jax.jit(lambda p, mode: lm_generate.generate(
+      MODEL, p, tokens, valid, 10, mode=mode), static_argnums=1)
+  cached, recomputed = run(params, 'cached'), run(params, 'recompute')
+  np.testing.assert_array_equal(cached.tokens, recomputed.tokens)
+  np.testing.assert_allclose(cached.logits, recomputed.logits, atol=2e-5)
+  # Sampling with one key agrees too.
+  sample = lambda mode: lm_generate.generate(
+      MODEL, params, tokens, valid, 10, mode=mode, temperature=1.0,
+      rng=jax.random.key(3)).tokens
+  np.testing.assert_array_equal(sample('cached'), sample('recompute'))
+
+
+@pytest.mark.parametrize('mode', lm_generate.MODES)
+def test_padding_is_respected_in_steered_generation(params, mode):
+  tokens, valid = _prompts()
+  steer = _steering()
+  batched = lm_generate.generate(MODEL, params, tokens, valid, 8,
+                                 steering=steer, layer_path='block_1',
+                                 mode=mode)
+  alone = lm_generate.generate(MODEL, params, tokens[:1, 3:], valid[:1, 3:], 8,
+                               steering=steer, layer_path='block_1',
+                               mode=mode)
+  np.testing.assert_array_equal(batched.tokens[0], alone.tokens[0])
+  np.testing.assert_allclose(batched.logits[0], alone.logits[0], atol=2e-5)
+  # Steered tokens: the last prompt token and each generated one but the
+  # last, per row; padding is never counted.
+  assert float(batched.stats.tokens) == 2 * 8
+  plain = lm_generate.generate(MODEL, params, tokens, valid, 8, mode=mode)
+  assert not np.allclose(plain.logits, batched.logits, atol=1e-3)
+
+
+def test_modes_differ_only_once_steered_states_enter_the_cache(params):
+  tokens, valid = _prompts()
+  steer = _steering()
+  out = {m: lm_generate.generate(MODEL, params, tokens, valid, 6,
+                                 steering=steer, layer_path='block_1', mode=m)
+         for m in lm_generate.MODES}
+  # The first token comes from the same computation in both modes.
+  np.testing.assert_allclose(out['cached'].logits[:, 0],
+                             out['recompute'].logits[:, 0], atol=2e-5)
+  # Later ones attend to steered (cached) vs unsteered (recomputed) states.
+  assert not np.allclose(out['cached'].logits[:, 1:],
+                         out['recompute'].logits[:, 1:], atol=1e-4)
+
+
+def test_hook_steers_exactly_the_masked_outputs_of_the_layer(params):
+  tokens = jax.random.randint(jax.random.key(4), (2, 9), 0, 64)
+  valid = jnp.ones((2, 9), bool)
+  mask = jnp.zeros((2, 9), bool).at[:, 4:].set(True)
+  steer = _steering(alpha=0.5)
+  with steering_hooks.steered(None, None, capture=('block_1',)) as clean:
+    base, _ = MODEL.apply({'params': params}, tokens, valid)
+  with steering_hooks.steered(steer, 'block_1', mask,
+                              capture=('block_1',)) as rec:
+    logits, _ = MODEL.apply({'params': params}, tokens, valid)
+  expected, _ = steer(clean.hidden['block_1'], mask)
+  np.testing.assert_allclose(rec.hidden['block_1'], expected, atol=1e-6)
+  # Causal: logits before the first steered position are unchanged.
+  np.testing.assert_array_equal(logits[:, :4], base[:, :4])
+  assert not np.allclose(logits[:, 4:], base[:, 4:], atol=1e-3)
+  assert float(rec.stats.tokens) == 10
+
+
+def test_layer_paths_and_out_of_range_layer(params):
+  assert steering_hooks.layer_paths(params) == ['block_0', 'block_1',
+                                                'block_2']
+  # Nested models: paths below a parent module are found too.
+  nested = {'encoder': {'layers_1': {'w': 1}, 'layers_0': {'w': 1}}}
+  assert steering_hooks.layer_paths(nested) == ['encoder/layers_0',
+                                                'encoder/layers_1']
+  assert steering_hooks.resolve_layer(params, 2) == 'block_2'
+  with pytest.raises(ValueError, match=r'layer=3: out of range; the model '
+                     r'has 3 layers \(valid: 0..2\)'):
+    steering_hooks.resolve_layer(params, 3)
+  with pytest.raises(ValueError, match='layer=-1'):
+    steering_hooks.resolve_layer(params, -1)
+
+
+def test_generation_rejects_bad_mode_and_length(params):
+  tokens, valid = _prompts()
+  with pytest.raises(ValueError, match="mode='beam'.*cached, recompute"):
+    lm_generate.generate(MODEL, params, tokens, valid, 4, mode='beam')
+  with pytest.raises(ValueError, match='num_steps=60'):
+    lm_generate.generate(MODEL, params, tokens, valid, 60)
+
+
+def test_vector_file_roundtrip_and_mismatches(params, tmp_path):
+  vec = steering_vectors.SteeringVector(
+      np.asarray(st.unit(jnp.arange(1.0, 33.0))), 1, 'block_1',
+      steering_vectors.fingerprint(params), {'method': 'mean_diff'})
+  path = str(tmp_path / 'v.npz')
+  steering_vectors.save(path, vec)
+  assert os.listdir(tmp_path) == ['v.npz']  # No temporary file left.
+  back = steering_vectors.load(path, params)
+  np.testing.assert_array_equal(back.direction, vec.direction)
+  assert (back.layer, back.layer_path, back.info) == (1, 'block_1',
+                                                      {'method': 'mean_diff'})
+
+  other = MODEL.init(jax.random.key(9), jnp.zeros((1, 4), jnp.int32))['params']
+  with pytest.raises(ValueError, match='model_fingerprint=.*does not match'):
+    steering_vectors.load(path, other)
+  wider = decoder_lm.DecoderLM(vocab_size=64, d_model=48, num_layers=3,
+                               num_heads=4, mlp_dim=64).init(
+                                   jax.random.key(0),
+                                   jnp.zeros((1, 4), jnp.int32))['params']
+  with pytest.raises(ValueError, match="hidden_size=32 does not match the "
+                     "model's 48"):
+    steering_vectors.load(path, wider)
+  shallow = decoder_lm.DecoderLM(vocab_size=64, d_model=32, num_layers=1,
+                                 num_heads=4, mlp_dim=64).init(
+                                     jax.random.key(0),
+                                     jnp.zeros((1, 4), jnp.int32))['params']
+  with pytest.raises(ValueError, match="layer_path='block_1'.*not a layer"):
+    steering_vectors.load(path, shallow)
+  with pytest.raises(ValueError, match='direction: is zero'):
+    steering_vectors.save(str(tmp_path / 'z.npz'),
+                          steering_vectors.SteeringVector(
+                              np.zeros(32, np.float32), 1, 'block_1', 'x'))
+  assert not os.path.exists(tmp_path / 'z.npz')
+
+
+def test_multiple_choice_scores_equal_a_direct_computation(params):
+  from train import steering_eval  # pylint: disable=g-import-not-at-top
+  from train import text_corpus  # pylint: disable=g-import-not-at-top
+  model = decoder_lm.DecoderLM(vocab_size=256, d_model=32, num_layers=2,
+                               num_heads=4, mlp_dim=64, max_len=256)
+  p = model.init(jax.random.key(5), jnp.zeros((1, 4), jnp.int32))['params']
+  items = text_corpus.mc_task('cloze', 3, seed=0)
+  batch = steering_eval.encode_mc(items, 200)
+  steer = st.Steering('spherical', jax.random.normal(jax.random.key(6), (32,)),
+                      alpha=0.5, gate=False)
+  total, mean, stats = steering_eval.mc_logprobs(model, p, batch, steer,
+                                                 'block_0')
+  for i, item in enumerate(items):
+    ctx = np.concatenate([[text_corpus.BOS],
+                          text_corpus.encode(item.prefix())])
+    for c, choice in enumerate(item.choices):
+      ans = text_corpus.encode(choice)
+      seq = jnp.asarray(np.concatenate([ctx, ans])[None])
+      mask = jnp.zeros(seq.shape, bool).at[:, len(ctx) - 1:].set(True)
+      with steering_hooks.steered(steer, 'block_0', mask):
+        logits, _ = model.apply({'params': p}, seq)
+      logp = jax.nn.log_softmax(logits[0, len(ctx) - 1:-1])
+      ref = float(jnp.sum(logp[jnp.arange(len(ans)), ans]))
+      np.testing.assert_allclose(total[i, c], ref, rtol=1e-5)
+      np.testing.assert_allclose(mean[i, c], ref / len(ans), rtol=1e-5)
+  # Steered: the last context byte and every choice byte, per row.
+  assert float(stats.tokens) == sum(
+      len(text_corpus.encode(c)) + 1 for it in items for c in it.choices)
