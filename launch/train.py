@@ -31,6 +31,10 @@ _NUM_PROCESSES = flags.DEFINE_integer(
     'num_processes', None, 'Number of processes (multihost only).')
 _PROCESS_ID = flags.DEFINE_integer(
     'process_id', None, 'This process (multihost only).')
+_HEARTBEAT = flags.DEFINE_integer(
+    'heartbeat_timeout_seconds', 100,
+    'Multihost: a process silent this long is declared dead and the others '
+    'stop with an error instead of waiting for it.')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
@@ -40,11 +44,15 @@ def _init_jax(config) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   entry.configure_devices(config)
   if _MULTIHOST.value:
+    # CPU processes exchange collectives through gloo (TCP): the default CPU
+    # client has none across processes. Accelerator backends ignore it.
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
     kwargs = {k: v for k, v in (
         ('coordinator_address', _COORDINATOR.value),
         ('num_processes', _NUM_PROCESSES.value),
         ('process_id', _PROCESS_ID.value)) if v is not None}
-    jax.distributed.initialize(**kwargs)
+    jax.distributed.initialize(
+        heartbeat_timeout_seconds=_HEARTBEAT.value, **kwargs)
 
 
 def main(argv):

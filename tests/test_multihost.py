@@ -1,0 +1,164 @@
+"""Multi-host training on loopback: 2 processes x 4 CPU devices against 1 process x 8.
+
+The processes are real `python -m launch.train --multihost` jobs that meet
+through `jax.distributed` on 127.0.0.1 and exchange collectives through
+gloo, exactly as TPU-pod workers do through their interconnect.
+"""
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from tests import launch_runs
+from train import checkpointing
+from train import experiment
+
+# Different reduction order across processes (gloo) vs inside one process:
+# the parameters agree to float32 rounding, accumulated over 40 steps.
+PARAM_ATOL = 2e-5
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _start_pair(workdir, *overrides, heartbeat=100):
+  port = _free_port()
+  env = dict(os.environ)
+  # Each process simulates 4 devices (conftest sets 8 for the test process).
+  env['XLA_FLAGS'] = ' '.join(
+      f for f in env.get('XLA_FLAGS', '').split()
+      if not f.startswith('--xla_force_host_platform_device_count'))
+  procs = []
+  for i in range(2):
+    cmd = launch_runs.command(
+        workdir, '--config.cpu_devices=4', '--multihost',
+        f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
+        f'--process_id={i}', f'--heartbeat_timeout_seconds={heartbeat}',
+        *overrides)
+    procs.append(subprocess.Popen(cmd, cwd=launch_runs.REPO_ROOT, env=env,
+                                  stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True))
+  return procs
+
+
+def _finish(procs, timeout=600):
+  outs = [p.communicate(timeout=timeout) for p in procs]
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  return [o for o, _ in outs]
+
+
+def _final_params(workdir, config):
+  exp = experiment.build(config, workdir)
+  with checkpointing.Checkpoints(workdir, every_steps=1, keep=10,
+                                 async_save=False) as ckpts:
+    step = ckpts.latest_step()
+    state, _ = ckpts.restore(step, exp.abstract_state)
+  return step, jax.device_get(state.params)
+
+
+def _assert_close(a, b):
+  worst = 0.0
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a),
+                          jax.tree.leaves(b)):
+    np.testing.assert_allclose(x, y, atol=PARAM_ATOL, rtol=0,
+                               err_msg=jax.tree_util.keystr(path))
+    worst = max(worst, float(np.max(np.abs(x - y))))
+  print(f'largest parameter difference: {worst:.2e}')
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  root = tmp_path_factory.mktemp('multihost')
+  one, two = str(root / 'one'), str(root / 'two')
+  single = launch_runs.start(one)
+  pair_out = _finish(_start_pair(two))
+  single_out, single_err = single.communicate(timeout=600)
+  assert single.returncode == 0, single_err[-3000:]
+  return root, one, two, single_out, pair_out
+
+
+def test_two_processes_train_like_one(runs, digits_config):
+  _, one, two, single_out, pair_out = runs
+  # Both processes report the same final metrics as the single process
+  # (printed with 4 digits).
+  line = lambda out: out.strip().splitlines()[-1].split(', workdir')[0]
+  assert line(pair_out[0]) == line(pair_out[1]) == line(single_out)
+  assert line(single_out).startswith('test accuracy: ')
+  step_one, params_one = _final_params(one, digits_config)
+  step_two, params_two = _final_params(two, digits_config)
+  assert step_one == step_two == digits_config.num_steps
+  _assert_close(params_two, params_one)
+
+
+def test_checkpoints_and_logs_are_written_once(runs):
+  _, one, two, _, _ = runs
+  steps = lambda w: sorted(os.listdir(os.path.join(w, 'checkpoints')))
+  assert steps(two) == steps(one)
+  # No per-process copies or leftovers beside the step directories.
+  assert all(s.isdigit() for s in steps(two)), steps(two)
+  records = lambda w: open(os.path.join(w, 'metrics.jsonl')).read()
+  assert records(two).count('"train_loss"') == records(one).count(
+      '"train_loss"')
+
+
+def test_a_single_process_checkpoint_resumes_on_two_processes(
+    runs, digits_config):
+  root, one, _, _, _ = runs
+  resumed = str(root / 'resumed')
+  # The 1-process run's mid-run checkpoint, as if that run had stopped there.
+  first = sorted(int(s) for s in os.listdir(os.path.join(one, 'checkpoints')))[0]
+  os.makedirs(os.path.join(resumed, 'checkpoints'))
+  shutil.copytree(os.path.join(one, 'checkpoints', str(first)),
+                  os.path.join(resumed, 'checkpoints', str(first)))
+  procs = _start_pair(resumed)
+  _finish(procs)
+  records = open(os.path.join(resumed, 'metrics.jsonl')).read()
+  assert f'"step": {first},' not in records  # Steps after `first` only.
+  _, params_resumed = _final_params(resumed, digits_config)
+  _, params_one = _final_params(one, digits_config)
+  _assert_close(params_resumed, params_one)
+
+
+@pytest.mark.parametrize('victim', [1, 0], ids=['worker', 'coordinator'])
+def test_a_dead_process_stops_the_other_with_an_error(tmp_path, victim):
+  heartbeat = 10
+  survivor = 1 - victim
+  procs = _start_pair(str(tmp_path), '--config.num_steps=100000',
+                      heartbeat=heartbeat)
+  try:
+    # Wait until both train (the first log line), then kill one.
+    deadline = time.monotonic() + 300
+    while not os.path.exists(tmp_path / 'metrics.jsonl') or os.path.getsize(
+        tmp_path / 'metrics.jsonl') == 0:
+      assert time.monotonic() < deadline, 'the pair never started training'
+      assert procs[0].poll() is None and procs[1].poll() is None
+      time.sleep(0.5)
+    procs[victim].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    _, err = procs[survivor].communicate(timeout=heartbeat * 6 + 60)
+    elapsed = time.monotonic() - killed
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.communicate()
+  assert procs[survivor].returncode != 0
+  assert elapsed < heartbeat * 6 + 60
+  print(f'process {survivor} stopped {elapsed:.1f} s after process {victim} '
+        f'died (exit status {procs[survivor].returncode})')
+  # JAX's own message, printed before it aborts the process.
+  assert re.search(r'Terminating process because the JAX distributed service '
+                   r'detected fatal errors|another task died|coordination '
+                   r'service', err, re.I), err[-3000:]
