@@ -7,11 +7,12 @@ before `save` returns (so the caller may donate the arrays to the next
 step); the write to disk overlaps with training.
 """
 
-import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from train import fileio
 
 
 class Checkpoints:
@@ -19,7 +20,7 @@ class Checkpoints:
 
   def __init__(self, workdir: str, *, every_steps: int, keep: int,
                async_save: bool = True):
-    self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+    self.directory = fileio.join(fileio.absolute(workdir), 'checkpoints')
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(

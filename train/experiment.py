@@ -14,6 +14,7 @@ import math
 import os
 import tempfile
 
+from etils import epath
 import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding
@@ -22,6 +23,7 @@ import numpy as np
 import optax
 
 from train import datasets
+from train import fileio
 from train import models
 from train import optim
 from train import sharding as sharding_lib
@@ -77,14 +79,22 @@ def check_positive(config: ml_collections.ConfigDict, *fields: str) -> None:
 
 def check_workdir(workdir: str) -> str:
   """Creates `workdir` if needed and proves it writable with a probe file."""
-  path = os.path.abspath(workdir)
+  path = fileio.absolute(workdir)
   try:
-    os.makedirs(path, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path, prefix='.write_probe_'):
-      pass
-  except OSError as e:
+    if fileio.is_remote(path):
+      probe = epath.Path(path) / f'.write_probe_{os.getpid()}'
+      probe.parent.mkdir(parents=True, exist_ok=True)
+      probe.write_text('')
+      probe.unlink()
+    else:
+      os.makedirs(path, exist_ok=True)
+      with tempfile.NamedTemporaryFile(dir=path, prefix='.write_probe_'):
+        pass
+  except Exception as e:  # pylint: disable=broad-except
+    # OSError locally; the bucket clients raise their own types.
     raise UsageError('--workdir', workdir,
-                     f'not a writable directory ({e.strerror or e})') from None
+                     f'not a writable directory '
+                     f'({getattr(e, "strerror", None) or e})') from None
   return path
 
 

@@ -28,6 +28,7 @@ import optax
 from train import checkpointing
 from train import decoder_lm
 from train import experiment as experiment_lib
+from train import fileio
 from train import lm_data
 from train import metrics as metrics_lib
 from train import optim
@@ -173,13 +174,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   source, `test_loss` on the test mixture, and `step`.
   """
   exp = build(config, workdir)
-  final_path = os.path.join(exp.workdir, FINAL_METRICS)
+  final_path = fileio.join(exp.workdir, FINAL_METRICS)
   with checkpointing.Checkpoints(
       exp.workdir, every_steps=config.checkpoint_every,
       keep=config.keep_checkpoints) as ckpts:
     latest = ckpts.latest_step()
     if (latest is not None and latest >= config.num_steps
-        and os.path.exists(final_path)):
+        and fileio.exists(final_path)):
       logging.info('The run in %s is complete (step %d)', exp.workdir, latest)
       return metrics_lib.read_json(final_path)
     if latest is None:
@@ -211,7 +212,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                    {k: v for k, v in final.items() if k != 'step'})
   if jax.process_index() == 0:
     metrics_lib.write_json_atomic(final_path, final)
-    plots.plot_curves(writer.path, os.path.join(exp.workdir, 'curves.png'))
+    plots.plot_curves(writer.path, fileio.join(exp.workdir, 'curves.png'))
   return final
 
 

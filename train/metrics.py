@@ -4,39 +4,35 @@
 On resume from a checkpoint at step s, lines with step > s (written after
 that checkpoint by the interrupted run) are dropped atomically and
 TensorBoard is told to purge them, so the log of a resumed run is the log
-of an uninterrupted one. Only process 0 writes.
+of an uninterrupted one. Only process 0 writes. In a bucket (gs://), where
+objects cannot be appended to, the whole (small) file is rewritten at each
+logging step.
 """
 
 from collections.abc import Mapping
 import datetime
 import json
 import math
-import os
 import time
 
 from absl import logging
 import jax
 
+from train import fileio
+
 
 def read_jsonl(path: str) -> list[dict[str, float]]:
-  if not os.path.exists(path):
+  if not fileio.exists(path):
     return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return [json.loads(line) for line in fileio.read_text(path).splitlines()
+          if line.strip()]
 
 
 def read_json(path: str) -> dict:
-  with open(path) as f:
-    return json.load(f)
+  return json.loads(fileio.read_text(path))
 
 
-def write_text_atomic(path: str, text: str) -> None:
-  tmp = f'{path}.tmp.{os.getpid()}'
-  with open(tmp, 'w') as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+write_text_atomic = fileio.write_text_atomic
 
 
 def write_json_atomic(path: str, obj: object) -> None:
@@ -48,7 +44,7 @@ class MetricWriter:
 
   def __init__(self, workdir: str, resume_step: int | None):
     self.enabled = jax.process_index() == 0
-    self.path = os.path.join(workdir, 'metrics.jsonl')
+    self.path = fileio.join(workdir, 'metrics.jsonl')
     self._tb = None
     if not self.enabled:
       return
@@ -56,12 +52,14 @@ class MetricWriter:
       kept = []
     else:
       kept = [r for r in read_jsonl(self.path) if r['step'] <= resume_step]
-    write_text_atomic(self.path, ''.join(json.dumps(r) + '\n' for r in kept))
-    self._file = open(self.path, 'a')
+    self._lines = [json.dumps(r) + '\n' for r in kept]
+    write_text_atomic(self.path, ''.join(self._lines))
+    self._file = (None if fileio.is_remote(self.path)
+                  else open(self.path, 'a'))
     # Imported here: only process 0 needs it.
     from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
     self._tb = SummaryWriter(
-        os.path.join(workdir, 'tensorboard'),
+        fileio.join(workdir, 'tensorboard'),
         purge_step=None if resume_step is None else resume_step + 1)
 
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
@@ -69,19 +67,26 @@ class MetricWriter:
       return
     record = {'step': int(step)}
     record.update({k: float(v) for k, v in scalars.items()})
-    self._file.write(json.dumps(record) + '\n')
-    self._file.flush()
+    line = json.dumps(record) + '\n'
+    if self._file is None:
+      self._lines.append(line)
+      write_text_atomic(self.path, ''.join(self._lines))
+    else:
+      self._file.write(line)
+      self._file.flush()
     for name, value in scalars.items():
       self._tb.add_scalar(name, float(value), global_step=int(step))
 
   def flush(self) -> None:
     if self.enabled:
-      self._file.flush()
+      if self._file is not None:
+        self._file.flush()
       self._tb.flush()
 
   def close(self) -> None:
     if self.enabled:
-      self._file.close()
+      if self._file is not None:
+        self._file.close()
       self._tb.close()
 
 

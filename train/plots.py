@@ -1,13 +1,23 @@
 """A PNG of a run's loss and accuracy curves, drawn from `metrics.jsonl`."""
 
-import os
+import io
 
 import matplotlib
 
 matplotlib.use('Agg')  # Headless: no display on training machines.
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
+from train import fileio
 from train import metrics as metrics_lib
+
+
+def _save(fig, out_path: str) -> None:
+  """Writes the figure as PNG atomically (local or gs://) and closes it."""
+  fig.tight_layout()
+  buffer = io.BytesIO()
+  fig.savefig(buffer, format='png', dpi=100)
+  plt.close(fig)
+  fileio.write_bytes_atomic(out_path, buffer.getvalue())
 
 
 def plot_curves(metrics_path: str, out_path: str) -> None:
@@ -31,11 +41,7 @@ def plot_curves(metrics_path: str, out_path: str) -> None:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-  fig.tight_layout()
-  tmp = out_path + '.tmp.png'
-  fig.savefig(tmp, dpi=100)
-  plt.close(fig)
-  os.replace(tmp, out_path)
+  _save(fig, out_path)
 
 
 def plot_pareto(rows: list[dict], tasks: list[str], out_path: str) -> None:
@@ -59,8 +65,40 @@ def plot_pareto(rows: list[dict], tasks: list[str], out_path: str) -> None:
     ax.set_title(title)
     ax.grid(alpha=0.3)
   axes[0].legend(fontsize=8)
-  fig.tight_layout()
-  tmp = out_path + '.tmp.png'
-  fig.savefig(tmp, dpi=100)
-  plt.close(fig)
-  os.replace(tmp, out_path)
+  _save(fig, out_path)
+
+
+def plot_sweep(groups: list[dict], keys: list[str], metric: str,
+               out_path: str) -> None:
+  """`metric` (mean, error bar one std) against the first swept key, one
+  line per setting of the other swept keys; a bar per group if none."""
+  fig, ax = plt.subplots(figsize=(6, 4))
+  if not keys:
+    labels = [str(i) for i in range(len(groups))]
+    ax.bar(labels, [g['mean'][metric] for g in groups],
+           yerr=[g['std'][metric] for g in groups], capsize=4)
+  else:
+    x_key, rest = keys[0], keys[1:]
+    lines: dict[str, list] = {}
+    for g in groups:
+      label = ', '.join(f'{k}={g["setting"][k]}' for k in rest) or metric
+      lines.setdefault(label, []).append(g)
+    numeric = all(isinstance(g['setting'][x_key], (int, float))
+                  and not isinstance(g['setting'][x_key], bool)
+                  for g in groups)
+    for label, members in lines.items():
+      members.sort(key=lambda g: g['setting'][x_key] if numeric
+                   else str(g['setting'][x_key]))
+      xs = [g['setting'][x_key] if numeric else str(g['setting'][x_key])
+            for g in members]
+      ax.errorbar(xs, [g['mean'][metric] for g in members],
+                  yerr=[g['std'][metric] for g in members], marker='o',
+                  capsize=3, label=f'{label} (n={members[0]["n"]})')
+    xs = [g['setting'][x_key] for g in groups]
+    if numeric and min(xs) > 0 and max(xs) / min(xs) >= 10:
+      ax.set_xscale('log')
+    ax.set_xlabel(x_key)
+    ax.legend(fontsize=8)
+  ax.set_ylabel(f'{metric} (mean +- std over seeds)')
+  ax.grid(alpha=0.3)
+  _save(fig, out_path)

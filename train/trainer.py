@@ -15,7 +15,6 @@ included, and ends with the same parameters as an uninterrupted run.
 
 import contextlib
 import functools
-import os
 import signal
 import threading
 from typing import Any, NamedTuple
@@ -28,6 +27,7 @@ import ml_collections
 from train import checkpointing
 from train import datasets
 from train import experiment as experiment_lib
+from train import fileio
 from train import input_pipeline
 from train import metrics as metrics_lib
 from train import optim
@@ -46,8 +46,12 @@ class _SigtermFlag:
 
   @contextlib.contextmanager
   def installed(self):
-    if threading.current_thread() is not threading.main_thread():
-      yield self  # Signals can only be handled on the main thread.
+    if (threading.current_thread() is not threading.main_thread()
+        or jax.process_count() > 1):
+      # Signals can only be handled on the main thread. With several
+      # processes, jax.distributed's preemption notifier owns SIGTERM (a
+      # Python handler would take it away) and `requested` asks it.
+      yield self
       return
     previous = signal.signal(signal.SIGTERM, lambda *_: self.event.set())
     try:
@@ -210,7 +214,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   """
   exp = experiment_lib.build(config, workdir)
   workdir = exp.workdir
-  final_path = os.path.join(workdir, FINAL_METRICS)
+  final_path = fileio.join(workdir, FINAL_METRICS)
   # Leaving the block waits for in-flight saves, also when an error stops
   # the run, so the last checkpoint it reports is on disk.
   with checkpointing.Checkpoints(
@@ -218,7 +222,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       keep=config.keep_checkpoints) as ckpts:
     latest = ckpts.latest_step()
     if (latest is not None and latest >= config.num_steps
-        and os.path.exists(final_path)):
+        and fileio.exists(final_path)):
       logging.info('The run in %s is complete (step %d)', workdir, latest)
       return metrics_lib.read_json(final_path)
     if latest is None:
@@ -244,7 +248,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                    {k: v for k, v in final.items() if k != 'step'})
   if jax.process_index() == 0:
     metrics_lib.write_json_atomic(final_path, final)
-    plots.plot_curves(writer.path, os.path.join(workdir, 'curves.png'))
+    plots.plot_curves(writer.path, fileio.join(workdir, 'curves.png'))
   return final
 
 
