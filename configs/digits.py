@@ -11,8 +11,13 @@ Variants through the config argument (comma-separated, combinable):
   python -m launch.train --config=configs/digits.py --workdir=/tmp/sam \
     --config.optimizer.sam.enabled=True --config.optimizer.sam.rho=0.1
 
-`runlocal` shrinks the run for tests and laptops. Any field can be
-overridden, e.g. `--config.optimizer.learning_rate=0.05
+`runlocal` shrinks the run for tests and laptops. Sweeps (`get_sweep`):
+
+  python -m launch.sweep --config=configs/digits.py --sweep=sam_rho \
+    --workdir=workdirs/sam_rho --parallel=2
+  python -m launch.report workdirs/sam_rho
+
+Any field can be overridden, e.g. `--config.optimizer.learning_rate=0.05
 --config.mesh.shape='(8,1)'`. For a standard TFDS data set that is
 already prepared (array_record) in a data_dir:
 
@@ -23,6 +28,7 @@ already prepared (array_record) in a data_dir:
 import ml_collections
 
 from configs import sam_block
+from configs import sweeps
 
 
 def _parse_arg(arg: str | None) -> dict[str, str]:
@@ -115,3 +121,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     else:
       config.model.widths = (64, 64)
   return config
+
+
+def get_sweep(name: str) -> list[dict]:
+  """Named lists of overrides for `python -m launch.sweep`."""
+  seeds = {'seed': [0, 1, 2]}
+  return sweeps.select(name, {
+      # SAM's radius over seeds (the SAM study's core, one method).
+      'sam_rho': lambda: sweeps.combine(
+          [{'optimizer.sam.enabled': True}],
+          sweeps.product({'optimizer.sam.rho': [0.02, 0.05, 0.1, 0.2, 0.5],
+                          **seeds})),
+      'learning_rate': lambda: sweeps.product(
+          {'optimizer.learning_rate': [0.01, 0.03, 0.1, 0.3], **seeds}),
+      # Two settings x two seeds of the small run: for tests and a quick try.
+      'smoke': lambda: sweeps.product(
+          {'optimizer.learning_rate': [0.05, 0.2], 'seed': [0, 1]}),
+  })

@@ -52,11 +52,13 @@ def one_line(error: Exception, argv: list[str]) -> str:
 def parse_flags(argv: list[str], config_flag) -> list[str]:
   """absl's flag parsing, with a mistake reported as one line (exit status 2).
 
-  `config_flag` is the job's `config_flags.DEFINE_config_file` holder.
+  `config_flag` is the job's `config_flags.DEFINE_config_file` holder (or
+  None for jobs whose --config is a plain path).
   """
   try:
     rest = flags.FLAGS(argv)
-    config_flag.value.keys()  # A config file that failed to load raises here.
+    if config_flag is not None:
+      config_flag.value.keys()  # A config file that failed to load raises here.
     return rest
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError,
           OSError) as e:

@@ -162,3 +162,31 @@ def test_a_dead_process_stops_the_other_with_an_error(tmp_path, victim):
   assert re.search(r'Terminating process because the JAX distributed service '
                    r'detected fatal errors|another task died|coordination '
                    r'service', err, re.I), err[-3000:]
+
+
+def test_sigterm_on_every_worker_saves_one_agreed_step(tmp_path,
+                                                        digits_config):
+  # What a pod's preemption does: SIGTERM to every worker at about once.
+  procs = _start_pair(str(tmp_path), '--config.num_steps=100000')
+  try:
+    deadline = time.monotonic() + 300
+    while not os.path.exists(tmp_path / 'metrics.jsonl') or os.path.getsize(
+        tmp_path / 'metrics.jsonl') == 0:
+      assert time.monotonic() < deadline, 'the pair never started training'
+      time.sleep(0.5)
+    for p in procs:
+      p.send_signal(signal.SIGTERM)
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.communicate()
+  assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:]
+  stops = [re.search(r'stopped by SIGTERM at step (\d+)', e) for e in errs]
+  assert all(stops), errs[0][-2000:]
+  step = int(stops[0].group(1))
+  assert int(stops[1].group(1)) == step
+  digits_config.num_steps = 100000
+  saved, _ = _final_params(str(tmp_path), digits_config)
+  assert saved == step

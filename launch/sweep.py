@@ -1,0 +1,173 @@
+r"""Expand a config's sweep into `launch.train` runs: run them here, or on TPU pods.
+
+  python -m launch.sweep --config=configs/digits.py:runlocal --sweep=smoke \
+    --workdir=workdirs/smoke --parallel=2
+  python -m launch.sweep --config=configs/digits.py --sweep=sam_rho \
+    --workdir=gs://BUCKET/sam_rho --target=tpu --tpu=my-v5e --zone=us-west4-a
+  python -m launch.sweep --config=configs/digits.py --sweep=sam_rho \
+    --workdir=gs://BUCKET/sam_rho --target=xpk --xpk_cluster=c1 \
+    --xpk_tpu_type=v5litepod-16
+
+Each run gets `--workdir/<its overrides>`. `--target=local` runs
+`--parallel` at a time: a finished run (final_metrics.json present) is
+skipped, an interrupted one resumes from its checkpoint, so relaunching the
+same command finishes a sweep; logs go to `--workdir/logs/`, and
+`--workdir/sweep.json` lists the runs for `launch.report`. The TPU and xpk
+targets print their commands (a dry run) unless `--execute`; on TPU every
+run goes to all workers with `--multihost`, one run after another.
+
+Mistakes (unknown sweep, an override of a field that does not exist, a
+missing --tpu) end with one line naming the flag and the valid choices
+(exit status 2) before anything runs.
+"""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+from launch import entry
+from launch import sweep_plan
+
+_CONFIG = flags.DEFINE_string('config', None,
+                              'Config file with get_sweep(), path[:arg].')
+_SWEEP = flags.DEFINE_string('sweep', None, 'Name of the sweep.')
+_WORKDIR = flags.DEFINE_string('workdir', None,
+                               'Root of the runs\' workdirs (gs:// for pods).')
+_TARGET = flags.DEFINE_enum('target', 'local', sweep_plan.TARGETS,
+                            'Where the runs go.')
+_PARALLEL = flags.DEFINE_integer('parallel', 1, 'local: runs at a time.')
+_EXECUTE = flags.DEFINE_bool('execute', False,
+                             'tpu/xpk: run the commands (default: print).')
+_TPU = flags.DEFINE_string('tpu', None, 'tpu: the TPU VM (pod) name.')
+_ZONE = flags.DEFINE_string('zone', None, 'tpu: its zone.')
+_PROJECT = flags.DEFINE_string('project', None, 'tpu: the GCP project.')
+_REMOTE_DIR = flags.DEFINE_string('remote_dir', '~/geom',
+                                  'tpu: the checkout on every worker.')
+_REMOTE_PYTHON = flags.DEFINE_string(
+    'remote_python', 'python3', 'tpu/xpk: the interpreter on the workers.')
+_XPK_CLUSTER = flags.DEFINE_string('xpk_cluster', None, 'xpk: the cluster.')
+_XPK_TPU_TYPE = flags.DEFINE_string('xpk_tpu_type', None,
+                                    'xpk: e.g. v5litepod-16.')
+_XPK_SLICES = flags.DEFINE_integer('xpk_num_slices', 1, 'xpk: slices.')
+_XPK_IMAGE = flags.DEFINE_string('xpk_docker_image', None,
+                                 'xpk: image with the repo (default: xpk\'s).')
+_XPK_PREFIX = flags.DEFINE_string('xpk_prefix', 'geom',
+                                  'xpk: workload name prefix.')
+flags.mark_flags_as_required(['config', 'sweep', 'workdir'])
+
+
+def _check_target_flags() -> None:
+  from train.errors import UsageError  # pylint: disable=g-import-not-at-top
+  required = {'tpu': (('--tpu', _TPU), ('--zone', _ZONE)),
+              'xpk': (('--xpk_cluster', _XPK_CLUSTER),
+                      ('--xpk_tpu_type', _XPK_TPU_TYPE))}
+  for name, flag in required.get(_TARGET.value, ()):
+    if not flag.value:
+      raise UsageError(name, flag.value,
+                       f'required with --target={_TARGET.value}')
+  if _TARGET.value == 'local' and _WORKDIR.value.startswith('gs://'):
+    raise UsageError('--workdir', _WORKDIR.value,
+                     'local runs need a local directory; gs:// is for '
+                     '--target=tpu or xpk')
+  if _PARALLEL.value < 1:
+    raise UsageError('--parallel', _PARALLEL.value, 'must be >= 1')
+
+
+def run_local(runs: list[sweep_plan.Run], root: str, parallel: int) -> int:
+  """Runs what is not finished, `parallel` at a time; returns the failures."""
+  logs = os.path.join(root, 'logs')
+  os.makedirs(logs, exist_ok=True)
+  pending = []
+  for run in runs:
+    if os.path.exists(os.path.join(run.workdir, 'final_metrics.json')):
+      print(f'[skip] {run.name}: finished')
+    else:
+      resumed = os.path.isdir(os.path.join(run.workdir, 'checkpoints'))
+      pending.append((run, 'resume' if resumed else 'start'))
+  active, failed = {}, []
+  try:
+    while pending or active:
+      while pending and len(active) < parallel:
+        run, how = pending.pop(0)
+        log = open(os.path.join(logs, f'{run.name}.log'), 'a')
+        print(f'[{how}] {run.name}: {shlex.join(sweep_plan.local_argv(run))}')
+        active[run.name] = (subprocess.Popen(
+            sweep_plan.local_argv(run), stdout=log, stderr=subprocess.STDOUT,
+            cwd=os.getcwd()), log, run)
+      time.sleep(0.2)
+      for name, (proc, log, run) in list(active.items()):
+        if proc.poll() is None:
+          continue
+        log.close()
+        del active[name]
+        status = 'done' if proc.returncode == 0 else (
+            f'FAILED (exit {proc.returncode}; log: {log.name})')
+        if proc.returncode:
+          failed.append(name)
+        print(f'[{status.split(" ")[0].lower()}] {name}'
+              + ('' if proc.returncode == 0 else f': {status}'))
+  except KeyboardInterrupt:
+    # The trainer saves a checkpoint on SIGTERM; the next launch resumes.
+    for proc, log, _ in active.values():
+      proc.terminate()
+    for proc, log, _ in active.values():
+      proc.wait()
+      log.close()
+    print('interrupted: running runs saved a checkpoint; relaunch to resume')
+    return len(active) or 1
+  print(f'{len(runs) - len(failed)}/{len(runs)} runs finished'
+        + (f'; failed: {", ".join(failed)}' if failed else ''))
+  return len(failed)
+
+
+def main(argv):
+  del argv
+  from train.errors import UsageError  # pylint: disable=g-import-not-at-top
+  local = _TARGET.value == 'local'
+  root = os.path.abspath(_WORKDIR.value) if local else _WORKDIR.value
+  try:
+    _check_target_flags()
+    runs = sweep_plan.plan(_CONFIG.value, _SWEEP.value, root)
+  except UsageError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(entry.EXIT_USAGE)
+
+  if local:
+    os.makedirs(root, exist_ok=True)
+    from train import metrics  # pylint: disable=g-import-not-at-top
+    metrics.write_json_atomic(os.path.join(root, sweep_plan.MANIFEST), {
+        'config': _CONFIG.value, 'sweep': _SWEEP.value,
+        'runs': [{'name': r.name, 'overrides': r.overrides,
+                  'workdir': r.workdir} for r in runs]})
+    sys.exit(1 if run_local(runs, root, _PARALLEL.value) else 0)
+
+  if _TARGET.value == 'tpu':
+    commands = [sweep_plan.tpu_argv(r, _TPU.value, _ZONE.value, _PROJECT.value,
+                                    _REMOTE_DIR.value, _REMOTE_PYTHON.value)
+                for r in runs]
+  else:
+    commands = [sweep_plan.xpk_argv(r, _XPK_CLUSTER.value, _XPK_TPU_TYPE.value,
+                                    _XPK_SLICES.value, _XPK_PREFIX.value,
+                                    _XPK_IMAGE.value, _REMOTE_PYTHON.value)
+                for r in runs]
+  if not _EXECUTE.value:
+    print(f'# {len(commands)} runs (dry run; add --execute to run them)')
+    for command in commands:
+      print(shlex.join(command))
+    return
+  for run, command in zip(runs, commands):
+    print(f'[start] {run.name}: {shlex.join(command)}', flush=True)
+    code = subprocess.call(command)
+    if code:
+      print(f'[failed] {run.name}: exit {code}', file=sys.stderr)
+      sys.exit(1)
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=lambda argv: entry.parse_flags(argv, None))

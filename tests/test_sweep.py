@@ -1,0 +1,216 @@
+"""Sweeps: expansion, validation, shell quoting, the TPU/xpk dry runs, a local sweep and its report."""
+
+import csv
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from configs import sweeps
+from launch import report
+from launch import sweep_plan
+from tests.conftest import REPO_ROOT
+from train.errors import UsageError
+
+DANGEROUS = "'; rm -rf ~"
+
+
+def _config_file(tmp_path, sweep_body: str) -> str:
+  """A config module that reuses digits and defines its own sweeps."""
+  path = tmp_path / 'cfg.py'
+  path.write_text(textwrap.dedent('''
+      from configs import digits
+      from configs import sweeps
+
+      def get_config(arg=None):
+        return digits.get_config(arg)
+
+      def get_sweep(name):
+        return sweeps.select(name, {TABLE})
+      ''').replace('{TABLE}', sweep_body))
+  return str(path)
+
+
+def test_product_zipped_combine_and_select():
+  assert sweeps.product({'a': [1, 2], 'b': ['x', 'y', 'z']}) == [
+      {'a': 1, 'b': 'x'}, {'a': 1, 'b': 'y'}, {'a': 1, 'b': 'z'},
+      {'a': 2, 'b': 'x'}, {'a': 2, 'b': 'y'}, {'a': 2, 'b': 'z'}]
+  assert sweeps.zipped({'a': [1, 2], 'b': [3, 4]}) == [{'a': 1, 'b': 3},
+                                                        {'a': 2, 'b': 4}]
+  assert sweeps.combine([{'m': 0}], sweeps.product({'s': [0, 1]})) == [
+      {'m': 0, 's': 0}, {'m': 0, 's': 1}]
+  with pytest.raises(ValueError, match='differ in length'):
+    sweeps.zipped({'a': [1], 'b': [1, 2]})
+  with pytest.raises(ValueError, match="axis 'a' needs a non-empty list"):
+    sweeps.product({'a': []})
+  with pytest.raises(ValueError, match="unknown sweep; valid choices: 'a', 'b'"):
+    sweeps.select('c', {'b': list, 'a': list})
+
+
+def test_digits_sweep_expands_in_order_with_its_overrides():
+  runs = sweep_plan.plan('configs/digits.py', 'sam_rho', '/r')
+  assert len(runs) == 5 * 3
+  assert [(r.overrides['optimizer.sam.rho'], r.overrides['seed'])
+          for r in runs[:4]] == [(0.02, 0), (0.02, 1), (0.02, 2), (0.05, 0)]
+  first = runs[0]
+  assert first.workdir == '/r/enabled=True,rho=0.02,seed=0'
+  assert first.argv == (
+      'python3', '-m', 'launch.train', '--config=configs/digits.py',
+      '--workdir=/r/enabled=True,rho=0.02,seed=0',
+      '--config.optimizer.sam.enabled=True',
+      '--config.optimizer.sam.rho=0.02', '--config.seed=0')
+  assert len({r.workdir for r in runs}) == len(runs)
+
+
+@pytest.mark.parametrize('body,message', [
+    ("{'s': lambda: [{'optimizer.rhoo': 1.0}]}",
+     r"--sweep=s \(run 0\)='optimizer.rhoo': config.optimizer has no field "
+     r"'rhoo'; valid choices: .*'learning_rate'"),
+    ("{'s': lambda: [{'seed': 0}, {'nosuch.field': 1}]}",
+     r"--sweep=s \(run 1\)='nosuch.field': config has no field 'nosuch'"),
+    ("{'s': lambda: [{'optimizer.learning_rate': 'fast'}]}",
+     r"'optimizer.learning_rate': cannot take 'fast'"),
+    ("{'s': lambda: [{'seed': 0}, {'seed': 0}]}",
+     'runs 0 and 1 have the same overrides'),
+    ("{'t': lambda: []}", r"--sweep='s': unknown sweep; valid choices: 't'"),
+])
+def test_bad_sweeps_fail_before_anything_runs(tmp_path, body, message):
+  with pytest.raises(UsageError, match=message):
+    sweep_plan.plan(_config_file(tmp_path, body), 's', str(tmp_path / 'r'))
+  assert not os.path.exists(tmp_path / 'r')
+
+
+def _dangerous_run(tmp_path):
+  cfg = _config_file(tmp_path, "{'s': lambda: [{'dataset': %r}]}" % DANGEROUS)
+  (run,) = sweep_plan.plan(cfg, 's', 'gs://bucket/root')
+  return run
+
+
+def test_a_hostile_value_stays_one_argument_at_every_level(tmp_path):
+  run = _dangerous_run(tmp_path)
+  local_line = shlex.join(sweep_plan.tpu_argv(
+      run, 'pod', 'us-west4-a', 'proj', '~/geom', 'python3'))
+  argv = shlex.split(local_line)  # What the local shell hands to gcloud.
+  assert argv[:9] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'pod',
+                      '--project', 'proj', '--zone']
+  remote = argv[argv.index('--command') + 1]
+  assert remote.startswith('cd ~/geom && ')
+  remote_argv = shlex.split(remote.split(' && ', 1)[1])
+  assert f'--config.dataset={DANGEROUS}' in remote_argv
+  assert remote_argv[-1] == '--multihost'
+  # And through a real shell: a stand-in interpreter prints its argv.
+  echo = tmp_path / 'argv.py'
+  echo.write_text('import json, sys\nprint(json.dumps(sys.argv[1:]))\n')
+  command = sweep_plan.remote_command(run, str(tmp_path),
+                                      f'{sys.executable}')
+  command = command.replace(shlex.quote(sys.executable),
+                            shlex.join([sys.executable, str(echo)]), 1)
+  out = subprocess.run(['bash', '-c', command], capture_output=True,
+                       text=True, check=True).stdout
+  received = json.loads(out)
+  assert received[received.index('launch.train') + 3] == (
+      f'--config.dataset={DANGEROUS}')
+  xpk = sweep_plan.xpk_argv(run, 'c', 'v5litepod-16', 2, 'geom', None,
+                            'python3')
+  assert f'--config.dataset={DANGEROUS}' in shlex.split(
+      shlex.split(shlex.join(xpk))[-1])
+
+
+def _sweep(*args, timeout=600):
+  return subprocess.run([sys.executable, '-m', 'launch.sweep', *args],
+                        cwd=REPO_ROOT, capture_output=True, text=True,
+                        timeout=timeout)
+
+
+def test_tpu_and_xpk_dry_runs_print_one_command_per_run():
+  proc = _sweep('--config=configs/digits.py', '--sweep=sam_rho',
+                '--workdir=gs://bucket/sam', '--target=tpu', '--tpu=my-pod',
+                '--zone=us-west4-a')
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stdout.strip().splitlines()
+  assert lines[0] == '# 15 runs (dry run; add --execute to run them)'
+  commands = [shlex.split(l) for l in lines[1:]]
+  assert len(commands) == 15
+  for cmd, run in zip(commands, sweep_plan.plan('configs/digits.py',
+                                                'sam_rho', 'gs://bucket/sam')):
+    assert cmd[:10] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh',
+                        'my-pod', '--zone', 'us-west4-a', '--worker=all',
+                        '--command']
+    assert cmd[10] == ("cd ~/geom && python3 -m launch.train "
+                       f"--config=configs/digits.py "
+                       f"--workdir={run.workdir} "
+                       + ' '.join(shlex.quote(a) for a in run.argv[5:])
+                       + ' --multihost')
+  proc = _sweep('--config=configs/digits.py', '--sweep=sam_rho',
+                '--workdir=gs://bucket/sam', '--target=xpk',
+                '--xpk_cluster=c1', '--xpk_tpu_type=v5litepod-16')
+  assert proc.returncode == 0, proc.stderr
+  names = [shlex.split(l)[shlex.split(l).index('--workload') + 1]
+           for l in proc.stdout.strip().splitlines()[1:]]
+  assert len(set(names)) == 15
+  assert all(len(n) <= 40 and n == n.lower() for n in names), names
+
+
+@pytest.mark.parametrize('args,message', [
+    (['--sweep=sam_rho', '--target=tpu', '--zone=z'],
+     'error: --tpu=None: required with --target=tpu'),
+    (['--sweep=sam_rho', '--target=xpk', '--xpk_cluster=c'],
+     'error: --xpk_tpu_type=None: required with --target=xpk'),
+    (['--sweep=rho'], "error: --sweep='rho': unknown sweep; valid choices: "
+     "'learning_rate', 'sam_rho', 'smoke'"),
+    (['--sweep=sam_rho', '--target=cloud'],
+     'error: flag --target=cloud: value should be one of <local|tpu|xpk>'),
+])
+def test_launcher_mistakes_are_one_line(tmp_path, args, message):
+  proc = _sweep('--config=configs/digits.py', f'--workdir={tmp_path}/r',
+                *args)
+  assert proc.returncode == 2
+  assert proc.stderr.strip() == message, proc.stderr
+  assert not os.path.exists(tmp_path / 'r')
+
+
+def test_local_sweep_resumes_and_reports(tmp_path):
+  root = str(tmp_path / 'smoke')
+  args = ['--config=configs/digits.py:runlocal', '--sweep=smoke',
+          f'--workdir={root}', '--parallel=2']
+  proc = _sweep(*args)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  runs = sweep_plan.plan('configs/digits.py:runlocal', 'smoke', root)
+  finals = {}
+  for run in runs:
+    with open(os.path.join(run.workdir, 'final_metrics.json')) as f:
+      finals[run.name] = json.load(f)
+  # Relaunch: finished runs are skipped; an interrupted one resumes.
+  os.remove(os.path.join(runs[1].workdir, 'final_metrics.json'))
+  proc = _sweep(*args)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert proc.stdout.count('[skip]') == 3
+  assert f'[resume] {runs[1].name}' in proc.stdout
+  with open(os.path.join(runs[1].workdir, 'final_metrics.json')) as f:
+    assert json.load(f) == finals[runs[1].name]
+
+  found = report.write_report([root], 'test_accuracy', root)
+  assert found['keys'] == ['optimizer.learning_rate']
+  assert found['unfinished'] == []
+  for group in found['groups']:
+    lr = group['setting']['optimizer.learning_rate']
+    values = [finals[r.name]['test_accuracy'] for r in runs
+              if r.overrides['optimizer.learning_rate'] == lr]
+    assert group['n'] == 2
+    assert group['mean']['test_accuracy'] == pytest.approx(
+        statistics.fmean(values))
+    assert group['std']['test_accuracy'] == pytest.approx(
+        statistics.stdev(values))
+  table = open(os.path.join(root, 'report.md')).read().splitlines()
+  assert table[0].startswith('| optimizer.learning_rate | seeds | ')
+  assert len(table) == 2 + 2
+  rows = list(csv.DictReader(open(os.path.join(root, 'report.csv'))))
+  assert [r['optimizer.learning_rate'] for r in rows] == ['0.05', '0.2']
+  assert os.path.getsize(os.path.join(root, 'report.png')) > 1000
+  with pytest.raises(UsageError, match="--metric='bleu': not among"):
+    report.write_report([root], 'bleu', root)
