@@ -27,25 +27,15 @@ already prepared (array_record) in a data_dir:
 
 import ml_collections
 
+from configs import config_args
 from configs import sam_block
 from configs import sweeps
 
 
-def _parse_arg(arg: str | None) -> dict[str, str]:
-  out = {}
-  for item in filter(None, (arg or '').split(',')):
-    key, _, value = item.partition('=')
-    out[key] = value or 'true'
-  unknown = sorted(set(out) - {'runlocal', 'model'})
-  if unknown:
-    raise ValueError(f'configs/digits.py: unknown config argument '
-                     f'{unknown[0]!r}; valid: runlocal, model=cnn|mlp')
-  return out
-
-
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The digits experiment; `arg` selects variants (see module docstring)."""
-  args = _parse_arg(arg)
+  args = config_args.parse(arg, 'configs/digits.py', {
+      'runlocal': 'runlocal', 'model': 'model=cnn|mlp'})
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.dataset = 'digits'

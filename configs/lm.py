@@ -22,24 +22,14 @@ checkpoint: `python -m launch.steer_eval --config=configs/steering.py
 
 import ml_collections
 
+from configs import config_args
 from configs import sam_block
-
-
-def _parse_arg(arg: str | None) -> dict[str, str]:
-  out = {}
-  for item in filter(None, (arg or '').split(',')):
-    key, _, value = item.partition('=')
-    out[key] = value or 'true'
-  unknown = sorted(set(out) - {'runlocal', 'english'})
-  if unknown:
-    raise ValueError(f'configs/lm.py: unknown config argument '
-                     f'{unknown[0]!r}; valid: runlocal, english=SOURCE')
-  return out
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The LM experiment; `arg` selects variants (see module docstring)."""
-  args = _parse_arg(arg)
+  args = config_args.parse(arg, 'configs/lm.py', {
+      'runlocal': 'runlocal', 'english': 'english=SOURCE'})
   config = ml_collections.ConfigDict()
   config.task = 'lm'
   config.seed = 0

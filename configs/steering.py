@@ -15,11 +15,12 @@ field can be overridden, e.g. `--config.layer=1 --config.beta=-1.0
 
 import ml_collections
 
+from configs import config_args
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  if arg not in (None, '', 'runlocal'):
-    raise ValueError(f'configs/steering.py: unknown config argument {arg!r}; '
-                     'valid: runlocal')
+  args = config_args.parse(arg, 'configs/steering.py',
+                           {'runlocal': 'runlocal'})
   config = ml_collections.ConfigDict()
   config.lm_workdir = ml_collections.config_dict.placeholder(str)
   config.vector_file = ''  # Empty: extract the direction from contrastive pairs.
@@ -40,7 +41,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.heldout_windows = 64
   config.generation = ml_collections.ConfigDict(dict(
       prompts=64, steps=96, temperature=0.8, seed=0, mode='cached'))
-  if arg == 'runlocal':
+  if 'runlocal' in args:
     config.layer = 1
     config.direction.pairs = 16
     config.alphas = (0.3, 1.0)

@@ -151,15 +151,8 @@ def compile_steps(exp: LMExperiment) -> trainer_lib.CompiledSteps:
       out_shardings=(exp.state_shardings,
                      {n: sharding_of(n) for n in names}),
       donate_argnums=(0,)).lower(exp.abstract_state, batch).compile()
-  compiled_eval = jax.jit(
-      steps.make_eval_step(exp.model, steps.lm_loss),
-      in_shardings=(exp.state_shardings, exp.batch_sharding),
-      out_shardings=repl).lower(
-          exp.abstract_state,
-          exp.abstract_batch(config.eval_batch_size, with_mask=True)).compile()
-  compiled_finite = jax.jit(
-      steps.state_is_finite, in_shardings=(exp.state_shardings,),
-      out_shardings=repl).lower(exp.abstract_state).compile()
+  compiled_eval, compiled_finite = trainer_lib.compile_eval_and_finite(
+      exp, steps.lm_loss)
   trainer_lib.log_memory_stats('lm train_step', compiled)
   return trainer_lib.CompiledSteps({None: compiled}, None, compiled_eval,
                                    compiled_finite, False)

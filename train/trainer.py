@@ -148,16 +148,7 @@ def compile_steps(exp: experiment_lib.Experiment,
 
   keys = (None,) if choose is None else (True, False)
   compiled_variants = {k: compile_train(k) for k in keys}
-  compiled_eval = jax.jit(
-      steps.make_eval_step(exp.model),
-      in_shardings=(exp.state_shardings, exp.batch_sharding),
-      out_shardings=repl).lower(
-          exp.abstract_state,
-          exp.abstract_batch(config.eval_batch_size, with_mask=True)).compile()
-  # Guards every checkpoint; compiled here so a save never waits for it.
-  compiled_finite = jax.jit(
-      steps.state_is_finite, in_shardings=(exp.state_shardings,),
-      out_shardings=repl).lower(exp.abstract_state).compile()
+  compiled_eval, compiled_finite = compile_eval_and_finite(exp)
   logging.info('Training data on the devices: %s (%.2f MiB per device)',
                on_device,
                (train_data.images.nbytes + train_data.labels.nbytes) / 2**20)
@@ -168,6 +159,25 @@ def compile_steps(exp: experiment_lib.Experiment,
   log_memory_stats('eval_step', compiled_eval)
   return CompiledSteps({k: fn for k, (_, fn) in compiled_variants.items()},
                        choose, compiled_eval, compiled_finite, on_device)
+
+
+def compile_eval_and_finite(exp, per_example: steps.PerExample | None = None
+                            ) -> tuple[Any, Any]:
+  """The compiled eval step (sums over a masked batch) and the finiteness
+  check that guards every checkpoint (compiled here, so a save never waits
+  for it). `exp` is any experiment with shardings and abstract batches."""
+  repl = jax.sharding.NamedSharding(exp.mesh, jax.sharding.PartitionSpec())
+  compiled_eval = jax.jit(
+      steps.make_eval_step(exp.model, per_example),
+      in_shardings=(exp.state_shardings, exp.batch_sharding),
+      out_shardings=repl).lower(
+          exp.abstract_state,
+          exp.abstract_batch(exp.config.eval_batch_size,
+                             with_mask=True)).compile()
+  compiled_finite = jax.jit(
+      steps.state_is_finite, in_shardings=(exp.state_shardings,),
+      out_shardings=repl).lower(exp.abstract_state).compile()
+  return compiled_eval, compiled_finite
 
 
 def log_memory_stats(name: str, compiled: Any) -> dict[str, int]:
