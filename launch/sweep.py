@@ -21,7 +21,6 @@ missing --tpu) end with one line naming the flag and the valid choices
 (exit status 2) before anything runs.
 """
 
-import json
 import os
 import shlex
 import subprocess

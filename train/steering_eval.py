@@ -324,8 +324,26 @@ def check_config(config) -> None:
       raise ConfigError(field, value, 'must be a positive integer')
 
 
-def _mc_length(batches: dict[str, MCBatch]) -> int:
-  return max(int(b.valid.sum(1).max()) for b in batches.values())
+def _direction(config, model, params,
+               layer_path: str) -> steering_vectors.SteeringVector:
+  """The config's vector file (checked against the model), or a direction
+  extracted from contrastive pairs at `layer_path`."""
+  if config.get('vector_file'):
+    vec = steering_vectors.load(config.vector_file, params)
+    if vec.layer_path != layer_path:
+      raise ConfigError('layer', config.layer,
+                        f'the vector file was extracted at {vec.layer_path!r}')
+    return vec
+  pairs = text_corpus.contrastive_pairs(config.direction.pairs,
+                                        config.direction.seed)
+  direction, coefficient = extract(model, params, layer_path, pairs,
+                                   config.direction.method,
+                                   config.direction.position)
+  return steering_vectors.SteeringVector(
+      direction, config.layer, layer_path,
+      steering_vectors.fingerprint(params),
+      dict(method=config.direction.method, pairs=config.direction.pairs,
+           position=config.direction.position, coefficient=coefficient))
 
 
 def evaluate(config, workdir: str) -> list[dict[str, Any]]:
@@ -341,24 +359,8 @@ def evaluate(config, workdir: str) -> list[dict[str, Any]]:
     raise ConfigError('layer', config.layer, str(e).split(': ', 1)[1]) from None
   paths = steering_hooks.layer_paths(params)
 
-  vector_path = os.path.join(workdir, 'steering_vector.npz')
-  if config.get('vector_file'):
-    vec = steering_vectors.load(config.vector_file, params)
-    if vec.layer_path != layer_path:
-      raise ConfigError('layer', config.layer,
-                        f'the vector file was extracted at {vec.layer_path!r}')
-  else:
-    pairs = text_corpus.contrastive_pairs(config.direction.pairs,
-                                          config.direction.seed)
-    direction, coefficient = extract(model, params, layer_path, pairs,
-                                     config.direction.method,
-                                     config.direction.position)
-    vec = steering_vectors.SteeringVector(
-        direction, config.layer, layer_path,
-        steering_vectors.fingerprint(params),
-        dict(method=config.direction.method, pairs=config.direction.pairs,
-             position=config.direction.position, coefficient=coefficient))
-  steering_vectors.save(vector_path, vec)
+  vec = _direction(config, model, params, layer_path)
+  steering_vectors.save(os.path.join(workdir, 'steering_vector.npz'), vec)
   coefficient = float(vec.info['coefficient'])
 
   items = {t: text_corpus.mc_task(t, n, config.mc_seed)
