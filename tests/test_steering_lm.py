@@ -199,3 +199,33 @@ def test_multiple_choice_scores_equal_a_direct_computation(params):
   # Steered: the last context byte and every choice byte, per row.
   assert float(stats.tokens) == sum(
       len(text_corpus.encode(c)) + 1 for it in items for c in it.choices)
+
+
+def test_hooks_steer_a_model_they_were_not_written_for():
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  class Stack(nn.Module):
+    """Flax's usual list-of-layers naming: layers_0, layers_1, ..."""
+
+    def setup(self):
+      self.layers = [nn.Dense(8) for _ in range(3)]
+
+    def __call__(self, x):
+      for layer in self.layers:
+        x = nn.tanh(layer(x))
+      return x
+
+  model = Stack()
+  x = jax.random.normal(jax.random.key(7), (4, 5, 8))
+  p = model.init(jax.random.key(8), x)['params']
+  path = steering_hooks.resolve_layer(p, 1)
+  assert path == 'layers_1'
+  steer = st.Steering('addition', jnp.ones(8), alpha=1.0, coefficient=0.5)
+  with steering_hooks.steered(steer, path, None):
+    out = model.apply({'params': p}, x)
+  # By hand: the second Dense's output shifted, then the rest of the stack.
+  h = nn.tanh(nn.Dense(8).apply({'params': p['layers_0']}, x))
+  h = nn.Dense(8).apply({'params': p['layers_1']}, h) + 0.5 * st.unit(
+      jnp.ones(8))
+  h = nn.tanh(nn.Dense(8).apply({'params': p['layers_2']}, nn.tanh(h)))
+  np.testing.assert_allclose(out, h, atol=1e-6)
