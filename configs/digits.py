@@ -28,7 +28,7 @@ already prepared (array_record) in a data_dir:
 import ml_collections
 
 from configs import config_args
-from configs import sam_block
+from configs import optimizer_block
 from configs import sweeps
 
 
@@ -75,22 +75,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.eval_batch_size = 256
   config.num_steps = 600
 
-  config.optimizer = ml_collections.ConfigDict(dict(
-      name='momentum',  # sgd | momentum | adamw
-      learning_rate=0.1,
-      schedule='cosine',  # cosine | constant
-      warmup_steps=30,
-      end_lr_fraction=0.0,
-      momentum=0.9,
-      nesterov=False,
-      b1=0.9,
-      b2=0.999,
-      eps=1e-8,
-      weight_decay=5e-4,
-      weight_decay_exclude=r'(bias|scale)$',
-      grad_clip_norm=0.0,  # 0: no clipping.
-      sam=sam_block.sam_block(),
-  ))
+  # Momentum SGD, lr 0.1, cosine after 30 warm-up steps, weight decay 5e-4.
+  config.optimizer = optimizer_block.optimizer_block()
   config.nonfinite = 'stop'  # stop | skip
 
   config.log_every = 50

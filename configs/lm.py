@@ -23,7 +23,7 @@ checkpoint: `python -m launch.steer_eval --config=configs/steering.py
 import ml_collections
 
 from configs import config_args
-from configs import sam_block
+from configs import optimizer_block
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -58,22 +58,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.eval_batch_size = 64
   config.num_steps = 2500
 
-  config.optimizer = ml_collections.ConfigDict(dict(
-      name='adamw',  # sgd | momentum | adamw
-      learning_rate=3e-3,
-      schedule='cosine',
-      warmup_steps=100,
-      end_lr_fraction=0.05,
-      momentum=0.9,
-      nesterov=False,
-      b1=0.9,
-      b2=0.98,
-      eps=1e-9,
-      weight_decay=0.05,
-      weight_decay_exclude=r'(bias|scale)$',
-      grad_clip_norm=1.0,
-      sam=sam_block.sam_block(),
-  ))
+  config.optimizer = optimizer_block.optimizer_block(
+      name='adamw', learning_rate=3e-3, warmup_steps=100,
+      end_lr_fraction=0.05, b2=0.98, eps=1e-9, weight_decay=0.05,
+      grad_clip_norm=1.0)
   config.nonfinite = 'stop'
   config.log_every = 100
   config.eval_every = 500

@@ -1,0 +1,36 @@
+"""The `config.optimizer` block shared by training configs (see train/optim.py).
+
+Every field `train.optim` reads, with defaults; a config passes what it
+changes: `optimizer_block(name='adamw', learning_rate=3e-3)`. SAM is the
+`sam` sub-block (`configs/sam_block.py`), off by default.
+"""
+
+import ml_collections
+
+from configs import sam_block
+
+
+def optimizer_block(**changes) -> ml_collections.ConfigDict:
+  """The defaults updated with `changes` (an unknown field is an error)."""
+  block = dict(
+      name='momentum',  # sgd | momentum | adamw
+      learning_rate=0.1,
+      schedule='cosine',  # cosine | constant
+      warmup_steps=30,
+      end_lr_fraction=0.0,
+      momentum=0.9,
+      nesterov=False,
+      b1=0.9,
+      b2=0.999,
+      eps=1e-8,
+      weight_decay=5e-4,
+      weight_decay_exclude=r'(bias|scale)$',
+      grad_clip_norm=0.0,  # 0: no clipping.
+  )
+  unknown = sorted(set(changes) - set(block))
+  if unknown:
+    raise ValueError(f'optimizer_block: unknown field {unknown[0]!r}; valid: '
+                     f'{", ".join(sorted(block))}')
+  block.update(changes)
+  block['sam'] = sam_block.sam_block()
+  return ml_collections.ConfigDict(block)
