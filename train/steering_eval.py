@@ -68,11 +68,6 @@ def make_steering(method: str, direction, alpha: float, *, kappa: float,
                                gate=method == 'spherical_gate')
 
 
-def _encode_docs(texts: list[str]) -> list[np.ndarray]:
-  return [np.concatenate([[text_corpus.BOS], text_corpus.encode(t)])
-          for t in texts]
-
-
 def _right_pad(seqs: list[np.ndarray], length: int) -> tuple[np.ndarray,
                                                               np.ndarray]:
   tokens = np.zeros((len(seqs), length), np.int32)
@@ -98,7 +93,7 @@ class MCBatch(NamedTuple):
 def encode_mc(items: list[text_corpus.MCItem], length: int) -> MCBatch:
   seqs, score, steer = [], [], []
   for item in items:
-    ctx = _encode_docs([item.prefix()])[0]
+    ctx = text_corpus.encode_document(item.prefix())
     for choice in item.choices:
       ans = text_corpus.encode(choice)
       seqs.append(np.concatenate([ctx, ans]))
@@ -212,7 +207,8 @@ def generation_prompts(n: int) -> tuple[np.ndarray, np.ndarray]:
   """Left-padded BOS + neutral premise + ' ' prompts."""
   premises = [text_corpus.PREMISES[i % len(text_corpus.PREMISES)]
               for i in range(n)]
-  seqs = _encode_docs([p + text_corpus.MCItem.SEPARATOR for p in premises])
+  seqs = [text_corpus.encode_document(p + text_corpus.MCItem.SEPARATOR)
+          for p in premises]
   length = max(len(s) for s in seqs)
   tokens = np.zeros((n, length), np.int32)
   valid = np.zeros((n, length), bool)
@@ -264,7 +260,8 @@ def extract(model: decoder_lm.DecoderLM, params, layer_path: str,
   `position`: 'last' takes each text's last token (the reference's choice);
   'mean' averages over its tokens after BOS.
   """
-  pos, neg = (_encode_docs([p[i] for p in pairs]) for i in (0, 1))
+  pos, neg = ([text_corpus.encode_document(p[i]) for p in pairs]
+              for i in (0, 1))
   length = max(len(s) for s in pos + neg)
   acts, norms = [], []
   for seqs in (pos, neg):

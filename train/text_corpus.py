@@ -301,6 +301,11 @@ def encode(text: str) -> np.ndarray:
   return ids
 
 
+def encode_document(text: str) -> np.ndarray:
+  """BOS, then the text's bytes: how every document starts in training."""
+  return np.concatenate([[BOS], encode(text)]).astype(np.int32)
+
+
 def decode(ids) -> str:
   """Text of byte ids, skipping PAD and BOS (bytes >= 128 decode as U+FFFD)."""
   data = bytes(int(i) for i in np.asarray(ids).ravel() if i not in (PAD, BOS))
@@ -384,7 +389,7 @@ def pack_windows(documents: Sequence[str], seq_len: int, seed: int
   if seq_len < 1:
     raise UsageError('seq_len', seq_len, 'must be >= 1')
   order = np.random.default_rng(seed).permutation(len(documents))
-  parts = [np.concatenate([[BOS], encode(documents[i])]) for i in order]
+  parts = [encode_document(documents[i]) for i in order]
   stream = np.concatenate(parts) if parts else np.zeros(0, np.int32)
   n = len(stream) // (seq_len + 1)
   if n == 0:
