@@ -1,5 +1,51 @@
 """geom: optimization-geometry methods as Optax-style transformations.
 
-Methods live one per module (see ../shared/design/ARCHITECTURE.md); this
-package depends only on jax and optax, never on Flax, data or files.
+Methods live one per module and depend only on jax, optax and numpy (see
+the repository's README, "Layout"); nothing here knows about Flax, data
+sets or files. Each module lists its public names in `__all__`; this
+package re-exports the classes, and the modules themselves, because a
+method's factory shares its module's name:
+
+  >>> import optax
+  >>> import geom
+  >>> tx = geom.sam.sam(optax.sgd(0.1), rho=0.05)
+  >>> geom.sam.hooks(geom.SAMOptions(rho=0.05)).update_arguments
+  ('grad_fn',)
+
+Modules:
+  sam            SAM, ASAM, m-sharpness, warm-start, step windows.
+  hallucination  the detector of SAM's hallucinated minimizers.
+  kernels        Pallas kernels (the fused SAM perturbation).
+  steering       spherical steering and addition baselines.
+  landscapes     2-D objectives on which SAM's behaviour can be seen.
+  method_hooks   what a method needs from a training loop (`MethodHooks`).
+  validation     argument checks; `ArgumentError`.
+
+Planned (not yet here): `conga` (a learning-rate schedule for test-time
+adaptation) and `gas` (staleness budgets for asynchronous RL).
 """
+
+from geom import hallucination
+from geom import kernels
+from geom import landscapes
+from geom import method_hooks
+from geom import sam
+from geom import steering
+from geom import validation
+from geom.hallucination import DetectorConfig
+from geom.hallucination import DetectorState
+from geom.kernels.sam_perturb import BlockSizes
+from geom.method_hooks import MethodHooks
+from geom.method_hooks import StepVariants
+from geom.sam import SAMOptions
+from geom.sam import SAMState
+from geom.steering import Steering
+from geom.steering import SteerStats
+from geom.validation import ArgumentError
+
+__all__ = [
+    'ArgumentError', 'BlockSizes', 'DetectorConfig', 'DetectorState',
+    'MethodHooks', 'SAMOptions', 'SAMState', 'StepVariants', 'SteerStats',
+    'Steering', 'hallucination', 'kernels', 'landscapes', 'method_hooks',
+    'sam', 'steering', 'validation',
+]

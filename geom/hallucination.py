@@ -28,6 +28,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from geom import validation
+
+__all__ = ['DetectorConfig', 'DetectorState', 'init', 'restart',
+           'step_statistics', 'update']
+
 
 @dataclasses.dataclass(frozen=True)
 class DetectorConfig:
@@ -53,14 +58,15 @@ class DetectorConfig:
   track_cosine: bool = False
 
   def __post_init__(self):
-    checks = (('ema_decay', 0 <= self.ema_decay < 1, 'in [0, 1)'),
-              ('ratio_threshold', self.ratio_threshold > 0, '> 0'),
-              ('min_grad_norm', self.min_grad_norm >= 0, '>= 0'),
-              ('patience', self.patience >= 1, '>= 1'))
-    for name, ok, want in checks:
-      if not ok:
-        raise ValueError(
-            f'DetectorConfig.{name}={getattr(self, name)!r}: must be {want}')
+    owner = 'geom.hallucination.DetectorConfig'
+    validation.check(owner, 'ema_decay', self.ema_decay,
+                     lambda v: 0 <= v < 1, 'in [0, 1)')
+    validation.check(owner, 'ratio_threshold', self.ratio_threshold,
+                     lambda v: v > 0, '> 0')
+    validation.check(owner, 'min_grad_norm', self.min_grad_norm,
+                     lambda v: v >= 0, '>= 0')
+    validation.check(owner, 'patience', self.patience, lambda v: v >= 1,
+                     '>= 1')
 
 
 class DetectorState(NamedTuple):
@@ -89,6 +95,7 @@ class DetectorState(NamedTuple):
 
 
 def init(track_cosine: bool = True) -> DetectorState:
+  """Zero statistics (with the cosine's when `track_cosine`)."""
   f = lambda: jnp.zeros((), jnp.float32)
   i = lambda: jnp.zeros((), jnp.int32)
   return DetectorState(

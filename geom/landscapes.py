@@ -23,8 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = ['CRITICAL_POINTS', 'CriticalPoint', 'MIN_VALUE', 'START', 'grid',
+           'valley_with_bump']
+
 
 class CriticalPoint(NamedTuple):
+  """A critical point of `valley_with_bump`: its kind, place and value."""
   kind: str
   x: float
   y: float

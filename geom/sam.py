@@ -11,10 +11,32 @@ One SAM step at weights w with loss gradient g:
 `sam(base_optimizer, rho)` wraps any optax transformation. In the default
 (opaque) mode `update(grads, state, params, grad_fn=...)` does the whole
 step in one call: `grad_fn(params) -> grads` evaluates the loss gradient at
-other weights on the same batch. In two-call (transparent) mode, for loops
-that cannot pass `grad_fn`, calls alternate: the first returns the update
-to w + e, the second (given g+ at w + e) returns the update that goes back
-to w and applies the base step, as `optax.contrib.sam` does.
+other weights on the same batch (optax.contrib.sam's `grad_fn(params, i)`
+is accepted too). In two-call (transparent) mode, for loops that cannot
+pass `grad_fn`, calls alternate: the first returns the update to w + e,
+the second (given g+ at w + e) returns the update that goes back to w and
+applies the base step, as `optax.contrib.sam` does.
+
+The ascent is pluggable, as optax's `adv_optimizer` is: with `ascent=tx`,
+e = -rho * tx.update(g, ...) (tx in optax's convention: it returns a
+descent step, which SAM reverses), and tx's state is kept between steps
+unless `reset_ascent`. So `optax.contrib.sam(opt, adv_opt,
+opaque_mode=True)` is `sam(opt, rho=1.0, ascent=adv_opt)`. The default is
+the normalized step above, which the fused kernel computes.
+
+Which steps perturb: one mechanism, the effective rho. `warmup_steps` and
+`window` are sugar that build the rho schedule (rho is 0 before the
+warm-up ends and outside the window; a schedule of rho may reach 0 by
+itself), and the detector's responses act on it (a warm restart zeroes it
+for `restart_steps` steps, a shrink scales it). A step with effective rho
+0 is a plain base step on g and never computes the second gradient.
+`is_sam_step` answers the same question on the host (for a Python step
+count) and in jit, which is how a trainer compiles the two kinds apart:
+`hooks(options)` gives it the rule. Inside one program the branch is a
+`lax.cond`; `update(..., sam_step=True/False)` fixes it at trace time
+instead (on XLA:CPU a convolution's gradient inside a cond runs about 70x
+slower than outside, measured). With rho = 0 a step is a plain base step,
+so the result equals the base optimizer's exactly.
 
 On top of plain SAM:
 - warm-start: the first `warmup_steps` steps are plain base steps on g
@@ -25,14 +47,6 @@ On top of plain SAM:
 - a detector of hallucinated minimizers (`geom.hallucination`) fed by g
   and g+, with a response: only flag, fall back to plain steps for a while
   (warm restart), or shrink rho.
-Steps without SAM never compute the second gradient: the branch is a
-`lax.cond` inside jit, so they cost what a base step costs. A caller that
-knows the branch on the host can pass `sam_step=True/False` to `update`
-and compile each branch without a cond (`StepSchedule` gives the same
-answer on the host): on XLA:CPU a convolution's gradient inside a cond
-runs about 70x slower than outside (measured), which the trainer avoids
-this way. With rho = 0 a step is a plain base step, so the result equals
-the base optimizer's exactly.
 
 The perturbation (norm and w + e) is computed in float32 whatever the
 parameter dtype, then cast back for `grad_fn`.
@@ -83,6 +97,8 @@ References:
 
 from collections.abc import Callable
 import dataclasses
+import functools
+import inspect
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -90,14 +106,24 @@ import jax.numpy as jnp
 import optax
 
 from geom import hallucination
+from geom import method_hooks
+from geom import validation
 from geom.kernels import sam_perturb as fused_kernels
+
+__all__ = [
+    'SAMOptions', 'SAMState', 'TwoCallCache', 'diagnostics', 'find_state',
+    'from_options', 'hooks', 'is_sam_step', 'perturbation',
+    'perturbed_params', 'sam',
+]
 
 Params = Any
 Updates = Any
-GradFn = Callable[[Params], Updates]
+# grad_fn(params) -> grads, or optax.contrib.sam's grad_fn(params, i).
+GradFn = Callable[..., Updates]
 Responses = Literal['flag', 'warm_restart', 'shrink_rho']
 RESPONSES = ('flag', 'warm_restart', 'shrink_rho')
 MODES = ('opaque', 'two_call')
+_OWNER = 'geom.sam.SAMOptions'
 
 
 class TwoCallCache(NamedTuple):
@@ -125,6 +151,7 @@ class SAMState(NamedTuple):
     sam_active: whether the last step was a SAM step (bool).
     detector: the hallucination detector's statistics, or None.
     cache: two-call mode only, else None.
+    ascent_state: the `ascent` transformation's state, or None.
   """
   count: jax.Array
   base_state: optax.OptState
@@ -134,30 +161,7 @@ class SAMState(NamedTuple):
   sam_active: jax.Array
   detector: hallucination.DetectorState | None
   cache: TwoCallCache | None
-
-
-@dataclasses.dataclass(frozen=True)
-class StepSchedule:
-  """Which steps may be SAM steps: from `warmup_steps` on, inside `window`.
-
-  Callable on a step count, a Python int (on the host) or a traced array
-  (in jit), with the same answer: `sam` uses it on the device, and a
-  trainer can use it on the host to pick the branch (see `sam_step`).
-  """
-  warmup_steps: int = 0
-  window: tuple[int, int | None] | None = None
-
-  def __call__(self, count):
-    due = count >= self.warmup_steps
-    if self.window is not None:
-      due = due & (count >= self.window[0])
-      if self.window[1] is not None:
-        due = due & (count < self.window[1])
-    return due
-
-
-def _is_concrete(x: Any) -> bool:
-  return not isinstance(x, jax.core.Tracer)
+  ascent_state: optax.OptState | None = None
 
 
 def _is_static(value: Any) -> bool:
@@ -165,13 +169,128 @@ def _is_static(value: Any) -> bool:
   return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _check(name: str, value: Any, ok: Callable[[Any], bool], want: str):
-  """Validates a concrete argument (values traced by inject_hyperparams pass)."""
-  if _is_concrete(value) and not ok(value):
-    raise ValueError(f'geom.sam.sam: {name}={value!r}: must be {want}')
+@dataclasses.dataclass(frozen=True)
+class SAMOptions:
+  """Everything `sam` is configured with but the base optimizer.
+
+  Validated on construction (`ArgumentError` names the field). The fields
+  are `sam`'s keyword arguments, documented there; numbers may be traced
+  (under `optax.inject_hyperparams`), and are then checked where they were
+  concrete.
+  """
+  rho: float | optax.Schedule = 0.05
+  adaptive: bool = False
+  eta: float = 0.01
+  eps: float = 1e-12
+  warmup_steps: int = 0
+  window: tuple[int, int | None] | None = None
+  batch_axis_name: str | None = None
+  detector: hallucination.DetectorConfig | None = (
+      hallucination.DetectorConfig())
+  response: Responses = 'flag'
+  restart_steps: int = 100
+  shrink_factor: float = 0.5
+  mode: Literal['opaque', 'two_call'] = 'opaque'
+  fused: bool = False
+  ascent: optax.GradientTransformation | None = None
+  reset_ascent: bool = True
+
+  def __post_init__(self):
+    check = functools.partial(validation.check, _OWNER)
+    check('rho', self.rho, lambda r: r >= 0, '>= 0 (or a schedule)')
+    check('eta', self.eta, lambda v: v > 0, '> 0')
+    check('eps', self.eps, lambda v: v >= 0, '>= 0')
+    check('warmup_steps', self.warmup_steps, lambda v: v >= 0, '>= 0')
+    check('restart_steps', self.restart_steps, lambda v: v >= 1, '>= 1')
+    check('shrink_factor', self.shrink_factor, lambda v: 0 < v < 1,
+          'in (0, 1)')
+    if self.window is not None:
+      if len(self.window) != 2:
+        raise validation.ArgumentError(
+            _OWNER, 'window', 'must be (start, stop) with stop None for no '
+            'end', value=self.window)
+      start, stop = self.window
+      if start < 0 or (stop is not None and stop <= start):
+        raise validation.ArgumentError(
+            _OWNER, 'window', 'empty or negative (need 0 <= start < stop)',
+            value=self.window)
+    validation.check_choice(_OWNER, 'response', self.response, RESPONSES)
+    if self.response != 'flag' and self.detector is None:
+      raise validation.ArgumentError(
+          _OWNER, 'response', 'needs a detector (detector=None)',
+          value=self.response)
+    validation.check_choice(_OWNER, 'mode', self.mode, MODES)
+    if self.mode == 'two_call' and self.batch_axis_name is not None:
+      raise validation.ArgumentError(
+          _OWNER, 'batch_axis_name', "m-sharpness needs mode='opaque'",
+          value=self.batch_axis_name)
+    if self.ascent is not None:
+      for name in ('adaptive', 'fused'):
+        if getattr(self, name):
+          raise validation.ArgumentError(
+              _OWNER, name, 'the ascent is either ASAM/the fused kernel or '
+              'an `ascent` transformation, not both', value=True)
+      if self.batch_axis_name is not None and not self.reset_ascent:
+        raise validation.ArgumentError(
+            _OWNER, 'reset_ascent', 'must be True with m-sharpness (a kept '
+            'ascent state would differ from device to device)', value=False)
+
+  @property
+  def never_perturbs(self) -> bool:
+    """rho is a constant 0: every step is the base optimizer's."""
+    return _is_static(self.rho) and float(self.rho) == 0.0
+
+  @property
+  def may_skip(self) -> bool:
+    """Whether some step may be a plain step (which needs a branch)."""
+    return not (_is_static(self.rho) and float(self.rho) > 0
+                and _is_static(self.warmup_steps)
+                and int(self.warmup_steps) == 0
+                and self.window is None and self.response != 'warm_restart')
+
+  def scheduled_rho(self, count: int | jax.Array) -> float | jax.Array:
+    """rho at step `count`: the schedule, 0 in the warm-up and outside the
+    window. A Python float for a Python `count` and static settings (no
+    device work: a trainer asks this on the host every step)."""
+    rho = self.rho(count) if callable(self.rho) else self.rho
+    due = count >= self.warmup_steps
+    if self.window is not None:
+      start, stop = self.window
+      due = due & (count >= start)
+      if stop is not None:
+        due = due & (count < stop)
+    if isinstance(due, bool) and _is_static(rho):
+      return float(rho) if due else 0.0
+    return jnp.where(due, jnp.asarray(rho, jnp.float32), 0.0)
 
 
-def tree_norm_f32(tree: Any) -> jax.Array:
+def is_sam_step(options: SAMOptions, count: int | jax.Array,
+                cooldown: int | jax.Array = 0,
+                rho_scale: float | jax.Array = 1.0) -> bool | jax.Array:
+  """Whether step `count` perturbs: its effective rho is > 0.
+
+  Args:
+    options: the SAM configuration.
+    count: completed steps (a Python int on the host, or traced).
+    cooldown: plain steps left of a warm restart (`SAMState.cooldown`).
+    rho_scale: `SAMState.rho_scale`.
+
+  Returns:
+    A Python bool for Python arguments and static settings; else an array.
+  """
+  return _effective_rho(options, count, cooldown, rho_scale) > 0
+
+
+def _effective_rho(options, count, cooldown, rho_scale):
+  rho = options.scheduled_rho(count)
+  if isinstance(rho, float) and _is_static(cooldown) and _is_static(
+      rho_scale):
+    return rho * rho_scale if cooldown == 0 else 0.0
+  return jnp.where(cooldown == 0, jnp.asarray(rho, jnp.float32) * rho_scale,
+                   0.0).astype(jnp.float32)
+
+
+def _tree_norm_f32(tree: Any) -> jax.Array:
   """Global L2 norm, accumulated in float32 (also for bfloat16 leaves)."""
   leaves = jax.tree.leaves(tree)
   if not leaves:
@@ -180,7 +299,7 @@ def tree_norm_f32(tree: Any) -> jax.Array:
                       for x in leaves))
 
 
-def tree_vdot_f32(a: Any, b: Any) -> jax.Array:
+def _tree_vdot_f32(a: Any, b: Any) -> jax.Array:
   return sum(jnp.sum(x.astype(jnp.float32) * y.astype(jnp.float32))
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
@@ -189,6 +308,9 @@ def perturbation(grads: Updates, params: Params, rho: jax.Array | float, *,
                  adaptive: bool = False, eta: float = 0.01,
                  eps: float = 1e-12) -> tuple[Updates, jax.Array]:
   """The SAM (or ASAM) ascent step e, in float32, and the norm it divides by.
+
+  The plain-jnp definition of the default ascent (the fused kernel computes
+  the same); `perturbed_params(params, e)` is the point SAM evaluates g+ at.
 
   Args:
     grads: g at `params`.
@@ -204,17 +326,27 @@ def perturbation(grads: Updates, params: Params, rho: jax.Array | float, *,
   g = jax.tree.map(lambda x: x.astype(jnp.float32), grads)
   if adaptive:
     t = jax.tree.map(lambda w: jnp.abs(w.astype(jnp.float32)) + eta, params)
-    norm = tree_norm_f32(jax.tree.map(jnp.multiply, t, g))
+    norm = _tree_norm_f32(jax.tree.map(jnp.multiply, t, g))
     scale = rho / (norm + eps)
     e = jax.tree.map(lambda ti, gi: scale * ti * ti * gi, t, g)
   else:
-    norm = tree_norm_f32(g)
+    norm = _tree_norm_f32(g)
     scale = rho / (norm + eps)
     e = jax.tree.map(lambda gi: scale * gi, g)
   return e, norm
 
 
-def _inner_with_grad(w_adv, params, g_adv, norm, rho, adaptive, eta, eps):
+def perturbed_params(params: Params, e: Updates) -> Params:
+  """w + e, added in float32 and cast back to each parameter's dtype."""
+  return jax.tree.map(
+      lambda w, ei: (w.astype(jnp.float32) + ei).astype(w.dtype), params, e)
+
+
+def _cast_like(tree: Any, like: Any) -> Any:
+  return jax.tree.map(lambda x, y: x.astype(y.dtype), tree, like)
+
+
+def _inner_with_grad(options, w_adv, params, g_adv, norm, rho):
   """<g, g+> from the perturbation actually applied, w_adv - w.
 
   e is g scaled (SAM: rho / (|g| + eps); ASAM: elementwise by rho T^2 /
@@ -226,22 +358,243 @@ def _inner_with_grad(w_adv, params, g_adv, norm, rho, adaptive, eta, eps):
   """
   def direction(wa, w):
     d = wa.astype(jnp.float32) - w.astype(jnp.float32)
-    if adaptive:
-      d = d / jnp.square(jnp.abs(w.astype(jnp.float32)) + eta)
+    if options.adaptive:
+      d = d / jnp.square(jnp.abs(w.astype(jnp.float32)) + options.eta)
     return d
 
   applied = jax.tree.map(direction, w_adv, params)
-  return (norm + eps) / rho * tree_vdot_f32(applied, g_adv)
+  return (norm + options.eps) / rho * _tree_vdot_f32(applied, g_adv)
 
 
-def perturbed_params(params: Params, e: Updates) -> Params:
-  """w + e, added in float32 and cast back to each parameter's dtype."""
-  return jax.tree.map(
-      lambda w, ei: (w.astype(jnp.float32) + ei).astype(w.dtype), params, e)
+def _ascent_point(options: SAMOptions, grads, params, rho, ascent_state):
+  """(w + e, the norm the detector reads (|g| or |T g|), the ascent state)."""
+  if options.ascent is not None:
+    step, ascent_state = options.ascent.update(grads, ascent_state, params)
+    # optax's convention: the transformation returns a descent step.
+    e = jax.tree.map(lambda s: -rho * s.astype(jnp.float32), step)
+    return perturbed_params(params, e), _tree_norm_f32(grads), ascent_state
+  if options.fused:
+    w_adv, norm = fused_kernels.sam_perturb(
+        params, grads, rho, adaptive=options.adaptive, eta=options.eta,
+        eps=options.eps)
+    return w_adv, norm, ascent_state
+  e, norm = perturbation(grads, params, rho, adaptive=options.adaptive,
+                         eta=options.eta, eps=options.eps)
+  return perturbed_params(params, e), norm, ascent_state
 
 
-def _cast_like(tree: Any, like: Any) -> Any:
-  return jax.tree.map(lambda x, y: x.astype(y.dtype), tree, like)
+def _next_ascent_state(options: SAMOptions, params, new, old, perturbed):
+  """The ascent state after a step: reset after a perturbation if asked."""
+  if options.ascent is None:
+    return None
+  if options.reset_ascent:
+    return jax.tree.map(lambda fresh, kept: jnp.where(perturbed, fresh, kept),
+                        options.ascent.init(params), old)
+  return jax.tree.map(lambda a, b: jnp.where(perturbed, a, b), new, old)
+
+
+def _one_argument(grad_fn: GradFn) -> Callable[[Params], Updates]:
+  """`grad_fn` as grad_fn(params): optax's grad_fn(params, i) gets i = 0."""
+  try:
+    parameters = inspect.signature(grad_fn).parameters.values()
+  except (TypeError, ValueError):  # No signature: take it as one argument.
+    return grad_fn
+  positional = (inspect.Parameter.POSITIONAL_ONLY,
+                inspect.Parameter.POSITIONAL_OR_KEYWORD)
+  required = [p for p in parameters
+              if p.kind in positional and p.default is p.empty]
+  if len(required) == 2:
+    return lambda p: grad_fn(p, 0)
+  return grad_fn
+
+
+def _mean_over_axis(options: SAMOptions, tree):
+  if options.batch_axis_name is None:
+    return tree
+  return jax.lax.pmean(tree, options.batch_axis_name)
+
+
+def _respond(options: SAMOptions, state: SAMState, det, sam_step: jax.Array):
+  """The response to a flag; returns (detector, rho_scale, cooldown)."""
+  cooldown = jnp.where(~sam_step & (state.cooldown > 0),
+                       state.cooldown - 1, state.cooldown)
+  rho_scale = state.rho_scale
+  if det is None:
+    return None, rho_scale, cooldown
+  fired = det.flagged & sam_step
+  if options.response == 'warm_restart':
+    cooldown = jnp.where(fired, jnp.asarray(options.restart_steps, jnp.int32),
+                         cooldown)
+  elif options.response == 'shrink_rho':
+    rho_scale = jnp.where(fired, rho_scale * options.shrink_factor, rho_scale)
+  if options.response != 'flag':
+    det = jax.tree.map(lambda a, b: jnp.where(fired, a, b),
+                       hallucination.restart(det), det)
+  return det, rho_scale, cooldown
+
+
+def _init(options: SAMOptions, base: optax.GradientTransformationExtraArgs,
+          params: Params) -> SAMState:
+  cache = None
+  if options.mode == 'two_call':
+    cache = TwoCallCache(phase=jnp.zeros((), jnp.int32), params=params,
+                         grads=jax.tree.map(jnp.zeros_like, params))
+  detector = options.detector
+  return SAMState(
+      count=jnp.zeros((), jnp.int32),
+      base_state=base.init(params),
+      rho=jnp.zeros((), jnp.float32),
+      rho_scale=jnp.ones((), jnp.float32),
+      cooldown=jnp.zeros((), jnp.int32),
+      sam_active=jnp.zeros((), jnp.bool_),
+      detector=(None if detector is None
+                else hallucination.init(detector.track_cosine)),
+      cache=cache,
+      ascent_state=(None if options.ascent is None
+                    else options.ascent.init(params)))
+
+
+def _check_call(params, grad_fn, needs_grad_fn: bool):
+  if params is None:
+    raise validation.ArgumentError('geom.sam.sam', 'params',
+                                   'update needs params (the weights w)')
+  if needs_grad_fn and grad_fn is None:
+    raise validation.ArgumentError(
+        'geom.sam.sam', 'grad_fn',
+        'update needs grad_fn=lambda params: grads (the loss gradient at '
+        "other weights, same batch) in mode='opaque'; pass it, or use "
+        "mode='two_call' for loops that cannot.")
+
+
+def _opaque_update(options: SAMOptions,
+                   base: optax.GradientTransformationExtraArgs,
+                   grads: Updates, state: SAMState, params: Params = None, *,
+                   grad_fn: GradFn | None = None,
+                   sam_step: bool | None = None,
+                   **extra_args) -> tuple[Updates, SAMState]:
+  _check_call(params, grad_fn, needs_grad_fn=True)
+  grad_fn = _one_argument(grad_fn)
+  rho = _effective_rho(options, state.count, state.cooldown, state.rho_scale)
+  active = rho > 0
+  tracked = options.detector is not None and options.detector.track_cosine
+
+  def sam_grads(_):
+    w_adv, norm, ascent_state = _ascent_point(options, grads, params, rho,
+                                              state.ascent_state)
+    grad_norm = (_tree_norm_f32(grads) if options.adaptive else norm)
+    g_adv = _cast_like(grad_fn(w_adv), grads)
+    inner = None
+    if tracked:
+      inner = (_tree_vdot_f32(grads, g_adv) if options.ascent is not None
+               else _inner_with_grad(options, w_adv, params, g_adv, norm, rho))
+    stats = (grad_norm, _tree_norm_f32(g_adv), inner)
+    if options.batch_axis_name is not None:
+      stats = jax.lax.pmean(stats, options.batch_axis_name)
+    return _mean_over_axis(options, g_adv), stats, ascent_state
+
+  def plain_grads(_):
+    zero = jnp.zeros((), jnp.float32)
+    return (_mean_over_axis(options, grads),
+            (zero, zero, zero if tracked else None), state.ascent_state)
+
+  if options.never_perturbs or sam_step is False:
+    # The base optimizer's own computation, nothing else.
+    step_grads, stats, ascent_state = plain_grads(None)
+    active = jnp.array(False)
+  elif sam_step:
+    step_grads, stats, ascent_state = sam_grads(None)
+    active = jnp.array(True)
+  elif not options.may_skip:
+    # No step can be plain: straight-line code, which XLA schedules with
+    # the memory of a hand-written SAM step (a cond's output would hold
+    # one more gradient-sized buffer).
+    step_grads, stats, ascent_state = sam_grads(None)
+  else:
+    step_grads, stats, ascent_state = jax.lax.cond(active, sam_grads,
+                                                   plain_grads, None)
+  updates, base_state = base.update(step_grads, state.base_state, params,
+                                    **extra_args)
+  det = state.detector
+  if det is not None:
+    det = hallucination.update(det, options.detector, active, *stats)
+  det, rho_scale, cooldown = _respond(options, state, det, active)
+  return updates, SAMState(
+      count=state.count + 1, base_state=base_state,
+      rho=jnp.where(active, rho, 0.0).astype(jnp.float32),
+      rho_scale=rho_scale, cooldown=cooldown, sam_active=active,
+      detector=det, cache=None,
+      ascent_state=_next_ascent_state(options, params, ascent_state,
+                                      state.ascent_state, active))
+
+
+def _two_call_update(options: SAMOptions,
+                     base: optax.GradientTransformationExtraArgs,
+                     grads: Updates, state: SAMState, params: Params = None, *,
+                     grad_fn: GradFn | None = None,
+                     sam_step: bool | None = None,
+                     **extra_args) -> tuple[Updates, SAMState]:
+  del grad_fn  # Not used: the second call brings g+.
+  if sam_step is not None:
+    raise validation.ArgumentError('geom.sam.sam', 'sam_step',
+                                   "is for mode='opaque'", value=sam_step)
+  _check_call(params, None, needs_grad_fn=False)
+  cache = state.cache
+  second = cache.phase == 1  # grads is g+ at w + e; cache.params is w.
+  rho = _effective_rho(options, state.count, state.cooldown, state.rho_scale)
+  ascend = ~second & (rho > 0)
+  # The base step runs outside any branch, so a plain step is the base
+  # optimizer's own computation; on an ascent call its result is dropped.
+  w = jax.tree.map(lambda c, p: jnp.where(second, c, p), cache.params,
+                   params)
+  base_updates, base_state = base.update(grads, state.base_state, w,
+                                         **extra_args)
+  w_adv, _, ascent_state = _ascent_point(options, grads, params, rho,
+                                         state.ascent_state)
+  updates = jax.tree.map(
+      lambda u, wa, p, w0: jnp.where(
+          ascend, wa - p, jnp.where(second, w0 - p + u, u)).astype(p.dtype),
+      base_updates, w_adv, params, cache.params)
+  det = state.detector
+  if det is not None:
+    det = hallucination.update(
+        det, options.detector, second, _tree_norm_f32(cache.grads),
+        _tree_norm_f32(grads),
+        (_tree_vdot_f32(cache.grads, grads) if options.detector.track_cosine
+         else None))
+  det, rho_scale, cooldown = _respond(options, state, det, ascend | second)
+  keep = lambda new, old: jax.tree.map(
+      lambda a, b: jnp.where(ascend, b, a), new, old)
+  new_cache = TwoCallCache(
+      phase=ascend.astype(jnp.int32),
+      params=jax.tree.map(lambda p, c: jnp.where(ascend, p, c), params,
+                          cache.params),
+      grads=jax.tree.map(lambda g, c: jnp.where(ascend, g.astype(c.dtype), c),
+                         grads, cache.grads))
+  if options.ascent is None:
+    next_ascent = None
+  else:
+    # The ascent call advances the state; the second call may reset it.
+    kept = jax.tree.map(lambda a, b: jnp.where(ascend, a, b), ascent_state,
+                        state.ascent_state)
+    next_ascent = _next_ascent_state(options, cache.params, kept, kept,
+                                     second)
+  return updates, SAMState(
+      count=state.count + (~ascend).astype(jnp.int32),
+      base_state=keep(base_state, state.base_state),
+      rho=jnp.where(ascend | second, jnp.where(ascend, rho, state.rho),
+                    0.0).astype(jnp.float32),
+      rho_scale=rho_scale, cooldown=cooldown, sam_active=ascend | second,
+      detector=det, cache=new_cache, ascent_state=next_ascent)
+
+
+def from_options(base_optimizer: optax.GradientTransformation,
+                 options: SAMOptions) -> optax.GradientTransformationExtraArgs:
+  """`sam` from a `SAMOptions` (the object `hooks` reads too)."""
+  base = optax.with_extra_args_support(base_optimizer)
+  update = _opaque_update if options.mode == 'opaque' else _two_call_update
+  return optax.GradientTransformationExtraArgs(
+      functools.partial(_init, options, base),
+      functools.partial(update, options, base))
 
 
 def sam(
@@ -261,6 +614,8 @@ def sam(
     shrink_factor: float = 0.5,
     mode: Literal['opaque', 'two_call'] = 'opaque',
     fused: bool = False,
+    ascent: optax.GradientTransformation | None = None,
+    reset_ascent: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Sharpness-aware minimization around any optax optimizer.
 
@@ -291,224 +646,46 @@ def sam(
       `geom.kernels.sam_perturb` (one norm pass and one update pass over
       all leaves) instead of jnp; equal to the unfused result to float32
       rounding (relative 1e-6 on the norm).
+    ascent: an optax transformation that gives the ascent direction, in
+      the convention of `optax.contrib.sam`'s `adv_optimizer` (it returns
+      a descent step; e = -rho * its update). None: the normalized step
+      rho g / (|g| + eps). Not with `adaptive` or `fused`.
+    reset_ascent: start `ascent` from its initial state at every SAM step
+      (optax's `reset_state`); False keeps its state (e.g. Adam moments)
+      from one SAM step to the next.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. In opaque mode its update
     is `update(grads, state, params, *, grad_fn, sam_step=None,
-    **extra_args)`: `sam_step` (a Python bool) fixes the branch of this
-    step at trace time instead of deciding it on the device (the caller
-    then follows `StepSchedule(warmup_steps, window)`, rho > 0 and, with
-    'warm_restart', a zero `cooldown`); other extra arguments go to the
-    base optimizer.
+    **extra_args)`: `grad_fn(params)` (or `grad_fn(params, i)`, as
+    optax.contrib.sam calls it; here i = 0) gives the loss gradient at
+    other weights on the same batch; `sam_step` (a Python bool) fixes the
+    branch of this step at trace time instead of deciding it on the device
+    (the caller then follows `is_sam_step`); other extra arguments go to
+    the base optimizer.
 
   Raises:
-    ValueError: for invalid arguments, naming the argument.
+    ArgumentError: (a ValueError) for an invalid argument, naming it.
   """
-  _check('rho', rho, lambda r: callable(r) or r >= 0, '>= 0 (or a schedule)')
-  _check('eta', eta, lambda v: v > 0, '> 0')
-  _check('eps', eps, lambda v: v >= 0, '>= 0')
-  _check('warmup_steps', warmup_steps, lambda v: v >= 0, '>= 0')
-  _check('restart_steps', restart_steps, lambda v: v >= 1, '>= 1')
-  _check('shrink_factor', shrink_factor, lambda v: 0 < v < 1, 'in (0, 1)')
-  if window is not None:
-    if len(window) != 2:
-      raise ValueError(f'geom.sam.sam: window={window!r}: must be '
-                       '(start, stop) with stop None for no end')
-    start, stop = window
-    if start < 0 or (stop is not None and stop <= start):
-      raise ValueError(f'geom.sam.sam: window={window!r}: empty or negative '
-                       '(need 0 <= start < stop)')
-  if response not in RESPONSES:
-    raise ValueError(f'geom.sam.sam: response={response!r}; valid choices: '
-                     f'{", ".join(RESPONSES)}')
-  if response != 'flag' and detector is None:
-    raise ValueError(f'geom.sam.sam: response={response!r} needs a detector '
-                     '(detector=None)')
-  if mode not in MODES:
-    raise ValueError(f'geom.sam.sam: mode={mode!r}; valid choices: '
-                     f'{", ".join(MODES)}')
-  if mode == 'two_call' and batch_axis_name is not None:
-    raise ValueError('geom.sam.sam: batch_axis_name (m-sharpness) needs '
-                     "mode='opaque'")
-  base = optax.with_extra_args_support(base_optimizer)
-  track_cosine = detector is not None and detector.track_cosine
-  static_zero_rho = _is_static(rho) and float(rho) == 0.0
-  # Whether some step may be a plain base step, which needs a branch.
-  always_sam = (_is_static(rho) and float(rho) > 0
-                and _is_static(warmup_steps) and int(warmup_steps) == 0
-                and window is None and response != 'warm_restart')
-
-  def rho_at(count):
-    value = rho(count) if callable(rho) else rho
-    return jnp.asarray(value, jnp.float32)
-
-  schedule = StepSchedule(warmup_steps, window)
-
-  def sam_wanted(state: SAMState, rho_t: jax.Array) -> jax.Array:
-    return schedule(state.count) & (state.cooldown == 0) & (rho_t > 0)
-
-  def ascent_point(grads, params, rho_t):
-    """(w + e, the norm e divides by)."""
-    if fused:
-      return fused_kernels.sam_perturb(params, grads, rho_t,
-                                       adaptive=adaptive, eta=eta, eps=eps)
-    e, norm = perturbation(grads, params, rho_t, adaptive=adaptive, eta=eta,
-                           eps=eps)
-    return perturbed_params(params, e), norm
-
-  def mean_over_axis(tree):
-    if batch_axis_name is None:
-      return tree
-    return jax.lax.pmean(tree, batch_axis_name)
-
-  def respond(state: SAMState, det, sam_step: jax.Array):
-    """The response to a flag; returns (detector, rho_scale, cooldown)."""
-    cooldown = jnp.where(~sam_step & (state.cooldown > 0),
-                         state.cooldown - 1, state.cooldown)
-    rho_scale = state.rho_scale
-    if det is None:
-      return None, rho_scale, cooldown
-    fired = det.flagged & sam_step
-    if response == 'warm_restart':
-      cooldown = jnp.where(fired, jnp.asarray(restart_steps, jnp.int32),
-                           cooldown)
-    elif response == 'shrink_rho':
-      rho_scale = jnp.where(fired, rho_scale * shrink_factor, rho_scale)
-    if response != 'flag':
-      det = jax.tree.map(lambda a, b: jnp.where(fired, a, b),
-                         hallucination.restart(det), det)
-    return det, rho_scale, cooldown
-
-  def init_fn(params: Params) -> SAMState:
-    cache = None
-    if mode == 'two_call':
-      cache = TwoCallCache(phase=jnp.zeros((), jnp.int32), params=params,
-                           grads=jax.tree.map(jnp.zeros_like, params))
-    return SAMState(
-        count=jnp.zeros((), jnp.int32),
-        base_state=base.init(params),
-        rho=jnp.zeros((), jnp.float32),
-        rho_scale=jnp.ones((), jnp.float32),
-        cooldown=jnp.zeros((), jnp.int32),
-        sam_active=jnp.zeros((), jnp.bool_),
-        detector=(None if detector is None
-                  else hallucination.init(detector.track_cosine)),
-        cache=cache)
-
-  def opaque_update(grads, state: SAMState, params=None, *, grad_fn=None,
-                    sam_step: bool | None = None, **extra_args):
-    if params is None:
-      raise ValueError('geom.sam.sam: update needs params (the weights w).')
-    if grad_fn is None:
-      raise ValueError(
-          'geom.sam.sam: update needs grad_fn=lambda params: grads (the loss '
-          "gradient at other weights, same batch) in mode='opaque'; pass it, "
-          "or use mode='two_call' for loops that cannot.")
-    rho_t = rho_at(state.count) * state.rho_scale
-    active = sam_wanted(state, rho_t)
-
-    def sam_grads(_):
-      w_adv, norm = ascent_point(grads, params, rho_t)
-      grad_norm = tree_norm_f32(grads) if adaptive else norm
-      g_adv = _cast_like(grad_fn(w_adv), grads)
-      inner = None
-      if track_cosine:
-        inner = _inner_with_grad(w_adv, params, g_adv, norm, rho_t, adaptive,
-                                 eta, eps)
-      stats = (grad_norm, tree_norm_f32(g_adv), inner)
-      if batch_axis_name is not None:
-        stats = jax.lax.pmean(stats, batch_axis_name)
-      return mean_over_axis(g_adv), stats
-
-    def plain_grads(_):
-      zero = jnp.zeros((), jnp.float32)
-      return mean_over_axis(grads), (zero, zero,
-                                     zero if track_cosine else None)
-
-    if static_zero_rho or sam_step is False:
-      # The base optimizer's own computation, nothing else.
-      step_grads, stats = plain_grads(None)
-      active = jnp.array(False)
-    elif sam_step:
-      step_grads, stats = sam_grads(None)
-      active = jnp.array(True)
-    elif always_sam:
-      # No step can be plain: straight-line code, which XLA schedules
-      # with the memory of a hand-written SAM step (a cond's output
-      # would hold one more gradient-sized buffer).
-      step_grads, stats = sam_grads(None)
-    else:
-      step_grads, stats = jax.lax.cond(active, sam_grads, plain_grads, None)
-    updates, base_state = base.update(step_grads, state.base_state, params,
-                                      **extra_args)
-    det = state.detector
-    if det is not None:
-      det = hallucination.update(det, detector, active, *stats)
-    det, rho_scale, cooldown = respond(state, det, active)
-    return updates, SAMState(
-        count=state.count + 1, base_state=base_state,
-        rho=jnp.where(active, rho_t, 0.0).astype(jnp.float32),
-        rho_scale=rho_scale, cooldown=cooldown, sam_active=active,
-        detector=det, cache=None)
-
-  def two_call_update(grads, state: SAMState, params=None, *, grad_fn=None,
-                      sam_step=None, **extra_args):
-    del grad_fn  # Not used: the second call brings g+.
-    if sam_step is not None:
-      raise ValueError("geom.sam.sam: sam_step is for mode='opaque'")
-    if params is None:
-      raise ValueError('geom.sam.sam: update needs params (the weights w).')
-    cache = state.cache
-    second = cache.phase == 1  # grads is g+ at w + e; cache.params is w.
-    rho_t = rho_at(state.count) * state.rho_scale
-    ascend = ~second & sam_wanted(state, rho_t)
-    # The base step runs outside any branch, so a plain step is the base
-    # optimizer's own computation; on an ascent call its result is dropped.
-    w = jax.tree.map(lambda c, p: jnp.where(second, c, p), cache.params,
-                     params)
-    base_updates, base_state = base.update(grads, state.base_state, w,
-                                           **extra_args)
-    w_adv, _ = ascent_point(grads, params, rho_t)
-    updates = jax.tree.map(
-        lambda u, wa, p, w0: jnp.where(
-            ascend, wa - p, jnp.where(second, w0 - p + u, u)).astype(p.dtype),
-        base_updates, w_adv, params, cache.params)
-    det = state.detector
-    if det is not None:
-      det = hallucination.update(
-          det, detector, second, tree_norm_f32(cache.grads),
-          tree_norm_f32(grads),
-          tree_vdot_f32(cache.grads, grads) if track_cosine else None)
-    det, rho_scale, cooldown = respond(state, det, ascend | second)
-    keep = lambda new, old: jax.tree.map(
-        lambda a, b: jnp.where(ascend, b, a), new, old)
-    new_cache = TwoCallCache(
-        phase=ascend.astype(jnp.int32),
-        params=jax.tree.map(lambda p, c: jnp.where(ascend, p, c), params,
-                            cache.params),
-        grads=jax.tree.map(lambda g, c: jnp.where(ascend, g.astype(c.dtype), c),
-                           grads, cache.grads))
-    return updates, SAMState(
-        count=state.count + (~ascend).astype(jnp.int32),
-        base_state=keep(base_state, state.base_state),
-        rho=jnp.where(ascend | second, jnp.where(ascend, rho_t, state.rho),
-                      0.0).astype(jnp.float32),
-        rho_scale=rho_scale, cooldown=cooldown, sam_active=ascend | second,
-        detector=det, cache=new_cache)
-
-  update_fn = opaque_update if mode == 'opaque' else two_call_update
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  options = SAMOptions(
+      rho=rho, adaptive=adaptive, eta=eta, eps=eps, warmup_steps=warmup_steps,
+      window=window, batch_axis_name=batch_axis_name, detector=detector,
+      response=response, restart_steps=restart_steps,
+      shrink_factor=shrink_factor, mode=mode, fused=fused, ascent=ascent,
+      reset_ascent=reset_ascent)
+  return from_options(base_optimizer, options)
 
 
-def find_state(opt_state: Any) -> SAMState | None:
-  """The (first) SAMState inside any optax state (chain, inject, MultiSteps)."""
+def find_state(opt_state: optax.OptState) -> SAMState | None:
+  """The (first) `SAMState` inside any optax state (chain, inject, MultiSteps),
+  or None when there is none."""
   found = [s for s in jax.tree.leaves(
       opt_state, is_leaf=lambda x: isinstance(x, SAMState))
            if isinstance(s, SAMState)]
   return found[0] if found else None
 
 
-def diagnostics(opt_state: Any) -> dict[str, jax.Array]:
+def diagnostics(opt_state: optax.OptState) -> dict[str, jax.Array]:
   """SAM's statistics from an optimizer state that contains a `sam` state.
 
   Returns:
@@ -518,16 +695,17 @@ def diagnostics(opt_state: Any) -> dict[str, jax.Array]:
     averages `grad_norm_ema`, `grad_ratio_ema`, `cosine_ema`,
     `hallucination` (flagged now), `hallucination_steps` (steps flagged so
     far), `sam_steps` (SAM steps so far) and `cooldown` (plain steps left
-    of a warm restart). The cosines only when the detector tracks them. Without a
-    detector, only `sam_active`, `rho` and `cooldown`.
+    of a warm restart). The cosines only when the detector tracks them.
+    Without a detector, only `sam_active`, `rho` and `cooldown`.
 
   Raises:
-    ValueError: if `opt_state` contains no `sam` state.
+    ArgumentError: if `opt_state` contains no `sam` state.
   """
   state = find_state(opt_state)
   if state is None:
-    raise ValueError('geom.sam.diagnostics: the optimizer state contains no '
-                     'geom.sam.sam state')
+    raise validation.ArgumentError(
+        'geom.sam.diagnostics', 'opt_state',
+        'the optimizer state contains no geom.sam.sam state')
   out = {'sam_active': state.sam_active, 'rho': state.rho,
          'cooldown': state.cooldown}
   det = state.detector
@@ -542,3 +720,38 @@ def diagnostics(opt_state: Any) -> dict[str, jax.Array]:
     if det.cosine is not None:
       out.update(cosine=det.cosine, cosine_ema=det.cosine_ema)
   return out
+
+
+def hooks(options: SAMOptions) -> method_hooks.MethodHooks:
+  """What a training loop needs to run `from_options(base, options)`.
+
+  Opaque mode asks for `grad_fn`; when some steps may be plain (warm-up,
+  window, a schedule reaching 0, warm restarts), the loop may compile a
+  SAM and a plain step (`sam_step=True/False`) and pick one per step with
+  `is_sam_step` on the host, which reads the warm restart's cooldown from
+  the state only when `response='warm_restart'`. m-sharpness asks for a
+  per-device update over `batch_axis_name`.
+  """
+  variants = None
+  if (options.mode == 'opaque' and options.may_skip
+      and not options.never_perturbs):
+    reads_state = options.response == 'warm_restart'
+
+    def choose(step: int, opt_state: optax.OptState) -> bool:
+      cooldown = 0
+      if reads_state:
+        cooldown = int(jax.device_get(find_state(opt_state).cooldown))
+      return bool(is_sam_step(options, step, cooldown))
+
+    variants = method_hooks.StepVariants('sam_step', (True, False), choose,
+                                         reads_state)
+  console = (('grad_ratio_ema', 'hallucination_steps')
+             if options.detector is not None else ())
+  return method_hooks.MethodHooks(
+      name='sam',
+      update_arguments=('grad_fn',) if options.mode == 'opaque' else (),
+      variants=variants, diagnostics=diagnostics, console=console,
+      per_device_axis=options.batch_axis_name,
+      # Pallas's interpreter (CPU) rejects device-varying operands.
+      check_per_device_types=not (options.fused
+                                  and fused_kernels.interprets_by_default()))

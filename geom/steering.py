@@ -55,11 +55,21 @@ References:
 """
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from geom import validation
+
+__all__ = ['DIRECTION_METHODS', 'METHODS', 'SteerStats', 'Steering',
+           'check_direction', 'extract_direction', 'gate', 'mean_difference',
+           'pca_direction', 'slerp_rotate', 'unit']
+
+_STEERING = 'geom.steering.Steering'
+_EXTRACT = 'geom.steering.extract_direction'
 
 METHODS = ('none', 'addition', 'spherical')
 DIRECTION_METHODS = ('mean_diff', 'pca')
@@ -70,37 +80,25 @@ _MIN_THETA = 1e-4
 _MIN_NORM = 1e-12
 
 
-def _is_concrete(x) -> bool:
-  """A value to check now: numbers and arrays, not tracers or the
-  placeholders JAX's tree utilities unflatten with."""
-  if isinstance(x, jax.core.Tracer):
-    return False
-  return isinstance(x, (int, float, list, tuple, np.ndarray, np.generic,
-                        jax.Array))
-
-
-def _check_scalar(name: str, value, ok, problem: str) -> None:
-  """Checks a concrete scalar hyper-parameter (traced ones pass through)."""
-  if _is_concrete(value) and np.ndim(value) == 0 and not ok(float(value)):
-    raise ValueError(f'{name}={float(value)!r}: {problem}')
-
-
-def check_direction(direction, name: str = 'direction') -> np.ndarray:
+def check_direction(direction, name: str = 'direction',
+                    owner: str = 'geom.steering.Steering') -> np.ndarray:
   """The direction as float32 numpy after checking it is usable (a vector,
-  finite, non-zero); raises ValueError naming `name` otherwise."""
+  finite, non-zero); raises ArgumentError naming `name` otherwise."""
   d = np.asarray(direction, np.float32)
+  problem = None
   if d.ndim != 1 or d.size == 0:
-    raise ValueError(f'{name}: must be a non-empty vector, got shape '
-                     f'{d.shape}')
-  if not np.all(np.isfinite(d)):
-    raise ValueError(f'{name}: has non-finite entries')
-  if not np.linalg.norm(d.astype(np.float64)) > 0:
-    raise ValueError(f'{name}: is zero; a steering direction needs a '
-                     'non-zero vector')
+    problem = f'must be a non-empty vector, got shape {d.shape}'
+  elif not np.all(np.isfinite(d)):
+    problem = 'has non-finite entries'
+  elif not np.linalg.norm(d.astype(np.float64)) > 0:
+    problem = 'is zero; a steering direction needs a non-zero vector'
+  if problem:
+    raise validation.ArgumentError(owner, name, problem)
   return d
 
 
 def unit(direction) -> jax.Array:
+  """direction / |direction| in float32."""
   d = jnp.asarray(direction, jnp.float32)
   return d / jnp.linalg.norm(d)
 
@@ -110,10 +108,11 @@ def mean_difference(positive, negative) -> jax.Array:
   positive = jnp.asarray(positive, jnp.float32)
   negative = jnp.asarray(negative, jnp.float32)
   if positive.ndim != 2 or negative.shape[1:] != positive.shape[1:]:
-    raise ValueError(f'positive {positive.shape} and negative '
-                     f'{negative.shape}: need (n, dim) arrays of one dim')
+    raise validation.ArgumentError(
+        _EXTRACT, 'positive, negative', f'shapes {positive.shape} and '
+        f'{negative.shape}: need (n, dim) arrays of one dim')
   diff = positive.mean(0) - negative.mean(0)
-  check_direction(diff, 'mean difference of positive and negative')
+  check_direction(diff, 'mean difference of positive and negative', _EXTRACT)
   return unit(diff)
 
 
@@ -128,10 +127,11 @@ def pca_direction(positive, negative) -> jax.Array:
   positive = jnp.asarray(positive, jnp.float32)
   negative = jnp.asarray(negative, jnp.float32)
   if positive.shape != negative.shape or positive.ndim != 2:
-    raise ValueError(f'positive {positive.shape} and negative '
-                     f'{negative.shape}: pca needs paired (n, dim) arrays')
+    raise validation.ArgumentError(
+        _EXTRACT, 'positive, negative', f'shapes {positive.shape} and '
+        f'{negative.shape}: pca needs paired (n, dim) arrays')
   diffs = positive - negative
-  check_direction(diffs.mean(0), 'mean of the paired differences')
+  check_direction(diffs.mean(0), 'mean of the paired differences', _EXTRACT)
   _, _, vt = jnp.linalg.svd(diffs, full_matrices=False)
   top = vt[0]
   return unit(jnp.where(jnp.dot(top, diffs.mean(0)) < 0, -top, top))
@@ -139,12 +139,11 @@ def pca_direction(positive, negative) -> jax.Array:
 
 def extract_direction(positive, negative, method: str = 'mean_diff') -> jax.Array:
   """A unit direction from contrastive activations: 'mean_diff' or 'pca'."""
+  validation.check_choice(_EXTRACT, 'method', method, DIRECTION_METHODS,
+                          'unknown direction method')
   if method == 'mean_diff':
     return mean_difference(positive, negative)
-  if method == 'pca':
-    return pca_direction(positive, negative)
-  raise ValueError(f'method={method!r}: unknown direction method; valid '
-                   f'choices: {", ".join(DIRECTION_METHODS)}')
+  return pca_direction(positive, negative)
 
 
 def gate(cos: jax.Array, *, alpha, kappa, beta) -> tuple[jax.Array, jax.Array]:
@@ -234,19 +233,16 @@ class Steering:
                                         metadata=dict(static=True))
 
   def __post_init__(self):
-    if self.method not in METHODS:
-      raise ValueError(f'method={self.method!r}: unknown steering method; '
-                       f'valid choices: {", ".join(METHODS)}')
+    validation.check_choice(_STEERING, 'method', self.method, METHODS,
+                            'unknown steering method')
     # Checked when concrete; inside jit the values were checked on entry.
-    if _is_concrete(self.direction):
+    if validation.is_concrete(self.direction):
       check_direction(self.direction)
-    _check_scalar('alpha', self.alpha, lambda v: 0.0 <= v <= 1.0,
-                  'must be in [0, 1]')
-    _check_scalar('beta', self.beta, lambda v: -1.0 <= v < 1.0,
-                  'must be in [-1, 1)')
-    _check_scalar('kappa', self.kappa, lambda v: v >= 0, 'must be >= 0')
-    _check_scalar('coefficient', self.coefficient, lambda v: v >= 0,
-                  'must be >= 0')
+    check = functools.partial(validation.check, _STEERING)
+    check('alpha', self.alpha, lambda v: 0.0 <= v <= 1.0, 'in [0, 1]')
+    check('beta', self.beta, lambda v: -1.0 <= v < 1.0, 'in [-1, 1)')
+    check('kappa', self.kappa, lambda v: v >= 0, '>= 0')
+    check('coefficient', self.coefficient, lambda v: v >= 0, '>= 0')
 
   @property
   def hidden_size(self) -> int:
@@ -257,12 +253,12 @@ class Steering:
     """Steers x: (..., dim) where `mask` (x.shape[:-1], bool) is set.
 
     Raises:
-      ValueError: x's last dimension differs from the direction's.
+      ArgumentError: x's last dimension differs from the direction's.
     """
     if x.shape[-1] != self.hidden_size:
-      raise ValueError(f'direction: hidden size {self.hidden_size} does not '
-                       f'match the activations\' {x.shape[-1]} (shape '
-                       f'{x.shape})')
+      raise validation.ArgumentError(
+          _STEERING, 'direction', f'hidden size {self.hidden_size} does not '
+          f'match the activations\' {x.shape[-1]} (shape {x.shape})')
     mask = (jnp.ones(x.shape[:-1], bool) if mask is None
             else jnp.broadcast_to(jnp.asarray(mask, bool), x.shape[:-1]))
     tokens = jnp.sum(mask, dtype=jnp.float32)

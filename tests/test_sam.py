@@ -404,7 +404,145 @@ def test_sam_step_fixes_the_branch_at_trace_time():
                                                 grad_fn=grad))(params, s_free)
   _close(sam_updates, free)
   assert bool(s_sam.sam_active) and int(s_sam.detector.sam_steps) == 1
-  assert sam.StepSchedule(1)(0) is False and sam.StepSchedule(1)(1) is True
-  with pytest.raises(ValueError, match="sam_step is for mode='opaque'"):
+  warm = sam.SAMOptions(rho=0.1, warmup_steps=1)
+  assert sam.is_sam_step(warm, 0) is False and sam.is_sam_step(warm, 1) is True
+  with pytest.raises(ValueError, match="sam_step.*is for mode='opaque'"):
     two = sam.sam(optax.sgd(0.1), mode='two_call')
     two.update(g, two.init(params), params, sam_step=True)
+
+
+def _optax_trajectory(tx, params, loss, steps, grad_fn_of):
+  grad = jax.grad(loss)
+  step = jax.jit(lambda p, s: tx.update(grad(p), s, p,
+                                        grad_fn=grad_fn_of(grad)))
+  state = tx.init(params)
+  for _ in range(steps):
+    u, state = step(params, state)
+    params = optax.apply_updates(params, u)
+  return params, state
+
+
+def test_grad_fn_in_optax_form_is_accepted():
+  # One grad_fn, written for optax.contrib.sam (params, i), drives both.
+  params, loss, _ = _mlp()
+  grad = jax.grad(loss)
+  optax_grad_fn = lambda p, i: grad(p)
+  ref_tx = optax.contrib.sam(
+      optax.sgd(0.05), optax.chain(optax.contrib.normalize(), optax.sgd(0.1)),
+      opaque_mode=True)
+  want, _ = _optax_trajectory(ref_tx, params, loss, 5, lambda g: optax_grad_fn)
+  got, _ = _optax_trajectory(sam.sam(optax.sgd(0.05), rho=0.1), params, loss,
+                             5, lambda g: optax_grad_fn)
+  assert _max_diff(got, want) < 1e-6
+  # jax.grad of a two-argument loss keeps its signature: also recognised.
+  two_args = jax.grad(lambda p, i: loss(p))
+  got2, _ = _optax_trajectory(sam.sam(optax.sgd(0.05), rho=0.1), params,
+                              loss, 5, lambda g: two_args)
+  assert _max_diff(got2, want) < 1e-6
+
+
+@pytest.mark.parametrize('reset', [True, False])
+@pytest.mark.parametrize('adversary', ['sgd', 'adam'])
+def test_ascent_transformation_equals_optax_adv_optimizer(adversary, reset):
+  # optax's own SAM tests use an sgd and an adam adversary; with
+  # ascent=adv_opt and rho=1, geom follows optax's trajectory.
+  params, loss, _ = _mlp()
+  make_adv = lambda: optax.chain(
+      optax.contrib.normalize(),
+      optax.sgd(0.1) if adversary == 'sgd' else optax.adam(0.02))
+  base = lambda: optax.sgd(0.05, momentum=0.9)
+  ref_tx = optax.contrib.sam(base(), make_adv(), opaque_mode=True,
+                             reset_state=reset)
+  want, ref_state = _optax_trajectory(ref_tx, params, loss, 8,
+                                      lambda g: lambda p, i: g(p))
+  ours = sam.sam(base(), rho=1.0, ascent=make_adv(), reset_ascent=reset)
+  got, state = _trajectory(ours, params, loss, 8)
+  assert _max_diff(got, want) < 1e-6
+  # Not a vacuous match: the adversary's state is kept or reset as asked.
+  adam_count = lambda s: [x for x in jax.tree.leaves(s)
+                          if x.dtype == jnp.int32]
+  if adversary == 'adam':
+    assert [int(c) for c in adam_count(state.ascent_state)] == (
+        [0] if reset else [8])
+    assert [int(c) for c in adam_count(ref_state.adv_state)] == (
+        [0] if reset else [8])
+
+
+def test_ascent_changes_the_step_and_its_default_is_the_normalized_one():
+  params, loss, _ = _mlp()
+  plain, _ = _trajectory(sam.sam(optax.sgd(0.05), rho=0.1), params, loss, 4)
+  normalized, _ = _trajectory(
+      sam.sam(optax.sgd(0.05), rho=0.1,
+              ascent=optax.chain(optax.contrib.normalize(),
+                                 optax.scale(-1.0))), params, loss, 4)
+  assert _max_diff(plain, normalized) < 1e-6
+  adam, _ = _trajectory(
+      sam.sam(optax.sgd(0.05), rho=0.1,
+              ascent=optax.chain(optax.contrib.normalize(), optax.adam(1.0))),
+      params, loss, 4)
+  assert _max_diff(plain, adam) > 1e-4
+
+
+def test_ascent_in_two_call_mode_follows_optax_transparent_mode():
+  params, loss, _ = _mlp()
+  make_adv = lambda: optax.chain(optax.contrib.normalize(), optax.adam(0.02))
+  ref_tx = optax.contrib.sam(optax.sgd(0.05), make_adv(), sync_period=2)
+  grad = jax.grad(loss)
+  p, s = params, ref_tx.init(params)
+  step = jax.jit(lambda p, s: ref_tx.update(grad(p), s, p))
+  for _ in range(12):
+    u, s = step(p, s)
+    p = optax.apply_updates(p, u)
+  got, state = _two_call_trajectory(
+      sam.sam(optax.sgd(0.05), rho=1.0, ascent=make_adv(), mode='two_call'),
+      params, loss, 6)
+  assert int(state.count) == 6
+  assert _max_diff(got, p) < 1e-6
+
+
+def test_ascent_optimises_optax_parabola():
+  # optax's contrib/_sam_test.py: the adam adversary, 2 x 25000 steps.
+  target = jnp.array([1.0, -1.0, 1.0])
+  grad = jax.grad(lambda p: jnp.sum(jnp.square(p - target)))
+  tx = sam.sam(optax.sgd(1e-3), rho=1.0,
+               ascent=optax.chain(optax.contrib.normalize(),
+                                  optax.adam(1e-4)))
+
+  def body(_, carry):
+    p, s = carry
+    u, s = tx.update(grad(p), s, p, grad_fn=grad)
+    return optax.apply_updates(p, u), s
+
+  p0 = jnp.array([-1.0, 10.0, 1.0])
+  p, _ = jax.jit(lambda p: jax.lax.fori_loop(0, 25000, body,
+                                             (p, tx.init(p))))(p0)
+  np.testing.assert_allclose(p, target, rtol=3e-2, atol=3e-2)
+
+
+def test_ascent_with_m_sharpness_perturbs_per_device():
+  params, loss_fn, batch = battery.problem()
+  mesh = jax.make_mesh((8,), ('batch',),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  adv = lambda: optax.chain(optax.contrib.normalize(), optax.sgd(0.1))
+  tx = sam.sam(optax.sgd(0.05), rho=1.0, batch_axis_name='batch',
+               ascent=adv())
+  ref = sam.sam(optax.sgd(0.05), rho=0.1, batch_axis_name='batch')
+
+  def run(t):
+    @functools.partial(
+        jax.shard_map, mesh=mesh,
+        in_specs=(P(), P(), P('batch')), out_specs=(P(), P()))
+    def step(p, s, b):
+      grad = lambda q: jax.grad(loss_fn)(q, b)
+      local_p = jax.lax.pcast(p, 'batch', to='varying')
+      u, s = t.update(grad(local_p), s, p, grad_fn=grad)
+      return optax.apply_updates(p, u), s
+    p, s = params, t.init(params)
+    for _ in range(3):
+      p, s = jax.jit(step)(p, s, batch)
+    return p
+
+  assert _max_diff(run(tx), run(ref)) < 1e-5
+  with pytest.raises(ValueError, match='reset_ascent=False'):
+    sam.sam(optax.sgd(0.1), batch_axis_name='batch', ascent=adv(),
+            reset_ascent=False)

@@ -56,6 +56,12 @@ CASES = [
          kwargs=dict(base_optimizer=optax.sgd(0.05, momentum=0.9), rho=0.05,
                      mode='two_call'),
          accumulates=False),
+    # A pluggable ascent (optax's adv_optimizer), its state reset each step
+    # or kept (Adam moments carried from one SAM step to the next).
+    _sam_case('sam_ascent_adam', ascent=optax.chain(
+        optax.contrib.normalize(), optax.adam(0.05))),
+    _sam_case('sam_ascent_adam_kept', ascent=optax.chain(
+        optax.contrib.normalize(), optax.adam(0.05)), reset_ascent=False),
     # An AdamW base, as the SAM mid-training phase uses.
     Case('sam_adamw_base',
          lambda: sam.sam(optax.adamw(1e-2, weight_decay=1e-4), rho=0.05),

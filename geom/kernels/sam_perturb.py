@@ -35,6 +35,11 @@ import jax
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
+from geom import validation
+
+__all__ = ['BlockSizes', 'interprets_by_default', 'sam_perturb',
+           'sam_perturb_reference']
+
 Params = Any
 
 
@@ -51,9 +56,16 @@ class BlockSizes:
   pack_below: int = 64 * 1024
 
   def __post_init__(self):
-    if self.block < 1 or self.pack_below < 0:
-      raise ValueError(f'BlockSizes: block={self.block} must be >= 1 and '
-                       f'pack_below={self.pack_below} >= 0')
+    owner = 'geom.kernels.sam_perturb.BlockSizes'
+    validation.check(owner, 'block', self.block, lambda v: v >= 1, '>= 1')
+    validation.check(owner, 'pack_below', self.pack_below, lambda v: v >= 0,
+                     '>= 0')
+
+
+def interprets_by_default() -> bool:
+  """Whether `sam_perturb(interpret=None)` runs in Pallas's interpreter
+  (on a CPU backend) rather than compiled."""
+  return jax.default_backend() == 'cpu'
 
 
 def _scaled_sum_stats(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -251,7 +263,7 @@ def sam_perturb(params: Params, grads: Params, rho: float | jax.Array, *,
     (4.4721, 1.2236)
   """
   if interpret is None:
-    interpret = jax.default_backend() == 'cpu'
+    interpret = interprets_by_default()
   fn = _differentiation_guarded(bool(adaptive), block_sizes or BlockSizes(),
                                 bool(interpret))
   return fn(params, grads, rho, eta, eps)
