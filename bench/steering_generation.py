@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from bench import report
 from configs import lm as lm_config
 from geom import steering as steering_lib
-from train import decoder_lm
-from train import lm_generate
+from train.lm import decoder as decoder_lm
+from train.lm import generate as lm_generate
 
 _STEPS = flags.DEFINE_integer('steps', 128, 'Generated tokens per call.')
 _BATCH = flags.DEFINE_integer('batch', 16, 'Sequences per call.')

@@ -81,7 +81,10 @@ def minimal_loop(exp, batches: list[dict[str, jax.Array]]) -> float:
 
 def trainer_loop(exp, compiled, train_data, val_data, steps: int) -> float:
   """Seconds for `steps` updates of the trainer's own loop (after warm-up)."""
-  from train import checkpointing, metrics as metrics_lib, trainer  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from train import checkpointing
+  from train import loop
+  from train import metrics as metrics_lib
   with tempfile.TemporaryDirectory() as workdir:
     with checkpointing.Checkpoints(workdir, every_steps=10**9, keep=1) as ckpts:
       writer = metrics_lib.MetricWriter(workdir, resume_step=None)
@@ -89,14 +92,14 @@ def trainer_loop(exp, compiled, train_data, val_data, steps: int) -> float:
       # Warm-up: the first steps of a run, not timed.
       warm = exp.config.log_every
       exp.config.num_steps = warm
-      state = trainer.train_loop(exp, state, compiled, train_data,
-                                 val_data, ckpts, writer, None)
+      state = loop.train_loop(exp, state, compiled, train_data, val_data,
+                              ckpts, writer, None)
       ckpts.wait_until_finished()
       jax.block_until_ready(state)
       exp.config.num_steps = warm + steps
       start = time.perf_counter()
-      state = trainer.train_loop(exp, state, compiled, train_data,
-                                 val_data, ckpts, writer, None)
+      state = loop.train_loop(exp, state, compiled, train_data, val_data,
+                              ckpts, writer, None)
       jax.block_until_ready(state)
       elapsed = time.perf_counter() - start
       writer.close()
@@ -105,8 +108,8 @@ def trainer_loop(exp, compiled, train_data, val_data, steps: int) -> float:
 
 def measure(exp, train_data, val_data, steps: int, repeats: int):
   """Alternates minimal loop and trainer; returns per-repeat seconds of each."""
-  from train import trainer  # pylint: disable=g-import-not-at-top
-  compiled = trainer.compile_steps(exp, train_data)
+  from train import aot  # pylint: disable=g-import-not-at-top
+  compiled = aot.compile_steps(exp, train_data)
   # The same batches the trainer will draw (its warm-up takes log_every
   # steps first, so offset them): identical compute, no loading cost.
   warm = exp.config.log_every
@@ -124,7 +127,9 @@ def main(argv):
   from train import host_devices  # pylint: disable=g-import-not-at-top
   config = digits.get_config(_CONFIG_ARG.value or None)
   host_devices.configure_cpu_devices(config.cpu_devices)
-  from train import datasets, experiment  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from train.vision import datasets
+  from train.vision import experiment
   config.unlock()
   config.eval_every = 10**9
   train_data, val_data = (datasets.load_split(config.dataset, s,

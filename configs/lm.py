@@ -17,7 +17,7 @@ package, `apt-get install fortunes`; the default), 'pydoc' (Python's own
 documentation, always present) or a directory of .txt files. `runlocal`
 shrinks everything for tests. The steering evaluation reads this run's
 checkpoint: `python -m launch.steer_eval --config=configs/steering.py
---lm_workdir=workdirs/lm --workdir=workdirs/steer`.
+--config.lm_workdir=workdirs/lm --workdir=workdirs/steer`.
 """
 
 import ml_collections

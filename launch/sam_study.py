@@ -87,7 +87,7 @@ def main(argv):
   del argv
   from train import host_devices  # pylint: disable=g-import-not-at-top
   host_devices.configure_cpu_devices(run_config('sgd', 0.0, 0).cpu_devices)
-  from train import trainer  # pylint: disable=g-import-not-at-top
+  from train.vision import trainer  # pylint: disable=g-import-not-at-top
   results = {}
   for method in _METHODS.value:
     rhos = [0.0] if method == 'sgd' else [float(r) for r in _RHOS.value]

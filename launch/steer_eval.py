@@ -29,7 +29,7 @@ def main(argv):
   config = _CONFIG.value
   logging.get_absl_handler().addFilter(entry.LibraryNoiseFilter())
   entry.configure_devices(config)
-  from train import steering_eval  # pylint: disable=g-import-not-at-top
+  from train.steering import evaluation as steering_eval  # pylint: disable=g-import-not-at-top
   from train.errors import UsageError  # pylint: disable=g-import-not-at-top
   try:
     rows = steering_eval.evaluate(config, _WORKDIR.value)

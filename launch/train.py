@@ -55,19 +55,32 @@ def _init_jax(config) -> None:
         heartbeat_timeout_seconds=_HEARTBEAT.value, **kwargs)
 
 
+TASKS = ('classification', 'lm')
+
+
+def _train_and_evaluate(config, workdir: str) -> dict[str, float]:
+  """The product's trainer for `config.task` (imported after _init_jax:
+  importing a trainer must not fix the devices)."""
+  # pylint: disable=g-import-not-at-top
+  from train.errors import ConfigError
+  task = config.get('task', 'classification')
+  if task == 'classification':
+    from train.vision import trainer
+  elif task == 'lm':
+    from train.lm import trainer
+  else:
+    raise ConfigError('task', task, 'unknown task', TASKS)
+  return trainer.train_and_evaluate(config, workdir)
+
+
 def main(argv):
   del argv
   config = _CONFIG.value
   logging.get_absl_handler().addFilter(entry.LibraryNoiseFilter())
   _init_jax(config)
-  # Imported after _init_jax: importing the trainer must not fix the devices.
-  if config.get('task', 'classification') == 'lm':
-    from train import lm_trainer as trainer  # pylint: disable=g-import-not-at-top
-  else:
-    from train import trainer  # pylint: disable=g-import-not-at-top
   from train.errors import NonFiniteLossError, Preempted, UsageError  # pylint: disable=g-import-not-at-top
   try:
-    final = trainer.train_and_evaluate(config, _WORKDIR.value)
+    final = _train_and_evaluate(config, _WORKDIR.value)
   except UsageError as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(entry.EXIT_USAGE)

@@ -5,10 +5,10 @@ import pytest
 from sklearn.datasets import load_digits
 import tensorflow_datasets as tfds
 
-from train import datasets
-from train import digits_builder
 from train import input_pipeline
 from train.errors import ConfigError
+from train.vision import datasets
+from train.vision import digits_builder
 
 
 @pytest.fixture(scope='module')

@@ -20,7 +20,7 @@ from absl import flags
 flags.FLAGS(['bench'])
 from bench import trainer_overhead
 from configs import digits
-from train import datasets, experiment
+from train.vision import datasets, experiment
 config = digits.get_config()
 config.mesh.shape = (4, 2)
 exp = experiment.build(config, tempfile.mkdtemp())

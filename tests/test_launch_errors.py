@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from tests import launch_runs
-from train import trainer
+from train.vision import trainer
 
 
 def _snapshot(root):

@@ -11,10 +11,10 @@ import pytest
 from configs import lm as lm_config
 from configs import steering as steering_config
 from tests.conftest import REPO_ROOT
-from train import lm_trainer
-from train import steering_eval
-from train import steering_vectors
 from train.errors import ConfigError
+from train.lm import trainer as lm_trainer
+from train.steering import evaluation as steering_eval
+from train.steering import vectors as steering_vectors
 
 
 @pytest.fixture(scope='module')

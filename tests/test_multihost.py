@@ -19,7 +19,7 @@ import pytest
 
 from tests import launch_runs
 from train import checkpointing
-from train import experiment
+from train.vision import experiment
 
 # Different reduction order across processes (gloo) vs inside one process:
 # the parameters agree to float32 rounding, accumulated over 40 steps.

@@ -11,8 +11,8 @@ import numpy as np
 
 from tests import launch_runs
 from train import checkpointing
-from train import experiment
-from train import trainer
+from train.vision import experiment
+from train.vision import trainer
 
 # Long enough that a kill after the first checkpoint lands mid-run.
 OVERRIDES = ('--config.num_steps=160', '--config.checkpoint_every=20',

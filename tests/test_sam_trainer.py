@@ -15,14 +15,15 @@ import pytest
 from configs import sam_block
 from geom import hallucination
 from geom import sam as sam_lib
+from train import aot
 from train import checkpointing
-from train import datasets
-from train import experiment
 from train import input_pipeline
 from train import optim
 from train import steps
-from train import trainer
 from train.errors import ConfigError, Preempted
+from train.vision import datasets
+from train.vision import experiment
+from train.vision import trainer
 
 
 def _sam_config(digits_config, **sam):
@@ -64,7 +65,7 @@ def _one_step(config, workdir, batch_step=3):
   config.optimizer.warmup_steps = 0  # A learning rate of 0 would hide it all.
   exp = experiment.build(config, workdir)
   train_data = datasets.load_split('digits', 'train', None)
-  compiled = trainer.compile_steps(exp, train_data)
+  compiled = aot.compile_steps(exp, train_data)
   batches = input_pipeline.TrainBatches(train_data, config.batch_size, 0)
   host = next(batches.iterate(batch_step, batch_step + 1,
                               indices_only=compiled.data_on_device))
@@ -175,9 +176,8 @@ def test_m_sharpness_needs_the_batch_on_the_data_axis(digits_config,
 def test_diagnostics_metric_names_are_prefixed(digits_config, tmp_path):
   config = _sam_config(digits_config)
   exp = experiment.build(config, str(tmp_path))
-  fn = steps.make_train_step(
-      exp.model, exp.tx, 'stop', 10,
-      diagnostics=optim.method_diagnostics(config.optimizer))
+  fn = steps.make_train_step(exp.model, exp.tx, exp.per_example,
+                             log_every=10, hooks=exp.hooks)
   names = jax.eval_shape(fn, exp.abstract_state,
                          exp.abstract_batch(config.batch_size))[1]
   assert {'loss', 'correct', 'grad_norm', 'opt/hallucination',
@@ -194,10 +194,11 @@ def test_host_chosen_branches_match_the_transformations_own_choice(
   config.optimizer.warmup_steps = 0
   exp = experiment.build(config, str(tmp_path))
   train_data = datasets.load_split('digits', 'train', None)
-  compiled = trainer.compile_steps(exp, train_data)
+  compiled = aot.compile_steps(exp, train_data)
   assert set(compiled.variants) == {True, False}
   batches = input_pipeline.TrainBatches(train_data, config.batch_size, 0)
-  one_program = jax.jit(steps.make_train_step(exp.model, exp.tx, 'stop', 10))
+  one_program = jax.jit(steps.make_train_step(
+      exp.model, exp.tx, exp.per_example, log_every=10, hooks=exp.hooks))
   state_a, state_b = exp.init_state(), exp.init_state()
   active = []
   for step in range(6):

@@ -6,11 +6,11 @@ import numpy as np
 import optax
 import pytest
 
-from train import datasets
-from train import experiment
 from train import input_pipeline
 from train import sharding as sharding_lib
 from train.errors import ConfigError
+from train.vision import datasets
+from train.vision import experiment
 
 
 @pytest.fixture(scope='module')
@@ -75,11 +75,11 @@ def test_batch_is_split_over_data_and_replicated_over_model(exp_and_state):
 @pytest.mark.parametrize('data_on_device', [True, False])
 def test_train_step_keeps_the_shardings_and_both_data_paths_agree(
     exp_and_state, data_on_device):
-  from train import trainer  # pylint: disable=g-import-not-at-top
+  from train import aot  # pylint: disable=g-import-not-at-top
   exp, _ = exp_and_state
   train_data = datasets.load_split('digits', 'train', None)
   exp.config.device_data_max_mb = 256 if data_on_device else 0
-  compiled = trainer.compile_steps(exp, train_data)
+  compiled = aot.compile_steps(exp, train_data)
   assert compiled.data_on_device == data_on_device
   batches = input_pipeline.TrainBatches(train_data, exp.config.batch_size, 0)
   host_batch = next(batches.iterate(3, 4, indices_only=data_on_device))

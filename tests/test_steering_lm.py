@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from geom import steering as st
-from train import decoder_lm
-from train import lm_generate
-from train import steering_hooks
-from train import steering_vectors
+from train.lm import decoder as decoder_lm
+from train.lm import generate as lm_generate
+from train.steering import hooks as steering_hooks
+from train.steering import vectors as steering_vectors
 
 MODEL = decoder_lm.DecoderLM(vocab_size=64, d_model=32, num_layers=3,
                              num_heads=4, mlp_dim=64, max_len=48)
@@ -172,8 +172,8 @@ def test_vector_file_roundtrip_and_mismatches(params, tmp_path):
 
 
 def test_multiple_choice_scores_equal_a_direct_computation(params):
-  from train import steering_eval  # pylint: disable=g-import-not-at-top
-  from train import text_corpus  # pylint: disable=g-import-not-at-top
+  from train.steering import evaluation as steering_eval  # pylint: disable=g-import-not-at-top
+  from train.lm import corpus as text_corpus  # pylint: disable=g-import-not-at-top
   model = decoder_lm.DecoderLM(vocab_size=256, d_model=32, num_layers=2,
                                num_heads=4, mlp_dim=64, max_len=256)
   p = model.init(jax.random.key(5), jnp.zeros((1, 4), jnp.int32))['params']

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from train import text_corpus as tc
+from train.lm import corpus as tc
 
 POS = tc.POSITIVE_SENTENCES
 NEG = tc.NEGATIVE_SENTENCES

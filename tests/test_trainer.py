@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from train import checkpointing
-from train import experiment
-from train import trainer
 from train.errors import NonFiniteLossError
+from train.vision import experiment
+from train.vision import trainer
 
 
 @pytest.fixture(scope='module')

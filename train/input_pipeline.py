@@ -9,22 +9,37 @@ and `jax.make_array_from_process_local_data` assembles the global array.
 """
 
 from collections.abc import Iterator
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train.datasets import ArraySplit, Batch
+# One batch on the host: column name -> array with the examples first.
+Batch = dict[str, np.ndarray]
+
+
+class Split(Protocol):
+  """A split held in host memory, read by example index.
+
+  `train.vision.datasets.ArraySplit` (images, labels) and
+  `train.lm.data.TokenWindows` (byte windows) are the two in the project.
+  """
+
+  def __len__(self) -> int:
+    """The number of examples."""
+
+  def rows(self, indices: np.ndarray) -> Batch:
+    """The examples at `indices`, one array per column."""
+
+  def columns(self) -> Batch:
+    """Every example, one array per column (for data kept on the devices)."""
 
 
 class TrainBatches:
-  """Shuffled, drop-remainder training batches addressed by step number.
+  """Shuffled, drop-remainder training batches addressed by step number."""
 
-  `data` is any split with `len()` and `rows(indices) -> Batch`
-  (`datasets.ArraySplit`, `lm_data.TokenWindows`).
-  """
-
-  def __init__(self, data: ArraySplit, global_batch_size: int, seed: int,
+  def __init__(self, data: Split, global_batch_size: int, seed: int,
                process_index: int = 0, process_count: int = 1):
     if global_batch_size % process_count:
       raise ValueError(f'global batch {global_batch_size} is not divisible by '
@@ -69,22 +84,25 @@ class TrainBatches:
         yield self.local_batch(step)
 
 
-def fits_on_devices(data: ArraySplit, max_mb: float) -> bool:
+def nbytes(data: Split) -> int:
+  """Host memory of the whole split."""
+  return sum(v.nbytes for v in data.columns().values())
+
+
+def fits_on_devices(data: Split, max_mb: float) -> bool:
   """Whether a copy of `data` on every device stays within `max_mb` MiB."""
-  return data.images.nbytes + data.labels.nbytes <= max_mb * 2**20
+  return nbytes(data) <= max_mb * 2**20
 
 
-def put_replicated(data: ArraySplit,
+def put_replicated(data: Split,
                    sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
   """The whole split on the devices (`sharding` should be replicated).
 
   For small data sets the step then gathers its batch on the devices from
-  indices, and the host sends 4 bytes per example instead of the images.
+  indices, and the host sends 4 bytes per example instead of the examples.
   """
-  return {'image': jax.make_array_from_process_local_data(sharding,
-                                                          data.images),
-          'label': jax.make_array_from_process_local_data(sharding,
-                                                          data.labels)}
+  return {k: jax.make_array_from_process_local_data(sharding, v)
+          for k, v in data.columns().items()}
 
 
 def gather(data: dict[str, jax.Array], index: jax.Array) -> dict[str, jax.Array]:
@@ -92,7 +110,7 @@ def gather(data: dict[str, jax.Array], index: jax.Array) -> dict[str, jax.Array]
   return {k: jnp.take(v, index, axis=0) for k, v in data.items()}
 
 
-def eval_batches(data: ArraySplit, global_batch_size: int,
+def eval_batches(data: Split, global_batch_size: int,
                  process_index: int = 0,
                  process_count: int = 1) -> Iterator[Batch]:
   """Every example once, in order, in fixed-size batches padded with mask=0."""

@@ -9,7 +9,7 @@ objects cannot be appended to, the whole (small) file is rewritten at each
 logging step.
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 import datetime
 import json
 import math
@@ -109,13 +109,12 @@ class Progress:
     return rate, eta
 
 
-# Method diagnostics ('opt/...') shown on the console; all go to the files.
-CONSOLE_DIAGNOSTICS = ('opt/grad_ratio_ema', 'opt/hallucination_steps')
-
-
 def log_progress(step: int, total: int, scalars: Mapping[str, float],
-                 rate: float, eta: str) -> None:
+                 rate: float, eta: str, console: Sequence[str] = ()) -> None:
+  """The console line: scalars without a '/' in their name, and `console`
+  (a method's chosen diagnostics, e.g. 'opt/grad_ratio_ema'); every scalar
+  goes to the files."""
   shown = ' | '.join(f'{k} {v:.4g}' for k, v in scalars.items()
-                     if '/' not in k or k in CONSOLE_DIAGNOSTICS)
+                     if '/' not in k or k in console)
   logging.info('step %d/%d | %s | %.1f steps/s | ETA %s', step, total, shown,
                rate, eta)

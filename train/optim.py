@@ -8,35 +8,44 @@
 Weight decay is added after the base scaling and before the learning rate,
 as in `optax.adamw` (and SGDW for momentum): the step is lr * (u + wd * w).
 
-Methods from `geom/` plug in around this chain: the trainer calls
-`tx.update(grads, state, params, grad_fn=...)`, where `grad_fn(params)` is
-the loss gradient at other weights on the same batch. Chains built with
-`optax.chain` accept and forward such extra arguments, so a geom
-transformation that needs a second gradient (SAM) receives it without any
-change to the trainer.
+Methods from `geom/` wrap this chain, each from its own config block
+(`METHODS`: block name -> builder). A builder returns the wrapped
+transformation and the method's `geom.method_hooks.MethodHooks`, which is
+all a training loop learns about the method: the extra `update` arguments
+it needs (SAM: `grad_fn`, the loss gradient at other weights on the same
+batch), the kinds of step it may compile apart and how the host picks one,
+its diagnostics and a per-device axis. `build` returns both in an
+`Optimizer`; this module is the only place in `train/` that maps a
+method's config block to its geom factory.
 
 SAM (`config.optimizer.sam`, see `configs/sam_block.py`) wraps the whole chain
 above: the perturbation uses the raw gradient g, and the chain (clipping
 included) steps with the SAM gradient g+. Clipping g itself would not
-change the perturbation, which is normalised.
+change the perturbation, which is normalised. geom rejects a bad setting
+with an `ArgumentError` that names its argument; the argument's config
+field is named in the `ConfigError` raised here.
 """
 
 from collections.abc import Callable
+import dataclasses
 import re
 from typing import Any
 
 import jax
+import ml_collections
 import optax
 
 from geom import hallucination
+from geom import method_hooks
 from geom import sam as sam_lib
+from geom.validation import ArgumentError
 from train.errors import ConfigError
 
 OPTIMIZERS = ('sgd', 'momentum', 'adamw')
 SCHEDULES = ('cosine', 'constant')
 
 
-def learning_rate_schedule(cfg: Any, total_steps: int) -> optax.Schedule:
+def learning_rate_schedule(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
   """Linear warmup from 0 over `warmup_steps`, then cosine to `end_lr_fraction` or constant."""
   if cfg.schedule not in SCHEDULES:
     raise ConfigError('optimizer.schedule', cfg.schedule, 'unknown schedule',
@@ -71,9 +80,25 @@ def weight_decay_mask(params: Any, exclude: str) -> Any:
   return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def create_optimizer(cfg: Any,
-                     total_steps: int) -> optax.GradientTransformationExtraArgs:
-  """Builds the chain described in the module docstring from `config.optimizer`."""
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+  """The optimizer of a run, as a training loop consumes it.
+
+  Attributes:
+    tx: the whole transformation (chain, wrapped by any method).
+    learning_rate: the schedule, for logging.
+    hooks: what the methods in `tx` need from the loop.
+    per_device_field: the config field that asked for `hooks.per_device_axis`
+      (for messages), or None.
+  """
+  tx: optax.GradientTransformationExtraArgs
+  learning_rate: optax.Schedule
+  hooks: method_hooks.MethodHooks
+  per_device_field: str | None = None
+
+
+def _base_chain(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
+  """The chain described in the module docstring, without methods."""
   if cfg.name not in OPTIMIZERS:
     raise ConfigError('optimizer.name', cfg.name, 'unknown optimizer',
                       OPTIMIZERS)
@@ -103,93 +128,84 @@ def create_optimizer(cfg: Any,
         cfg.weight_decay,
         mask=lambda p: weight_decay_mask(p, cfg.weight_decay_exclude)))
   parts.append(optax.scale_by_learning_rate(schedule))
-  tx = optax.chain(*parts)
-  if 'sam' in cfg and cfg.sam.enabled:
-    tx = _sam_from_config(tx, cfg.sam)
-  return tx
+  return optax.chain(*parts)
 
 
-def _window(cfg: Any) -> tuple[int, int | None] | None:
-  if cfg.window_start > 0 or cfg.window_stop != -1:
-    return (cfg.window_start,
-            None if cfg.window_stop == -1 else cfg.window_stop)
-  return None
+def build(cfg: ml_collections.ConfigDict, total_steps: int) -> Optimizer:
+  """The chain from `config.optimizer`, wrapped by the enabled methods."""
+  tx = _base_chain(cfg, total_steps)
+  all_hooks, per_device_field = [], None
+  for name, method in METHODS.items():
+    if name in cfg and cfg[name].enabled:
+      tx, hooks, field = method(tx, cfg[name])
+      all_hooks.append(hooks)
+      per_device_field = per_device_field or field
+  hooks = method_hooks.combine(*all_hooks)
+  return Optimizer(optax.with_extra_args_support(tx),
+                   learning_rate_schedule(cfg, total_steps), hooks,
+                   per_device_field if hooks.per_device_axis else None)
 
 
-def sam_step_chooser(cfg: Any) -> Callable[[int, Any], bool] | None:
-  """Host-side choice between a SAM and a plain step, or None if all alike.
-
-  Returns `choose(step, opt_state) -> bool` when some steps are SAM steps
-  and others plain (warm-up, window, warm restarts). The trainer then
-  compiles both branches and runs the one chosen here, passing
-  `sam_step=` to `tx.update`; this keeps convolution gradients out of a
-  `lax.cond`, where XLA:CPU runs them about 70x slower (measured). The
-  choice follows the same `geom.sam.StepSchedule` as the transformation;
-  a warm restart's cooldown is read from the optimizer state.
-  """
-  if not ('sam' in cfg and cfg.sam.enabled) or cfg.sam.rho == 0:
-    return None
-  schedule = sam_lib.StepSchedule(cfg.sam.warmup_steps, _window(cfg.sam))
-  warm_restart = cfg.sam.response == 'warm_restart'
-  if schedule == sam_lib.StepSchedule() and not warm_restart:
-    return None
-
-  def choose(step: int, opt_state: Any) -> bool:
-    if not schedule(step):
-      return False
-    if warm_restart:
-      return int(jax.device_get(sam_lib.find_state(opt_state).cooldown)) == 0
-    return True
-
-  return choose
+def create_optimizer(cfg: ml_collections.ConfigDict,
+                     total_steps: int) -> optax.GradientTransformationExtraArgs:
+  """`build(cfg, total_steps).tx`: the transformation alone."""
+  return build(cfg, total_steps).tx
 
 
-def _sam_from_config(base: optax.GradientTransformation,
-                     cfg: Any) -> optax.GradientTransformationExtraArgs:
-  # geom validates its arguments; its message names the argument, which
-  # is the field's name here.
-  try:
-    detector = None
-    if cfg.detector.enabled:
+# The mesh axis along which a method's per-device update runs (m-sharpness
+# perturbs per device along it): the data axis.
+PER_DEVICE_AXIS = 'data'
+
+# SAM arguments whose config field has another name.
+_SAM_FIELDS = {'window': 'window_start/window_stop',
+               'batch_axis_name': 'm_sharpness'}
+
+
+def _sam_config_error(e: ArgumentError, cfg: ml_collections.ConfigDict,
+                      prefix: str) -> ConfigError:
+  field = _SAM_FIELDS.get(e.argument, e.argument)
+  if e.argument == 'window':
+    value = (cfg.window_start, cfg.window_stop)
+  else:
+    value = cfg.get(field, e.value)
+  return ConfigError(f'{prefix}.{field}', value, e.problem or 'invalid',
+                     e.choices)
+
+
+def _sam(base: optax.GradientTransformation, cfg: ml_collections.ConfigDict
+         ) -> tuple[optax.GradientTransformationExtraArgs,
+                    method_hooks.MethodHooks, str]:
+  """SAM around `base` from `config.optimizer.sam`."""
+  detector = None
+  if cfg.detector.enabled:
+    fields = {f.name for f in dataclasses.fields(hallucination.DetectorConfig)}
+    try:
       detector = hallucination.DetectorConfig(
-          ema_decay=cfg.detector.ema_decay,
-          ratio_threshold=cfg.detector.ratio_threshold,
-          min_grad_norm=cfg.detector.min_grad_norm,
-          patience=cfg.detector.patience,
-          track_cosine=cfg.detector.track_cosine)
-    window = _window(cfg)
-    return sam_lib.sam(
-        base, rho=cfg.rho, adaptive=cfg.adaptive, eta=cfg.eta,
+          **{k: v for k, v in cfg.detector.items() if k in fields})
+    except ArgumentError as e:
+      raise _sam_config_error(e, cfg.detector,
+                              'optimizer.sam.detector') from None
+  window = None
+  if cfg.window_start > 0 or cfg.window_stop != -1:
+    window = (cfg.window_start,
+              None if cfg.window_stop == -1 else cfg.window_stop)
+  try:
+    options = sam_lib.SAMOptions(
+        rho=cfg.rho, adaptive=cfg.adaptive, eta=cfg.eta,
         warmup_steps=cfg.warmup_steps, window=window,
-        batch_axis_name=M_SHARPNESS_AXIS if cfg.m_sharpness else None,
+        batch_axis_name=PER_DEVICE_AXIS if cfg.m_sharpness else None,
         detector=detector, response=cfg.response,
         restart_steps=cfg.restart_steps, shrink_factor=cfg.shrink_factor,
         fused=cfg.fused)
-  except ValueError as e:
-    # "geom.sam.sam: NAME=VALUE: PROBLEM" or "DetectorConfig.NAME=...".
-    message = str(e).removeprefix('geom.sam.sam: ')
-    detector_field = message.startswith('DetectorConfig.')
-    match = re.match(r'(\w+)=(.*?)(?:: |; )(.*)$',
-                     message.removeprefix('DetectorConfig.'))
-    if not match:
-      raise ConfigError('optimizer.sam', cfg.to_dict(), message) from None
-    name, raw_value, problem = match.groups()
-    if detector_field:
-      field, value = f'detector.{name}', cfg.detector[name]
-    elif name == 'window':
-      field, value = 'window_start/window_stop', (cfg.window_start,
-                                                  cfg.window_stop)
-    else:
-      field, value = name, cfg.get(name, raw_value)
-    raise ConfigError(f'optimizer.sam.{field}', value, problem) from None
+  except ArgumentError as e:
+    raise _sam_config_error(e, cfg, 'optimizer.sam') from None
+  return (sam_lib.from_options(base, options), sam_lib.hooks(options),
+          'optimizer.sam.m_sharpness')
 
 
-# The mesh axis along which m-sharpness perturbs per device.
-M_SHARPNESS_AXIS = 'data'
-
-
-def method_diagnostics(cfg: Any):
-  """`opt_state -> dict` of the method wrapped around the chain, or None."""
-  if 'sam' in cfg and cfg.sam.enabled:
-    return sam_lib.diagnostics
-  return None
+# Config block under `config.optimizer` -> builder of the method around the
+# chain: (tx, block) -> (tx, hooks, the field that sets a per-device axis).
+METHODS: dict[str, Callable[..., tuple[
+    optax.GradientTransformationExtraArgs, method_hooks.MethodHooks, str]]] = {
+        'sam': _sam,
+    }

@@ -1,4 +1,5 @@
-"""A PNG of a run's loss and accuracy curves, drawn from `metrics.jsonl`."""
+"""PNGs of a run's curves (from `metrics.jsonl`) and of a sweep's results,
+written atomically, locally or to a bucket; headless (Agg)."""
 
 import io
 
@@ -11,7 +12,7 @@ from train import fileio
 from train import metrics as metrics_lib
 
 
-def _save(fig, out_path: str) -> None:
+def save_png(fig, out_path: str) -> None:
   """Writes the figure as PNG atomically (local or gs://) and closes it."""
   fig.tight_layout()
   buffer = io.BytesIO()
@@ -41,31 +42,7 @@ def plot_curves(metrics_path: str, out_path: str) -> None:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-  _save(fig, out_path)
-
-
-def plot_pareto(rows: list[dict], tasks: list[str], out_path: str) -> None:
-  """Steering success (multiple-choice accuracy on mean log-prob, one panel
-  per task, and the positive share of generations) against the KL to the
-  unsteered model on held-out text: one curve per method over alpha."""
-  panels = [(f'{t}_acc_mean', f'{t}: accuracy (mean log-prob)')
-            for t in tasks] + [('positive_share',
-                                'generations: positive share')]
-  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
-  methods = list(dict.fromkeys(r['method'] for r in rows))
-  for ax, (key, title) in zip(axes, panels):
-    for method in methods:
-      pts = sorted((r['kl'], r[key]) for r in rows if r['method'] == method)
-      if method == 'none':  # KL 0: a reference line, not a point.
-        ax.axhline(pts[0][1], color='k', ls='--', lw=1, label='none (KL 0)')
-        continue
-      ax.plot(*zip(*pts), 'o-', label=method, markersize=4)
-    ax.set_xscale('log')
-    ax.set_xlabel('KL(unsteered || steered) per token, held-out text')
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-  axes[0].legend(fontsize=8)
-  _save(fig, out_path)
+  save_png(fig, out_path)
 
 
 def plot_sweep(groups: list[dict], keys: list[str], metric: str,
@@ -101,4 +78,4 @@ def plot_sweep(groups: list[dict], keys: list[str], metric: str,
     ax.legend(fontsize=8)
   ax.set_ylabel(f'{metric} (mean +- std over seeds)')
   ax.grid(alpha=0.3)
-  _save(fig, out_path)
+  save_png(fig, out_path)

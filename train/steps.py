@@ -8,7 +8,7 @@ gradient norm, which needs a reduction over every sharded parameter, is
 taken on logging steps only.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -19,6 +19,8 @@ from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from geom import method_hooks
 
 NONFINITE_POLICIES = ('stop', 'skip')
 
@@ -41,43 +43,35 @@ class TrainState:
 
 
 # (model, variables, batch, train) -> (per-example loss, per-example
-# correctness in [0, 1], new batch_stats).
+# correctness in [0, 1], new batch_stats). Each product defines its own
+# (`train.vision.loss`, `train.lm.loss`).
 PerExample = Callable[[nn.Module, dict[str, Any], dict[str, jax.Array], bool],
                       tuple[jax.Array, jax.Array, Any]]
 
+# The extra `update` arguments (geom.method_hooks.UPDATE_ARGUMENTS) this
+# step gives a method that asks for them.
+SUPPLIED_UPDATE_ARGUMENTS = ('grad_fn',)
 
-def classification_loss(model: nn.Module, variables: dict[str, Any],
-                        batch: dict[str, jax.Array], train: bool):
-  """Cross-entropy and correctness of `batch['image']` against `batch['label']`."""
-  if train:
-    logits, new_vars = model.apply(variables, batch['image'], train=True,
-                                   mutable=['batch_stats'])
-    new_stats = new_vars['batch_stats']
-  else:
-    logits = model.apply(variables, batch['image'], train=False)
-    new_stats = variables['batch_stats']
-  losses = optax.softmax_cross_entropy_with_integer_labels(
-      logits, batch['label'])
-  correct = (jnp.argmax(logits, -1) == batch['label']).astype(jnp.float32)
-  return losses, correct, new_stats
+# Prefix of the method's diagnostics among the step's metrics.
+DIAGNOSTICS_PREFIX = 'opt/'
 
 
-def lm_loss(model: nn.Module, variables: dict[str, Any],
-            batch: dict[str, jax.Array], train: bool):
-  """Next-token cross-entropy (mean over positions) of `batch['tokens']`
-  (batch, seq + 1), and next-token accuracy, per sequence."""
-  del train  # No dropout or batch statistics in the LM.
-  tokens = batch['tokens'].astype(jnp.int32)
-  logits, _ = model.apply({'params': variables['params']}, tokens[:, :-1])
-  targets = tokens[:, 1:]
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-  correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
-  return losses.mean(-1), correct.mean(-1), variables['batch_stats']
+def check_update_arguments(hooks: method_hooks.MethodHooks) -> None:
+  """Raises ValueError when `hooks` asks for an argument this step lacks."""
+  missing = [a for a in hooks.update_arguments
+             if a not in SUPPLIED_UPDATE_ARGUMENTS]
+  if missing:
+    raise ValueError(
+        f'the method {hooks.name!r} needs the update argument {missing[0]!r}, '
+        f'which this train step does not give (it gives: '
+        f'{", ".join(SUPPLIED_UPDATE_ARGUMENTS)})')
 
 
-def init_state(model: nn.Module, tx: optax.GradientTransformation,
-               example_images: jax.Array, rng: jax.Array) -> TrainState:
-  variables = nn.meta.unbox(model.init(rng, example_images, train=False))
+def init_state(init_variables: Callable[[jax.Array], Mapping[str, Any]],
+               tx: optax.GradientTransformation,
+               rng: jax.Array) -> TrainState:
+  """A fresh state from `init_variables(rng)` (the model's `init`)."""
+  variables = nn.meta.unbox(init_variables(rng))
   params = variables['params']
   return TrainState(
       step=jnp.zeros((), jnp.int32),
@@ -88,46 +82,40 @@ def init_state(model: nn.Module, tx: optax.GradientTransformation,
 
 
 def make_train_step(
-    model: nn.Module, tx: optax.GradientTransformation, nonfinite: str,
-    log_every: int, *,
-    diagnostics: Callable[[Any], dict[str, jax.Array]] | None = None,
-    local_axis: str | None = None,
+    model: nn.Module, tx: optax.GradientTransformation,
+    per_example: PerExample, *,
+    nonfinite: str = 'stop',
+    log_every: int = 1,
+    hooks: method_hooks.MethodHooks = method_hooks.MethodHooks(),
     mesh: jax.sharding.Mesh | None = None,
-    sam_step: bool | None = None,
-    check_vma: bool = True,
-    per_example: PerExample | None = None,
+    variant: Hashable | None = None,
 ) -> Callable[..., tuple[TrainState, dict]]:
   """One update on one batch; returns the new state and per-step metrics.
 
   Args:
-    model, tx: the model and the optax transformation. `tx.update` gets
-      `grad_fn(params)`, the loss gradient at other weights on the same
-      batch (BatchNorm statistics come from the clean pass only).
-    nonfinite: 'stop' or 'skip' (see the trainer).
-    log_every: the gradient norm is computed on logging steps only.
-    diagnostics: `opt_state -> dict of scalars` of the method in `tx` (e.g.
-      SAM's), reported each step under `opt/<name>`.
-    local_axis: m-sharpness: the mesh axis (the data axis) along which each
-      device computes its own gradient, inside `jax.shard_map`; `tx` must
-      average over it (`geom.sam.sam(batch_axis_name=local_axis)`).
-      BatchNorm then normalises with per-device statistics, as in the
-      reference implementation, and their running averages are averaged.
-    mesh: the mesh, needed with `local_axis`.
-    sam_step: passed to `tx.update` when not None: a SAM (True) or plain
-      (False) step fixed at trace time (see `geom.sam.sam`).
-    check_vma: shard_map's check of device-variance (with `local_axis`).
-      False for Pallas kernels in interpret mode, whose interpreter
-      rejects device-varying operands; the explicit means above keep the
-      outputs replicated either way.
+    model, tx: the model and the optax transformation.
     per_example: the loss, as `(model, variables, batch, train) ->
-      (losses, correct, new batch_stats)` per example (default:
-      `classification_loss`; `lm_loss` for language models).
+      (losses, correct, new batch_stats)` per example.
+    nonfinite: 'stop' or 'skip' (see `train.loop`).
+    log_every: the gradient norm is computed on logging steps only.
+    hooks: what the method in `tx` needs (`geom.method_hooks`): its extra
+      `update` arguments (`grad_fn(params)`: the loss gradient at other
+      weights on this batch, BatchNorm statistics from the clean pass
+      only), its diagnostics (reported each step as `opt/<name>`) and a
+      per-device axis: then the update runs inside `jax.shard_map` over
+      that mesh axis (the data axis) with each device's own gradient, and
+      `tx` averages over it; BatchNorm normalises with per-device
+      statistics, and their running averages are averaged.
+    mesh: the mesh, needed with a per-device axis.
+    variant: one of `hooks.variants.values`, passed to `tx.update` as
+      `hooks.variants.argument`: the kind of step, fixed at trace time.
+      None: `tx` decides by itself.
 
   Returns:
     `train_step(state, batch) -> (state, metrics)`. Metrics: `loss` and
     `correct` per example (sharded like the batch), `grad_norm` on logging
-    steps (`(step + 1) % log_every == 0`, else 0; with `local_axis`, the
-    mean over devices of their gradients' norms), and the diagnostics.
+    steps (`(step + 1) % log_every == 0`, else 0; with a per-device axis,
+    the mean over devices of their gradients' norms), and the diagnostics.
     With `nonfinite='skip'` an update whose loss, gradient or update is
     non-finite is not applied (those checks reduce across the mesh, so
     they run only under that policy).
@@ -135,9 +123,17 @@ def make_train_step(
   if nonfinite not in NONFINITE_POLICIES:
     raise ValueError(f'nonfinite={nonfinite!r}; valid choices: '
                      f'{NONFINITE_POLICIES}')
+  check_update_arguments(hooks)
+  local_axis = hooks.per_device_axis
+  check_vma = hooks.check_per_device_types
   if local_axis is not None and mesh is None:
-    raise ValueError('make_train_step: local_axis needs the mesh')
-  per_example = per_example or classification_loss
+    raise ValueError('make_train_step: a per-device axis needs the mesh')
+  fixed = {}
+  if variant is not None:
+    if hooks.variants is None or variant not in hooks.variants.values:
+      raise ValueError(f'variant={variant!r}: the method {hooks.name!r} has '
+                       f'no such kind of step')
+    fixed = {hooks.variants.argument: variant}
 
   def across(fn, x):
     return x if local_axis is None else fn(x, local_axis)
@@ -149,8 +145,8 @@ def make_train_step(
           model, {'params': p, 'batch_stats': batch_stats}, batch, True)
       return losses.mean(), (losses, correct, new_stats)
 
-    # With local_axis, differentiate at the device-varying copy of the
-    # weights: the gradient at the replicated weights would already be
+    # With a per-device axis, differentiate at the device-varying copy of
+    # the weights: the gradient at the replicated weights would already be
     # summed over the axis.
     at = params
     if local_axis is not None and check_vma:
@@ -158,10 +154,9 @@ def make_train_step(
     (loss, (losses, correct, new_stats)), grads = jax.value_and_grad(
         loss_fn, has_aux=True)(at)
     new_stats = across(jax.lax.pmean, new_stats)
-    grad_fn = lambda p: jax.grad(lambda q: loss_fn(q)[0])(p)
-    extra = {} if sam_step is None else {'sam_step': sam_step}
-    updates, new_opt = tx.update(grads, opt_state, params, grad_fn=grad_fn,
-                                 **extra)
+    supplied = {'grad_fn': lambda p: jax.grad(lambda q: loss_fn(q)[0])(p)}
+    extra = {name: supplied[name] for name in hooks.update_arguments}
+    updates, new_opt = tx.update(grads, opt_state, params, **extra, **fixed)
     new_params = optax.apply_updates(params, updates)
     if nonfinite == 'skip':
       # A non-finite element makes a norm non-finite: one scalar per tree.
@@ -197,16 +192,17 @@ def make_train_step(
                            batch_stats=stats, opt_state=opt_state,
                            skipped_steps=skipped)
     metrics = {'loss': losses, 'correct': correct, 'grad_norm': grad_norm}
-    if diagnostics is not None:
-      metrics.update({f'opt/{k}': v.astype(jnp.float32)
-                      for k, v in diagnostics(opt_state).items()})
+    if hooks.diagnostics is not None:
+      metrics.update({DIAGNOSTICS_PREFIX + k: v.astype(jnp.float32)
+                      for k, v in hooks.diagnostics(opt_state).items()})
     return new_state, metrics
 
   return train_step
 
 
 def metric_shardings(batch_sharding: jax.sharding.Sharding,
-                     replicated: jax.sharding.Sharding) -> Callable[[str], Any]:
+                     replicated: jax.sharding.Sharding
+                     ) -> Callable[[str], jax.sharding.Sharding]:
   """Out-sharding of each train-step metric (see `make_train_step`)."""
   per_example = ('loss', 'correct')
   return lambda name: batch_sharding if name in per_example else replicated
@@ -219,18 +215,18 @@ def _to_host(tree: Any) -> Any:
 
 
 def summarize(records: Sequence[dict[str, jax.Array]], first_step: int,
-              grad_norm_sampled: bool) -> tuple[dict[str, float], int | None]:
+              grad_norm_logged: bool) -> tuple[dict[str, float], int | None]:
   """Interval means of per-step metrics, and the first non-finite step.
 
   Args:
     records: the train step's metrics for steps first_step, first_step+1, ...
     first_step: the step number (state.step before the update) of records[0].
-    grad_norm_sampled: whether the last record is a logging step, which
+    grad_norm_logged: whether the last record is a logging step, which
       holds the gradient norm.
 
   Returns:
     `train_loss` and `train_accuracy` averaged over the finite steps;
-    `grad_norm` when sampled; the other metrics (the method's diagnostics)
+    `grad_norm` when logged; the other metrics (the method's diagnostics)
     as of the last step; and the first step whose loss is non-finite, or
     None.
   """
@@ -244,7 +240,7 @@ def summarize(records: Sequence[dict[str, jax.Array]], first_step: int,
   if finite.any():
     scalars['train_loss'] = float(step_loss[finite].mean())
     scalars['train_accuracy'] = float(step_acc[finite].mean())
-  if grad_norm_sampled:
+  if grad_norm_logged:
     scalars['grad_norm'] = float(host[-1]['grad_norm'])
   scalars.update({k: float(v) for k, v in host[-1].items()
                   if k not in ('loss', 'correct', 'grad_norm')})
@@ -265,9 +261,8 @@ def state_is_finite(state: TrainState) -> jax.Array:
 
 def make_eval_step(
     model: nn.Module,
-    per_example: PerExample | None = None) -> Callable[..., dict[str, jax.Array]]:
+    per_example: PerExample) -> Callable[..., dict[str, jax.Array]]:
   """Sums of loss, correct predictions and real examples (mask) of one batch."""
-  per_example = per_example or classification_loss
 
   def eval_step(state: TrainState, batch: dict[str, jax.Array]):
     loss, correct, _ = per_example(

@@ -17,22 +17,26 @@ import os
 import ml_collections
 import numpy as np
 
-from train import text_corpus
 from train.errors import ConfigError, UsageError
+from train.input_pipeline import Batch
+from train.lm import corpus as text_corpus
 
 SOURCES = ('attribute',) + text_corpus.ENGLISH_SOURCES
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenWindows:
-  """One split: (N, seq_len + 1) uint8 byte windows."""
+  """One split: (N, seq_len + 1) uint8 byte windows (an `input_pipeline.Split`)."""
   tokens: np.ndarray
 
   def __len__(self) -> int:
     return len(self.tokens)
 
-  def rows(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+  def rows(self, indices: np.ndarray) -> Batch:
     return {'tokens': self.tokens[indices]}
+
+  def columns(self) -> Batch:
+    return {'tokens': self.tokens}
 
 
 def source_names(data: ml_collections.ConfigDict) -> list[str]:

@@ -16,7 +16,7 @@ slots written.
 
 Parameters carry logical axes ('vocab', 'embed', 'heads', 'mlp') for
 `train.sharding`; block i is the submodule `block_i`, whose output (the
-residual stream after the block) is what `train.steering_hooks` steers.
+residual stream after the block) is what `train.steering.hooks` steers.
 """
 
 from typing import Any, NamedTuple

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from geom import steering as steering_lib
-from train import decoder_lm
-from train import steering_hooks
+from train.lm import decoder as decoder_lm
+from train.steering import hooks as steering_hooks
 
 MODES = ('cached', 'recompute')
 

@@ -1,81 +1,37 @@
 """`train_and_evaluate(config, workdir)` for the decoder LM (`config.task = 'lm'`).
 
-The supervised trainer's parts, reused: the mesh and logical-axis
-shardings, the optax chain (SAM included), the train step with its
-non-finite policy (`steps.make_train_step` with `steps.lm_loss`), the
-step-addressed batches, Orbax checkpoints with resume and SIGTERM, the
-JSONL/TensorBoard metrics and `trainer.train_loop` itself. What is the
-LM's own: the data (byte windows from `train.text_corpus`, built
+The LM product's parts on the shared loop (`train.loop`): the model
+(`train.lm.decoder`), its per-sequence loss (`train.lm.loss`) and the
+data, byte windows of a source mixture (`train.lm.data`), built
 deterministically from the config, so nothing but the step is needed to
-resume) and the final evaluation, which reports held-out cross-entropy
-per source (`val_<source>_loss`, nats per byte) next to the mixture's.
+resume. The final evaluation reports held-out cross-entropy per source
+(`val_<source>_loss`, nats per byte) next to the mixture's. The mesh and
+shardings, the optax chain (SAM included), the step, checkpoints with
+resume and SIGTERM, metrics and plots are the shared ones.
 """
 
-import contextlib
-import dataclasses
 import functools
 import json
 import os
 
 from absl import logging
-import flax.linen as nn
 import jax
-from jax.sharding import Mesh, NamedSharding
 import ml_collections
 import numpy as np
-import optax
 
 from train import checkpointing
-from train import decoder_lm
 from train import experiment as experiment_lib
-from train import fileio
-from train import lm_data
-from train import metrics as metrics_lib
-from train import optim
-from train import plots
-from train import sharding as sharding_lib
-from train import steps
-from train import trainer as trainer_lib
+from train import loop
 from train.errors import ConfigError, UsageError
+from train.lm import data as lm_data
+from train.lm import decoder as decoder_lm
+from train.lm import loss
 
-FINAL_METRICS = trainer_lib.FINAL_METRICS
-
-
-@dataclasses.dataclass
-class LMExperiment:
-  """The LM run's parts; the attributes `trainer.train_loop` reads included."""
-  config: ml_collections.ConfigDict
-  workdir: str
-  mesh: Mesh
-  model: decoder_lm.DecoderLM
-  tx: optax.GradientTransformationExtraArgs
-  learning_rate: optax.Schedule
-  state_shardings: steps.TrainState
-  batch_sharding: NamedSharding
-  abstract_state: steps.TrainState
-
-  def init_state(self) -> steps.TrainState:
-    return jax.jit(functools.partial(_init_state, self.model, self.tx),
-                   out_shardings=self.state_shardings)(
-                       jax.random.key(self.config.seed))
-
-  def abstract_batch(self, batch_size: int,
-                     with_mask: bool = False) -> dict[str, jax.ShapeDtypeStruct]:
-    s = self.batch_sharding
-    batch = {'tokens': jax.ShapeDtypeStruct(
-        (batch_size, self.config.data.seq_len + 1), np.uint8, sharding=s)}
-    if with_mask:
-      batch['mask'] = jax.ShapeDtypeStruct((batch_size,), np.float32,
-                                           sharding=s)
-    return batch
+FINAL_METRICS = loop.FINAL_METRICS
 
 
-def _init_state(model: decoder_lm.DecoderLM, tx: optax.GradientTransformation,
-                rng: jax.Array) -> steps.TrainState:
-  params = nn.meta.unbox(model.init(rng, np.zeros((1, 8), np.int32)))['params']
-  return steps.TrainState(step=np.int32(0), params=params, batch_stats={},
-                          opt_state=tx.init(params),
-                          skipped_steps=np.int32(0))
+def _init_variables(model: decoder_lm.DecoderLM, rng: jax.Array) -> dict:
+  return model.init(rng, np.zeros((1, 8), np.int32))
 
 
 def create_model(config: ml_collections.ConfigDict) -> decoder_lm.DecoderLM:
@@ -99,63 +55,36 @@ def create_model(config: ml_collections.ConfigDict) -> decoder_lm.DecoderLM:
   return decoder_lm.DecoderLM(**kwargs)
 
 
-def build(config: ml_collections.ConfigDict, workdir: str) -> LMExperiment:
-  """Validates `config` (names, mesh, divisibility, data sources) and builds
-  the parts; nothing is placed or compiled."""
-  experiment_lib.check_positive(
-      config, 'num_steps', 'batch_size', 'eval_batch_size', 'log_every',
-      'eval_every', 'checkpoint_every', 'keep_checkpoints')
-  if config.nonfinite not in steps.NONFINITE_POLICIES:
-    raise ConfigError('nonfinite', config.nonfinite, 'unknown policy',
-                      steps.NONFINITE_POLICIES)
+def build(config: ml_collections.ConfigDict,
+          workdir: str) -> experiment_lib.Experiment:
+  """Validates `config` (data sources, model, then what every run shares)
+  and builds the parts; nothing is placed or compiled."""
   lm_data.check_config(config.data)
   model = create_model(config)
-  tx = optim.create_optimizer(config.optimizer, config.num_steps)
-  learning_rate = optim.learning_rate_schedule(config.optimizer,
-                                               config.num_steps)
-  mesh, rules = experiment_lib.build_mesh(config)
-  workdir = experiment_lib.check_workdir(workdir)
-
-  boxed = jax.eval_shape(model.init, jax.random.key(0),
-                         np.zeros((1, 8), np.int32))
-  param_shardings = sharding_lib.logical_to_shardings(boxed['params'], mesh,
-                                                      rules)
-  repl = sharding_lib.replicated(mesh)
-  state_shardings = steps.TrainState(
-      step=repl, params=param_shardings, batch_stats={},
-      opt_state=sharding_lib.optimizer_state_shardings(
-          tx, nn.meta.unbox(boxed['params']), param_shardings, mesh),
-      skipped_steps=repl)
-  abstract = jax.eval_shape(functools.partial(_init_state, model, tx),
-                            jax.random.key(0))
-  abstract_state = jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-      abstract, state_shardings)
-  return LMExperiment(config, workdir, mesh, model, tx, learning_rate,
-                      state_shardings, sharding_lib.batch_sharding(mesh, rules),
-                      abstract_state)
+  return experiment_lib.assemble(
+      config, workdir, model=model,
+      init_variables=functools.partial(_init_variables, model),
+      per_example=loss.lm_loss,
+      columns={'tokens': ((config.data.seq_len + 1,), np.uint8)})
 
 
-def compile_steps(exp: LMExperiment) -> trainer_lib.CompiledSteps:
-  config = exp.config
-  repl = sharding_lib.replicated(exp.mesh)
-  train_fn = steps.make_train_step(
-      exp.model, exp.tx, config.nonfinite, config.log_every,
-      diagnostics=optim.method_diagnostics(config.optimizer),
-      per_example=steps.lm_loss)
-  batch = exp.abstract_batch(config.batch_size)
-  names = jax.eval_shape(train_fn, exp.abstract_state, batch)[1]
-  sharding_of = steps.metric_shardings(exp.batch_sharding, repl)
-  compiled = jax.jit(
-      train_fn, in_shardings=(exp.state_shardings, exp.batch_sharding),
-      out_shardings=(exp.state_shardings,
-                     {n: sharding_of(n) for n in names}),
-      donate_argnums=(0,)).lower(exp.abstract_state, batch).compile()
-  compiled_eval, compiled_finite = trainer_lib.compile_eval_and_finite(
-      exp, steps.lm_loss)
-  trainer_lib.log_memory_stats('lm train_step', compiled)
-  return trainer_lib.CompiledSteps({None: compiled}, None, compiled_eval,
-                                   compiled_finite, False)
+def load_data(config: ml_collections.ConfigDict) -> loop.Data:
+  """Training and validation windows now; at the end the validation
+  mixture, each source's share of it, and the test mixture."""
+  train = lm_data.load_windows(config.data, 'train', config.seed)
+  validation = lm_data.load_windows(config.data, 'validation', config.seed)
+  logging.info('LM data: %d training and %d validation windows of %d bytes',
+               len(train), len(validation), config.data.seq_len)
+
+  def final():
+    splits = {'val': validation}
+    for source in lm_data.source_names(config.data):
+      splits[f'val_{source}'] = lm_data.load_windows(
+          config.data, 'validation', config.seed, only=source)
+    splits['test'] = lm_data.load_windows(config.data, 'test', config.seed)
+    return splits
+
+  return loop.Data(train=train, validation=validation, final=final)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict,
@@ -167,46 +96,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   source, `test_loss` on the test mixture, and `step`.
   """
   exp = build(config, workdir)
-  final_path = fileio.join(exp.workdir, FINAL_METRICS)
-  with checkpointing.Checkpoints(
-      exp.workdir, every_steps=config.checkpoint_every,
-      keep=config.keep_checkpoints) as ckpts:
-    latest = ckpts.latest_step()
-    if (latest is not None and latest >= config.num_steps
-        and fileio.exists(final_path)):
-      logging.info('The run in %s is complete (step %d)', exp.workdir, latest)
-      return metrics_lib.read_json(final_path)
-    if latest is None:
-      state = exp.init_state()
-    else:
-      state, _ = ckpts.restore(latest, exp.abstract_state)
-      logging.info('Resumed from the checkpoint at step %d', latest)
-    train_data = lm_data.load_windows(config.data, 'train', config.seed)
-    val_data = lm_data.load_windows(config.data, 'validation', config.seed)
-    logging.info('LM data: %d training and %d validation windows of %d bytes',
-                 len(train_data), len(val_data), config.data.seq_len)
-    compiled = compile_steps(exp)
-    with contextlib.closing(metrics_lib.MetricWriter(
-        exp.workdir, resume_step=latest)) as writer:
-      state = trainer_lib.train_loop(exp, state, compiled, train_data,
-                                     val_data, ckpts, writer, latest)
-      final = {'step': config.num_steps}
-      final.update(trainer_lib.evaluate(exp, compiled.eval, state, val_data,
-                                        'val'))
-      for source in lm_data.source_names(config.data):
-        part = lm_data.load_windows(config.data, 'validation', config.seed,
-                                    only=source)
-        final.update(trainer_lib.evaluate(exp, compiled.eval, state, part,
-                                          f'val_{source}'))
-      final.update(trainer_lib.evaluate(
-          exp, compiled.eval, state,
-          lm_data.load_windows(config.data, 'test', config.seed), 'test'))
-      writer.write(config.num_steps,
-                   {k: v for k, v in final.items() if k != 'step'})
-  if jax.process_index() == 0:
-    metrics_lib.write_json_atomic(final_path, final)
-    plots.plot_curves(writer.path, fileio.join(exp.workdir, 'curves.png'))
-  return final
+  return loop.train_and_evaluate(exp, functools.partial(load_data, config))
 
 
 def load_trained(lm_workdir: str) -> tuple[ml_collections.ConfigDict,

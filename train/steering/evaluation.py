@@ -35,17 +35,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from geom import steering as steering_lib
-from train import decoder_lm
 from train import experiment as experiment_lib
-from train import lm_data
-from train import lm_generate
-from train import lm_trainer
 from train import metrics as metrics_lib
-from train import plots
-from train import steering_hooks
-from train import steering_vectors
-from train import text_corpus
 from train.errors import ConfigError
+from train.lm import corpus as text_corpus
+from train.lm import data as lm_data
+from train.lm import decoder as decoder_lm
+from train.lm import generate as lm_generate
+from train.lm import trainer as lm_trainer
+from train.steering import hooks as steering_hooks
+from train.steering import pareto
+from train.steering import vectors as steering_vectors
 
 METHODS = ('none', 'addition', 'addition_renorm', 'spherical',
            'spherical_gate')
@@ -415,7 +415,7 @@ def evaluate(config, workdir: str) -> list[dict[str, Any]]:
                                 {'meta': meta, 'rows': rows})
   table = markdown_table(rows, list(mc))
   metrics_lib.write_text_atomic(os.path.join(workdir, 'results.md'), table)
-  plots.plot_pareto(rows, list(mc), os.path.join(workdir, 'pareto.png'))
+  pareto.plot_pareto(rows, list(mc), os.path.join(workdir, 'pareto.png'))
   return rows
 
 

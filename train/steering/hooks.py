@@ -5,7 +5,7 @@ the `__call__` of the modules at the chosen paths (Flax method
 interception, `nn.intercept_methods`) and replaces their output's hidden
 state by the steered one at the tokens of a mask. A module's output may
 be the hidden state itself or a tuple whose first element it is (as in
-`train.decoder_lm.Block`, which also returns its keys and values).
+`train.lm.decoder.Block`, which also returns its keys and values).
 
 Layers are named by index: `layer_paths(params)` lists the model's layer
 modules in order, found in the parameter tree by a name pattern

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from geom import steering as steering_lib
-from train import steering_hooks
+from train.steering import hooks as steering_hooks
 
 FORMAT_VERSION = 1
 

@@ -18,8 +18,9 @@ import os
 import numpy as np
 import tensorflow_datasets as tfds
 
-from train import digits_builder
 from train.errors import ConfigError
+from train.input_pipeline import Batch
+from train.vision import digits_builder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +59,9 @@ DATASETS: dict[str, DatasetSpec] = {
 SPLITS = ('train', 'validation', 'test')
 
 
-Batch = dict[str, np.ndarray]
-
-
 @dataclasses.dataclass(frozen=True)
 class ArraySplit:
-  """One split in host memory."""
+  """One split in host memory (an `input_pipeline.Split`)."""
   images: np.ndarray  # (N, H, W, C) uint8
   labels: np.ndarray  # (N,) int32
 
@@ -72,6 +70,9 @@ class ArraySplit:
 
   def rows(self, indices: np.ndarray) -> Batch:
     return {'image': self.images[indices], 'label': self.labels[indices]}
+
+  def columns(self) -> Batch:
+    return {'image': self.images, 'label': self.labels}
 
 
 def get_spec(name: str) -> DatasetSpec:

@@ -1,0 +1,86 @@
+"""The layering of train/: a shared core that names no method and no product.
+
+The core (train/*.py) reaches a method only through
+`geom.method_hooks.MethodHooks`; `train/optim.py` is the one module that
+maps a method's config block to its geom factory. Products
+(train/vision, train/lm, train/steering) build on the core, and the core
+imports none of them.
+"""
+
+import ast
+import os
+import re
+
+import pytest
+
+# Under Bazel the test runs from a runfiles tree of symlinks: follow them to
+# the source tree, which is what this test reads.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+TRAIN = os.path.join(REPO_ROOT, 'train')
+CORE = sorted(f for f in os.listdir(TRAIN) if f.endswith('.py'))
+# The one bridge from config blocks to geom's factories.
+BRIDGE = 'optim.py'
+PRODUCTS = ('vision', 'lm', 'steering')
+METHOD_WORDS = re.compile(r'\b(sam|asam|hallucinat\w*|steer\w*|conga|gas)\b',
+                          re.IGNORECASE)
+
+
+def _imports(path):
+  with open(path) as f:
+    tree = ast.parse(f.read(), path)
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      yield from (a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and not node.level:
+      yield from (f'{node.module}.{a.name}' for a in node.names)
+
+
+# __init__.py lists the product subpackages, steering among them.
+@pytest.mark.parametrize('name', [f for f in CORE
+                                  if f not in (BRIDGE, '__init__.py')])
+def test_core_modules_name_no_method(name):
+  with open(os.path.join(TRAIN, name)) as f:
+    text = f.read()
+  hits = [(i + 1, line.strip()) for i, line in enumerate(text.splitlines())
+          if METHOD_WORDS.search(line)]
+  assert not hits, f'train/{name} names a method: {hits}'
+  geom_imports = {m for m in _imports(os.path.join(TRAIN, name))
+                  if m.startswith('geom')}
+  assert geom_imports <= {'geom.method_hooks', 'geom.validation',
+                          'geom.validation.ArgumentError'}, geom_imports
+
+
+def test_the_loop_and_the_step_builder_do_not_even_contain_the_letters():
+  # What `grep -rn sam train/loop.py train/steps.py train/aot.py` checks.
+  for name in ('loop.py', 'steps.py', 'aot.py'):
+    with open(os.path.join(TRAIN, name)) as f:
+      assert 'sam' not in f.read().lower(), name
+
+
+@pytest.mark.parametrize('name', CORE)
+def test_core_modules_import_no_product(name):
+  products = [m for m in _imports(os.path.join(TRAIN, name))
+              if m.split('.')[:2][-1] in PRODUCTS and m.startswith('train.')]
+  assert not products, f'train/{name} imports {products}'
+
+
+def test_products_depend_on_each_other_only_where_documented():
+  # Generation steers a layer (lm -> steering.hooks); the steering
+  # evaluation runs the LM (steering -> lm). Vision stands alone.
+  allowed = {('lm', 'steering'): {'train.steering.hooks'},
+             ('steering', 'lm'): None}
+  for product in PRODUCTS:
+    for f in os.listdir(os.path.join(TRAIN, product)):
+      if not f.endswith('.py'):
+        continue
+      for module in _imports(os.path.join(TRAIN, product, f)):
+        parts = module.split('.')
+        if parts[0] != 'train' or len(parts) < 2 or parts[1] not in PRODUCTS:
+          continue
+        other = parts[1]
+        if other == product:
+          continue
+        edge = allowed.get((product, other), set())
+        target = '.'.join(parts[:3])
+        assert edge is None or target in edge, (
+            f'train/{product}/{f} imports {module}')

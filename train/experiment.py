@@ -1,0 +1,237 @@
+"""A run's parts, checked and assembled before anything is placed or compiled.
+
+Every product (`train.vision`, `train.lm`, and the loops to come) builds
+one `Experiment` from its config: it validates its own settings (model,
+data), builds its model and says how to initialise it, what one example
+looks like (`columns`) and its per-example loss; `assemble` does the rest,
+which is common to all: the checks of the loop's settings, the mesh and
+logical-axis rules, the optimizer and the method's hooks, and the
+shardings and abstract shapes of the train state. A mistake raises
+`UsageError` naming the field, the value and the choices; nothing is
+placed, nothing is compiled, and nothing in the workdir is touched but a
+probe file that proves it writable.
+"""
+
+from collections.abc import Callable, Mapping
+import dataclasses
+import functools
+import math
+import os
+import tempfile
+from typing import Any
+
+from etils import epath
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh, NamedSharding
+import ml_collections
+import numpy as np
+import optax
+
+from geom import method_hooks
+from train import fileio
+from train import optim
+from train import sharding as sharding_lib
+from train import steps
+from train.errors import ConfigError, UsageError
+
+# Column name -> (shape of one example, dtype), e.g.
+# {'image': ((8, 8, 1), np.uint8), 'label': ((), np.int32)}.
+Columns = Mapping[str, tuple[tuple[int, ...], jax.typing.DTypeLike]]
+# rng -> the model's variables (as `model.init` returns them, boxed or not:
+# a pytree of arrays).
+InitVariables = Callable[[jax.Array], Mapping[str, Any]]
+
+# Fields every training config has, read by `train.loop`.
+LOOP_FIELDS = ('num_steps', 'batch_size', 'eval_batch_size', 'log_every',
+               'eval_every', 'checkpoint_every', 'keep_checkpoints')
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+  """Everything `train.loop` needs to run, checked; nothing placed yet.
+
+  Attributes:
+    config: the run's config.
+    workdir: the absolute workdir.
+    mesh: the device mesh.
+    model: the Flax model.
+    init_variables: `rng -> variables`, the model's initialisation.
+    per_example: the per-example loss (`steps.PerExample`).
+    columns: what one example holds (`Columns`).
+    tx: the whole optax transformation.
+    learning_rate: its learning-rate schedule (for logging).
+    hooks: what the method in `tx` needs from the loop.
+    state_shardings: the train state's shardings.
+    batch_sharding: the batch's (split over the data axis).
+    abstract_state: the train state as ShapeDtypeStructs with shardings.
+  """
+  config: ml_collections.ConfigDict
+  workdir: str
+  mesh: Mesh
+  model: nn.Module
+  init_variables: InitVariables
+  per_example: steps.PerExample
+  columns: Columns
+  tx: optax.GradientTransformationExtraArgs
+  learning_rate: optax.Schedule
+  hooks: method_hooks.MethodHooks
+  state_shardings: steps.TrainState
+  batch_sharding: NamedSharding
+  abstract_state: steps.TrainState
+
+  def init_state(self) -> steps.TrainState:
+    """A fresh state from `config.seed`, created directly with its shardings."""
+    fn = jax.jit(
+        functools.partial(steps.init_state, self.init_variables, self.tx),
+        out_shardings=self.state_shardings)
+    return fn(jax.random.key(self.config.seed))
+
+  def abstract_batch(self, batch_size: int, with_mask: bool = False
+                     ) -> dict[str, jax.ShapeDtypeStruct]:
+    """A batch of `columns` (and an evaluation mask), sharded on the data axis."""
+    s = self.batch_sharding
+    batch = {name: jax.ShapeDtypeStruct((batch_size, *shape), dtype,
+                                        sharding=s)
+             for name, (shape, dtype) in self.columns.items()}
+    if with_mask:
+      batch['mask'] = jax.ShapeDtypeStruct((batch_size,), np.float32,
+                                           sharding=s)
+    return batch
+
+  def abstract_index_batch(self, batch_size: int
+                           ) -> dict[str, jax.ShapeDtypeStruct]:
+    """A batch of example indices (for training data kept on the devices)."""
+    return {'index': jax.ShapeDtypeStruct((batch_size,), np.int32,
+                                          sharding=self.batch_sharding)}
+
+
+def check_positive(config: ml_collections.ConfigDict, *fields: str) -> None:
+  for field in fields:
+    value = config[field]
+    if not isinstance(value, int) or value <= 0:
+      raise ConfigError(field, value, 'must be a positive integer')
+
+
+def check_loop_settings(config: ml_collections.ConfigDict) -> None:
+  """The fields `train.loop` reads: step counts, intervals, policies."""
+  check_positive(config, *LOOP_FIELDS)
+  if config.get('device_data_max_mb', 0) < 0:
+    raise ConfigError('device_data_max_mb', config.device_data_max_mb,
+                      'must be >= 0 (0 keeps data on the host)')
+  if config.nonfinite not in steps.NONFINITE_POLICIES:
+    raise ConfigError('nonfinite', config.nonfinite, 'unknown policy',
+                      steps.NONFINITE_POLICIES)
+
+
+def check_workdir(workdir: str) -> str:
+  """Creates `workdir` if needed and proves it writable with a probe file."""
+  path = fileio.absolute(workdir)
+  try:
+    if fileio.is_remote(path):
+      probe = epath.Path(path) / f'.write_probe_{os.getpid()}'
+      probe.parent.mkdir(parents=True, exist_ok=True)
+      probe.write_text('')
+      probe.unlink()
+    else:
+      os.makedirs(path, exist_ok=True)
+      with tempfile.NamedTemporaryFile(dir=path, prefix='.write_probe_'):
+        pass
+  except Exception as e:  # pylint: disable=broad-except
+    # OSError locally; the bucket clients raise their own types.
+    raise UsageError('--workdir', workdir,
+                     f'not a writable directory '
+                     f'({getattr(e, "strerror", None) or e})') from None
+  return path
+
+
+def _batch_axes(rules) -> tuple[str, ...]:
+  spec = nn.logical_to_mesh_axes(('batch',), rules)[0]
+  return () if spec is None else (spec if isinstance(spec, tuple) else (spec,))
+
+
+def build_mesh(config: ml_collections.ConfigDict) -> tuple[Mesh, list]:
+  """The mesh and logical-axis rules of `config`, after checking that the
+  mesh fits the devices and the batch sizes split over it and the hosts."""
+  axes = tuple(config.mesh.axes)
+  sharding_lib.mesh_shape(config.mesh.shape, axes, jax.device_count())
+  rules = [tuple(r) for r in config.logical_axis_rules]
+  sharding_lib.check_rules(rules, axes)
+  mesh = sharding_lib.make_mesh(config.mesh.shape, axes)
+  divisor = math.prod(mesh.shape[a] for a in _batch_axes(rules))
+  for field in ('batch_size', 'eval_batch_size'):
+    for what, n in (('the data-parallel mesh size', divisor),
+                    ('the number of processes', jax.process_count())):
+      if config[field] % n:
+        raise ConfigError(field, config[field],
+                          f'must be divisible by {what} ({n})')
+  return mesh, rules
+
+
+def _check_hooks(optimizer: optim.Optimizer, rules) -> None:
+  """The method's needs against what the train step and the mesh give."""
+  hooks = optimizer.hooks
+  try:
+    steps.check_update_arguments(hooks)
+  except ValueError as e:
+    raise ConfigError('optimizer', hooks.name, str(e)) from None
+  axis = hooks.per_device_axis
+  if axis is not None:
+    spec = nn.logical_to_mesh_axes(('batch',), rules)[0]
+    if spec != axis:
+      raise ConfigError(
+          optimizer.per_device_field or 'optimizer', True,
+          f'needs the batch split over the mesh axis {axis!r} alone '
+          f"(logical_axis_rules map 'batch' to {spec!r})")
+
+
+def assemble(config: ml_collections.ConfigDict, workdir: str, *,
+             model: nn.Module, init_variables: InitVariables,
+             per_example: steps.PerExample, columns: Columns,
+             check_data: Callable[[], None] | None = None) -> Experiment:
+  """Checks the shared settings and builds the shared parts of a run.
+
+  Args:
+    config: the run's config (the product has checked its own fields).
+    workdir: where the run writes.
+    model, init_variables, per_example, columns: the product's parts.
+    check_data: called after everything else is checked and the workdir
+      proved writable, to check that the data can be read.
+
+  Raises:
+    UsageError: a setting is invalid.
+  """
+  check_loop_settings(config)
+  optimizer = optim.build(config.optimizer, config.num_steps)
+  mesh, rules = build_mesh(config)
+  _check_hooks(optimizer, rules)
+  workdir = check_workdir(workdir)
+  if check_data is not None:
+    check_data()
+
+  boxed = jax.eval_shape(init_variables, jax.random.key(0))
+  param_shardings = sharding_lib.logical_to_shardings(boxed['params'], mesh,
+                                                      rules)
+  stats_shardings = sharding_lib.logical_to_shardings(
+      boxed.get('batch_stats', {}), mesh, rules)
+  repl = sharding_lib.replicated(mesh)
+  state_shardings = steps.TrainState(
+      step=repl, params=param_shardings, batch_stats=stats_shardings,
+      opt_state=sharding_lib.optimizer_state_shardings(
+          optimizer.tx, nn.meta.unbox(boxed['params']), param_shardings,
+          mesh),
+      skipped_steps=repl)
+  abstract = jax.eval_shape(
+      functools.partial(steps.init_state, init_variables, optimizer.tx),
+      jax.random.key(0))
+  abstract_state = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      abstract, state_shardings)
+  return Experiment(
+      config=config, workdir=workdir, mesh=mesh, model=model,
+      init_variables=init_variables, per_example=per_example,
+      columns=columns, tx=optimizer.tx,
+      learning_rate=optimizer.learning_rate, hooks=optimizer.hooks,
+      state_shardings=state_shardings,
+      batch_sharding=sharding_lib.batch_sharding(mesh, rules),
+      abstract_state=abstract_state)

@@ -1,0 +1,1 @@
+"""The decoder LM on the shared loop: model, corpora, data, trainer, generation."""

@@ -1,0 +1,195 @@
+"""The training loop every product shares: `train_and_evaluate(exp, load_data)`.
+
+The flow: restore the latest checkpoint or initialise sharded state ->
+compile the steps ahead of time (`train.aot`, memory statistics logged) ->
+train, logging every `log_every` steps, evaluating the validation split
+every `eval_every` steps and checkpointing every `checkpoint_every` steps
+-> evaluate the final splits once -> `final_metrics.json` and a PNG of
+the curves. A product (`train.vision.trainer`, `train.lm.trainer`) builds
+the `train.experiment.Experiment` and says where its data comes from;
+everything else is here, method-agnostic: a method reaches the loop only
+through `exp.hooks` (`geom.method_hooks.MethodHooks`).
+
+Guarantees of a workdir:
+- Resume: running the command again restores the latest checkpoint, data
+  position included (batch k is a pure function of the seed and k), and
+  ends with parameters equal, bit for bit, to an uninterrupted run's.
+  Lines of `metrics.jsonl` written after that checkpoint are dropped. A
+  finished run returns its final metrics and trains nothing.
+- Preemption: SIGTERM (or, with several processes, JAX's preemption sync
+  point) saves a checkpoint at the current step and raises `Preempted`.
+- Non-finite values: with `nonfinite='stop'` a non-finite loss ends the
+  run, naming its step, before anything after it is saved; every
+  checkpoint is checked finite first. `'skip'` skips such updates.
+
+Loops whose step differs (test-time adaptation, RL) reuse the parts:
+`checkpointing.Checkpoints`, `metrics.MetricWriter`,
+`preemption.SigtermFlag`, `aot.log_memory_stats`.
+"""
+
+from collections.abc import Callable, Mapping
+import contextlib
+import dataclasses
+
+from absl import logging
+import jax
+
+from train import aot
+from train import checkpointing
+from train import experiment as experiment_lib
+from train import fileio
+from train import input_pipeline
+from train import metrics as metrics_lib
+from train import plots
+from train import preemption
+from train import steps
+from train.errors import NonFiniteLossError, Preempted
+
+FINAL_METRICS = 'final_metrics.json'
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+  """The splits a run reads.
+
+  Attributes:
+    train: the training split (batches drawn by step number).
+    validation: evaluated every `eval_every` steps as `val_*`.
+    final: `() -> {prefix: split}`, evaluated once at the end (loaded only
+      then), e.g. {'val': ..., 'test': ...}; metrics are `<prefix>_loss`
+      and `<prefix>_accuracy`, in this order.
+  """
+  train: input_pipeline.Split
+  validation: input_pipeline.Split
+  final: Callable[[], Mapping[str, input_pipeline.Split]]
+
+
+def evaluate(exp: experiment_lib.Experiment, compiled_eval: aot.EvalFn,
+             state: steps.TrainState, data: input_pipeline.Split,
+             prefix: str) -> dict[str, float]:
+  """Mean loss and accuracy over every example of `data`, once each."""
+  totals = None
+  batches = input_pipeline.eval_batches(
+      data, exp.config.eval_batch_size, jax.process_index(),
+      jax.process_count())
+  for batch in batches:
+    out = compiled_eval(state, input_pipeline.to_global(
+        batch, exp.batch_sharding))
+    totals = out if totals is None else jax.tree.map(
+        lambda a, b: a + b, totals, out)
+  totals = jax.device_get(totals)
+  count = float(totals['count'])
+  return {f'{prefix}_loss': float(totals['loss_sum']) / count,
+          f'{prefix}_accuracy': float(totals['correct']) / count}
+
+
+def train_and_evaluate(exp: experiment_lib.Experiment,
+                       load_data: Callable[[], Data]) -> dict[str, float]:
+  """Trains, evaluates and checkpoints into `exp.workdir`; returns the final metrics.
+
+  Args:
+    exp: the built experiment.
+    load_data: gives the splits; not called for a finished run.
+
+  Raises:
+    NonFiniteLossError: a non-finite loss with `config.nonfinite='stop'`.
+    Preempted: SIGTERM arrived; a checkpoint was saved first.
+  """
+  config, workdir = exp.config, exp.workdir
+  final_path = fileio.join(workdir, FINAL_METRICS)
+  # Leaving the block waits for in-flight saves, also when an error stops
+  # the run, so the last checkpoint it reports is on disk.
+  with checkpointing.Checkpoints(
+      workdir, every_steps=config.checkpoint_every,
+      keep=config.keep_checkpoints) as ckpts:
+    latest = ckpts.latest_step()
+    if (latest is not None and latest >= config.num_steps
+        and fileio.exists(final_path)):
+      logging.info('The run in %s is complete (step %d)', workdir, latest)
+      return metrics_lib.read_json(final_path)
+    if latest is None:
+      state = exp.init_state()
+      logging.info('Initialised a new run in %s', workdir)
+    else:
+      state, _ = ckpts.restore(latest, exp.abstract_state)
+      logging.info('Resumed from the checkpoint at step %d', latest)
+
+    data = load_data()
+    compiled = aot.compile_steps(exp, data.train)
+    with contextlib.closing(metrics_lib.MetricWriter(
+        workdir, resume_step=latest)) as writer:
+      state = train_loop(exp, state, compiled, data.train, data.validation,
+                         ckpts, writer, latest)
+      final = {'step': config.num_steps}
+      for prefix, split in data.final().items():
+        final.update(evaluate(exp, compiled.eval, state, split, prefix))
+      writer.write(config.num_steps,
+                   {k: v for k, v in final.items() if k != 'step'})
+  if jax.process_index() == 0:
+    metrics_lib.write_json_atomic(final_path, final)
+    plots.plot_curves(writer.path, fileio.join(workdir, 'curves.png'))
+  return final
+
+
+def train_loop(exp: experiment_lib.Experiment, state: steps.TrainState,
+               compiled: aot.CompiledSteps, train_data: input_pipeline.Split,
+               val_data: input_pipeline.Split,
+               ckpts: checkpointing.Checkpoints,
+               writer: metrics_lib.MetricWriter,
+               last_saved: int | None) -> steps.TrainState:
+  """Trains from `state.step` to `config.num_steps`: data, logging, eval, saves.
+
+  `last_saved` is the step of the latest checkpoint on disk (for messages).
+  Metrics of the steps since the last log line stay on the devices until
+  the next log line or save, where the host reduces them and checks their
+  losses: with `nonfinite='stop'` a non-finite loss ends the run there,
+  naming its step, before anything after it is saved.
+  """
+  config = exp.config
+  start, total = int(jax.device_get(state.step)), config.num_steps
+  batches = input_pipeline.TrainBatches(
+      train_data, config.batch_size, config.seed, jax.process_index(),
+      jax.process_count())
+  meta = {'config': config.to_json_best_effort()}
+  progress = metrics_lib.Progress(start, total)
+  console = tuple(steps.DIAGNOSTICS_PREFIX + k for k in exp.hooks.console)
+  pending, pending_from = [], start
+  sigterm = preemption.SigtermFlag()
+  device_batches = input_pipeline.to_devices(
+      batches.iterate(start, total, indices_only=compiled.data_on_device),
+      exp.batch_sharding)
+  with sigterm.installed(), contextlib.closing(device_batches):
+    for step in range(start + 1, total + 1):
+      state, step_metrics = compiled.train(state, next(device_batches),
+                                           step - 1)
+      pending.append(step_metrics)
+      preempted = sigterm.requested(step)
+      is_last = step == total
+      log_now = step % config.log_every == 0 or is_last or preempted
+      save_now = ckpts.should_save(step) or is_last or preempted
+      if log_now or save_now:
+        scalars, first_bad = steps.summarize(
+            pending, pending_from,
+            grad_norm_logged=step % config.log_every == 0)
+        if first_bad is not None and config.nonfinite == 'stop':
+          raise NonFiniteLossError(first_bad, last_saved)
+      if log_now:
+        scalars['learning_rate'] = float(exp.learning_rate(step - 1))
+        if config.nonfinite == 'skip':
+          scalars['skipped_steps'] = float(jax.device_get(state.skipped_steps))
+        writer.write(step, scalars)
+        metrics_lib.log_progress(step, total, scalars, *progress.update(step),
+                                 console=console)
+        pending, pending_from = [], step
+      if step % config.eval_every == 0 and not is_last:
+        val = evaluate(exp, compiled.eval, state, val_data, 'val')
+        writer.write(step, val)
+        logging.info('step %d: %s', step, val)
+      if save_now:
+        if not bool(compiled.state_is_finite(state)):
+          raise NonFiniteLossError(step, last_saved, 'train state')
+        if ckpts.save(step, state, meta, force=is_last or preempted):
+          last_saved = step
+      if preempted:
+        raise Preempted(step)
+  return state

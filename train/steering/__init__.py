@@ -1,0 +1,1 @@
+"""Steering Flax models: hooks into their layers, saved vectors, the evaluation."""

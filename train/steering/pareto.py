@@ -1,0 +1,29 @@
+"""The steering study's Pareto plot: success against KL, one curve per method."""
+
+from train import plots  # First: it selects the headless backend.
+
+import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-order
+
+
+def plot_pareto(rows: list[dict], tasks: list[str], out_path: str) -> None:
+  """Steering success (multiple-choice accuracy on mean log-prob, one panel
+  per task, and the positive share of generations) against the KL to the
+  unsteered model on held-out text: one curve per method over alpha."""
+  panels = [(f'{t}_acc_mean', f'{t}: accuracy (mean log-prob)')
+            for t in tasks] + [('positive_share',
+                                'generations: positive share')]
+  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+  methods = list(dict.fromkeys(r['method'] for r in rows))
+  for ax, (key, title) in zip(axes, panels):
+    for method in methods:
+      pts = sorted((r['kl'], r[key]) for r in rows if r['method'] == method)
+      if method == 'none':  # KL 0: a reference line, not a point.
+        ax.axhline(pts[0][1], color='k', ls='--', lw=1, label='none (KL 0)')
+        continue
+      ax.plot(*zip(*pts), 'o-', label=method, markersize=4)
+    ax.set_xscale('log')
+    ax.set_xlabel('KL(unsteered || steered) per token, held-out text')
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize=8)
+  plots.save_png(fig, out_path)

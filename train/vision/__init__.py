@@ -1,0 +1,1 @@
+"""Image classification on the shared loop: models, data sets, the trainer."""
