@@ -108,12 +108,10 @@ def test_asam_matches_a_hand_written_reference():
   assert _max_diff(got, jax.tree.map(jnp.float32, p)) < 1e-5
 
 
-def test_m_sharpness_matches_a_per_device_loop():
-  params, loss_fn, batch = battery.problem()
+def _per_device_trajectory(tx, params, loss_fn, batch, steps):
+  """`steps` updates inside shard_map over 8 devices, each with its rows."""
   mesh = jax.make_mesh((8,), ('batch',),
                        axis_types=(jax.sharding.AxisType.Auto,))
-  rho, lr = 0.1, 0.05
-  tx = sam.sam(optax.sgd(lr), rho=rho, batch_axis_name='batch')
 
   @functools.partial(
       jax.shard_map, mesh=mesh,
@@ -127,9 +125,16 @@ def test_m_sharpness_matches_a_per_device_loop():
     return optax.apply_updates(p, u), s
 
   state = tx.init(params)
-  got = params
-  for _ in range(3):
-    got, state = jax.jit(step)(got, state, batch)
+  for _ in range(steps):
+    params, state = jax.jit(step)(params, state, batch)
+  return params
+
+
+def test_m_sharpness_matches_a_per_device_loop():
+  params, loss_fn, batch = battery.problem()
+  rho, lr = 0.1, 0.05
+  tx = sam.sam(optax.sgd(lr), rho=rho, batch_axis_name='batch')
+  got = _per_device_trajectory(tx, params, loss_fn, batch, 3)
 
   want = params
   shards = [jax.tree.map(lambda x: x[i * 8:(i + 1) * 8], batch)
@@ -521,27 +526,11 @@ def test_ascent_optimises_optax_parabola():
 
 def test_ascent_with_m_sharpness_perturbs_per_device():
   params, loss_fn, batch = battery.problem()
-  mesh = jax.make_mesh((8,), ('batch',),
-                       axis_types=(jax.sharding.AxisType.Auto,))
   adv = lambda: optax.chain(optax.contrib.normalize(), optax.sgd(0.1))
   tx = sam.sam(optax.sgd(0.05), rho=1.0, batch_axis_name='batch',
                ascent=adv())
   ref = sam.sam(optax.sgd(0.05), rho=0.1, batch_axis_name='batch')
-
-  def run(t):
-    @functools.partial(
-        jax.shard_map, mesh=mesh,
-        in_specs=(P(), P(), P('batch')), out_specs=(P(), P()))
-    def step(p, s, b):
-      grad = lambda q: jax.grad(loss_fn)(q, b)
-      local_p = jax.lax.pcast(p, 'batch', to='varying')
-      u, s = t.update(grad(local_p), s, p, grad_fn=grad)
-      return optax.apply_updates(p, u), s
-    p, s = params, t.init(params)
-    for _ in range(3):
-      p, s = jax.jit(step)(p, s, batch)
-    return p
-
+  run = lambda t: _per_device_trajectory(t, params, loss_fn, batch, 3)
   assert _max_diff(run(tx), run(ref)) < 1e-5
   with pytest.raises(ValueError, match='reset_ascent=False'):
     sam.sam(optax.sgd(0.1), batch_axis_name='batch', ascent=adv(),

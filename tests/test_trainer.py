@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from train import checkpointing
+from train import optim
 from train.errors import NonFiniteLossError
 from train.vision import experiment
 from train.vision import trainer
@@ -49,6 +50,18 @@ def test_outputs_in_the_workdir(finished_run):
   ckpts.close()
   with open(os.path.join(workdir, trainer.FINAL_METRICS)) as f:
     assert json.load(f) == final
+
+
+def test_logged_learning_rate_is_the_schedules(finished_run):
+  config, workdir, _ = finished_run
+  schedule = optim.learning_rate_schedule(config.optimizer, config.num_steps)
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    logged = [json.loads(l) for l in f]
+  logged = [r for r in logged if 'learning_rate' in r]
+  assert len(logged) == config.num_steps // config.log_every
+  for r in logged:
+    np.testing.assert_allclose(r['learning_rate'],
+                               float(schedule(r['step'] - 1)), rtol=1e-5)
 
 
 def test_a_finished_run_is_not_trained_again(finished_run):

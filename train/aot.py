@@ -100,8 +100,8 @@ def compile_steps(exp: experiment_lib.Experiment,
   """AOT-compiles the train and eval steps; logs their memory statistics.
 
   With step variants (e.g. a method's plain warm-up steps, which skip its
-  second gradient), each kind is compiled apart and `CompiledSteps.train` runs the one the method's
-  host-side rule picks.
+  second gradient), each kind is compiled apart and `CompiledSteps.train`
+  runs the one the method's host-side rule picks.
   """
   config = exp.config
   repl = sharding_lib.replicated(exp.mesh)

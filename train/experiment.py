@@ -89,7 +89,7 @@ class Experiment:
 
   def abstract_batch(self, batch_size: int, with_mask: bool = False
                      ) -> dict[str, jax.ShapeDtypeStruct]:
-    """A batch of `columns` (and an evaluation mask), sharded on the data axis."""
+    """A batch of `columns` (and an evaluation mask), split on the data axis."""
     s = self.batch_sharding
     batch = {name: jax.ShapeDtypeStruct((batch_size, *shape), dtype,
                                         sharding=s)

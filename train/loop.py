@@ -85,7 +85,7 @@ def evaluate(exp: experiment_lib.Experiment, compiled_eval: aot.EvalFn,
 
 def train_and_evaluate(exp: experiment_lib.Experiment,
                        load_data: Callable[[], Data]) -> dict[str, float]:
-  """Trains, evaluates and checkpoints into `exp.workdir`; returns the final metrics.
+  """Trains, evaluates and checkpoints into `exp.workdir`; returns final metrics.
 
   Args:
     exp: the built experiment.

@@ -45,8 +45,10 @@ OPTIMIZERS = ('sgd', 'momentum', 'adamw')
 SCHEDULES = ('cosine', 'constant')
 
 
-def learning_rate_schedule(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
-  """Linear warmup from 0 over `warmup_steps`, then cosine to `end_lr_fraction` or constant."""
+def learning_rate_schedule(cfg: ml_collections.ConfigDict,
+                           total_steps: int) -> optax.Schedule:
+  """Linear warmup from 0 over `warmup_steps`, then cosine to
+  `end_lr_fraction` or constant."""
   if cfg.schedule not in SCHEDULES:
     raise ConfigError('optimizer.schedule', cfg.schedule, 'unknown schedule',
                       SCHEDULES)
@@ -97,7 +99,8 @@ class Optimizer:
   per_device_field: str | None = None
 
 
-def _base_chain(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
+def _base_chain(cfg: ml_collections.ConfigDict,
+                schedule: optax.Schedule) -> optax.GradientTransformation:
   """The chain described in the module docstring, without methods."""
   if cfg.name not in OPTIMIZERS:
     raise ConfigError('optimizer.name', cfg.name, 'unknown optimizer',
@@ -111,8 +114,6 @@ def _base_chain(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Gradi
     raise ConfigError('optimizer.weight_decay_exclude',
                       cfg.weight_decay_exclude,
                       f'not a regular expression ({e})') from None
-  schedule = learning_rate_schedule(cfg, total_steps)
-
   parts = []
   if cfg.grad_clip_norm > 0:
     parts.append(optax.clip_by_global_norm(cfg.grad_clip_norm))
@@ -133,7 +134,8 @@ def _base_chain(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Gradi
 
 def build(cfg: ml_collections.ConfigDict, total_steps: int) -> Optimizer:
   """The chain from `config.optimizer`, wrapped by the enabled methods."""
-  tx = _base_chain(cfg, total_steps)
+  schedule = learning_rate_schedule(cfg, total_steps)
+  tx = _base_chain(cfg, schedule)
   all_hooks, per_device_field = [], None
   for name, method in METHODS.items():
     if name in cfg and cfg[name].enabled:
@@ -141,8 +143,7 @@ def build(cfg: ml_collections.ConfigDict, total_steps: int) -> Optimizer:
       all_hooks.append(hooks)
       per_device_field = per_device_field or field
   hooks = method_hooks.combine(*all_hooks)
-  return Optimizer(optax.with_extra_args_support(tx),
-                   learning_rate_schedule(cfg, total_steps), hooks,
+  return Optimizer(optax.with_extra_args_support(tx), schedule, hooks,
                    per_device_field if hooks.per_device_axis else None)
 
 

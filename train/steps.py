@@ -36,9 +36,9 @@ class TrainState:
     skipped_steps: updates skipped for non-finite values (policy 'skip').
   """
   step: jax.Array
-  params: Any
-  batch_stats: Any
-  opt_state: Any
+  params: optax.Params
+  batch_stats: Any  # A pytree of arrays ({} for models without BatchNorm).
+  opt_state: optax.OptState
   skipped_steps: jax.Array
 
 

@@ -23,8 +23,11 @@ the norm is the global one; inside `shard_map` each device gets its own
 differentiates through its perturbation, and `jax.grad` through
 `sam_perturb` raises a clear error instead of failing to linearize.
 
-`interpret=None` runs the kernels in Pallas's interpreter on CPU and
-compiled (Triton / Mosaic) on GPU and TPU.
+`interpret=None` runs the kernels in Pallas's interpreter on a CPU backend
+and compiles them elsewhere. Compiling them does not work yet: lowered for
+GPU with `jax.export`, the default 64K-element block exceeds shared memory
+and small leaves break the copy alignment; for TPU, rank-1 blocks must be
+multiples of 1024 and the per-block scalars cannot be stored to VMEM.
 """
 
 import dataclasses
