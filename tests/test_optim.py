@@ -7,6 +7,8 @@ import numpy as np
 import optax
 import pytest
 
+from configs import sam_block
+from geom import method_hooks
 from train import optim
 from train.errors import ConfigError
 
@@ -124,3 +126,44 @@ def test_extra_args_such_as_grad_fn_pass_through_the_chain():
 def test_bad_optimizer_settings_name_the_field(field, value, match):
   with pytest.raises(ConfigError, match=match):
     optim.create_optimizer(_cfg(**{field: value}), 10)
+
+
+@pytest.mark.parametrize('changes,match', [
+    ({'rho': -0.1}, r'^config.optimizer.sam.rho=-0.1: must be >= 0'),
+    ({'window_start': 5, 'window_stop': 5},
+     r'^config.optimizer.sam.window_start/window_stop=\(5, 5\): empty'),
+    # The config's own values (-1: no end), not geom's (None).
+    ({'window_start': -2},
+     r'^config.optimizer.sam.window_start/window_stop=\(-2, -1\): empty or '
+     'negative'),
+    ({'response': 'panic'}, r"^config.optimizer.sam.response='panic': unknown "
+     r"response; valid "
+     r"choices: 'flag', 'warm_restart', 'shrink_rho'$"),
+    ({'detector.patience': 0},
+     r'^config.optimizer.sam.detector.patience=0: must be >= 1$'),
+    ({'detector.enabled': False, 'response': 'warm_restart'},
+     r"^config.optimizer.sam.response='warm_restart': needs a detector"),
+])
+def test_bad_sam_settings_name_their_config_field(changes, match):
+  # geom's ArgumentError names its argument; the field is found from it.
+  cfg = _cfg()
+  cfg.sam = sam_block.sam_block()
+  cfg.sam.enabled = True
+  for key, value in changes.items():
+    block, _, name = key.rpartition('.')
+    (cfg.sam[block] if block else cfg.sam)[name] = value
+  with pytest.raises(ConfigError, match=match):
+    optim.build(cfg, 10)
+
+
+def test_build_gives_the_methods_hooks():
+  cfg = _cfg()
+  assert optim.build(cfg, 10).hooks == method_hooks.MethodHooks()
+  cfg.sam = sam_block.sam_block()
+  cfg.sam.enabled, cfg.sam.warmup_steps, cfg.sam.m_sharpness = True, 3, True
+  built = optim.build(cfg, 10)
+  assert built.hooks.name == 'sam' and built.hooks.variants is not None
+  assert built.hooks.per_device_axis == optim.PER_DEVICE_AXIS
+  assert built.per_device_field == 'optimizer.sam.m_sharpness'
+  assert [built.hooks.variants.choose(s, None) for s in range(5)] == [
+      False, False, False, True, True]

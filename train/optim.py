@@ -169,7 +169,8 @@ def _sam_config_error(e: ArgumentError, cfg: ml_collections.ConfigDict,
     value = (cfg.window_start, cfg.window_stop)
   else:
     value = cfg.get(field, e.value)
-  return ConfigError(f'{prefix}.{field}', value, e.problem or 'invalid',
+  return ConfigError(f'{prefix}.{field}', value,
+                     e.problem or f'unknown {e.argument}',
                      e.choices)
 
 
@@ -187,7 +188,7 @@ def _sam(base: optax.GradientTransformation, cfg: ml_collections.ConfigDict
       raise _sam_config_error(e, cfg.detector,
                               'optimizer.sam.detector') from None
   window = None
-  if cfg.window_start > 0 or cfg.window_stop != -1:
+  if cfg.window_start != 0 or cfg.window_stop != -1:
     window = (cfg.window_start,
               None if cfg.window_stop == -1 else cfg.window_stop)
   try:
