@@ -177,12 +177,12 @@ def _check_hooks(optimizer: optim.Optimizer, rules) -> None:
     raise ConfigError('optimizer', hooks.name, str(e)) from None
   axis = hooks.per_device_axis
   if axis is not None:
-    spec = nn.logical_to_mesh_axes(('batch',), rules)[0]
-    if spec != axis:
+    batch_axes = _batch_axes(rules)
+    if batch_axes != (axis,):
       raise ConfigError(
           optimizer.per_device_field or 'optimizer', True,
           f'needs the batch split over the mesh axis {axis!r} alone '
-          f"(logical_axis_rules map 'batch' to {spec!r})")
+          f"(logical_axis_rules map 'batch' to {batch_axes!r})")
 
 
 def assemble(config: ml_collections.ConfigDict, workdir: str, *,
