@@ -97,6 +97,139 @@ def test_theta_near_pi_is_finite_and_geodesic(noise):
                                (1 - t) * np.pi, atol=2e-3)
 
 
+_EPS32 = float(np.finfo(np.float32).eps)
+# bfloat16 keeps 8 significant bits: rounding the output moves each entry by
+# at most 2^-9 of itself, so the norm by 2^-9 and the angle by 2^-9 rad.
+_BF16_ROUNDING = 2.0 ** -9
+_TS = (0.1, 0.25, 0.3, 0.7, 0.5, 1.0)
+_ANGLES = (np.pi, np.pi - 1e-4, np.pi - 1e-2, 1e-5, 1e-4, 1e-3, 0.3, 1.0,
+           2.0, 3.0)
+# Closer to pi than this, x in float32 fixes the rotation plane only to
+# about eps / (pi - theta) >= 1%: there the plane-independent quantities
+# (norm, angle to mu) are compared, not the vector.
+_PLANE_DEFINED = 1e-5
+
+
+def _rotate_toward64(x, mu, t):
+  """(x rotated toward mu by t of their angle, the angle), in float64.
+
+  Built from x's side (the unit tangent at x pointing to mu), not from mu's
+  as geom.steering is. At theta = pi any plane holding mu is valid and the
+  vector is None.
+  """
+  x = np.asarray(x, np.float64)
+  mu = np.asarray(mu, np.float64)
+  mu = mu / np.linalg.norm(mu)
+  r = np.linalg.norm(x)
+  x_hat = x / r
+  w = mu - (mu @ x_hat) * x_hat
+  w -= (w @ x_hat) * x_hat
+  theta = np.arctan2(np.linalg.norm(w), mu @ x_hat)
+  if not np.linalg.norm(w) > 0:
+    return None, theta  # x = -r mu exactly: no plane to compare against.
+  w /= np.linalg.norm(w)
+  return r * (np.cos(t * theta) * x_hat + np.sin(t * theta) * w), theta
+
+
+def _angle64(y, mu):
+  """Angle between y and mu in float64, accurate near 0 and pi (atan2)."""
+  y = np.asarray(y, np.float64)
+  mu = np.asarray(mu, np.float64) / np.linalg.norm(mu)
+  return np.arctan2(np.linalg.norm(y - (y @ mu) * mu), y @ mu)
+
+
+def _directions(dim):
+  """Three random directions and one axis-aligned one (the old tests' kind)."""
+  out = [_random((dim,), 100 + seed) for seed in range(3)]
+  out.append(np.eye(dim, dtype=np.float32)[dim // 3])
+  return out
+
+
+def _inputs_at_angles(direction, dtype, seed):
+  """Rows of x at each of _ANGLES from `direction` (3 random planes each)."""
+  rng = np.random.default_rng(seed)
+  mu64 = direction.astype(np.float64) / np.linalg.norm(direction)
+  rows = []
+  for theta in _ANGLES:
+    for _ in range(3):
+      r = 2.0 ** rng.integers(-2, 6)
+      if theta == np.pi:
+        # -r * direction is exactly antiparallel in float32 and bfloat16
+        # (r is a power of two and the direction is representable).
+        rows.append(-r * direction.astype(np.float64))
+        continue
+      v = rng.normal(size=direction.size)
+      v -= (v @ mu64) * mu64
+      v /= np.linalg.norm(v)
+      rows.append(r * (np.cos(theta) * mu64 + np.sin(theta) * v))
+  return jnp.asarray(np.stack(rows), dtype)
+
+
+@pytest.mark.parametrize('dim', [16, 64, 768])
+@pytest.mark.parametrize('jit', [False, True], ids=['eager', 'jit'])
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_spherical_equals_a_float64_slerp_at_every_angle(dtype, jit, dim):
+  """Random and axis-aligned directions, theta from 1e-5 to pi exactly.
+
+  Tolerances, per token: float32 (computed in float32 throughout): norm
+  within 4 eps relative, angle to mu within 8 eps rad, the vector within
+  (4 + 2 / (pi - theta)) eps |x| (the plane's conditioning near pi).
+  bfloat16 in, bfloat16 out: the same plus two output roundings (2^-8)
+  on each; the reference takes the bfloat16 input and direction as exact.
+  """
+  dtype = jnp.dtype(dtype)
+  rounding = 0.0 if dtype == jnp.float32 else 2 * _BF16_ROUNDING
+  apply = lambda op, x: op(x)[0]
+  if jit:
+    apply = jax.jit(apply)  # Once: direction and alpha are traced leaves.
+  for k, direction in enumerate(_directions(dim)):
+    # The direction as the operator sees it: representable in the dtype.
+    direction = np.asarray(jnp.asarray(direction, dtype), np.float32)
+    x = _inputs_at_angles(direction, dtype, seed=dim + k)
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    for t in _TS:
+      op = st.Steering('spherical', jnp.asarray(direction), alpha=t,
+                       gate=False)
+      out = apply(op, x)
+      assert out.dtype == dtype
+      y = np.asarray(out.astype(jnp.float32), np.float64)
+      assert np.all(np.isfinite(y))
+      for i, xi in enumerate(x64):
+        ref, theta = _rotate_toward64(xi, direction, t)
+        r = np.linalg.norm(xi)
+        where = (f'dim={dim} direction {k} t={t} theta=pi-{np.pi - theta:.3g}'
+                 f' (theta={theta:.3g})')
+        norm_err = abs(np.linalg.norm(y[i]) - r) / r
+        assert norm_err <= 4 * _EPS32 + rounding, f'{where}: norm {norm_err}'
+        angle_err = abs(_angle64(y[i], direction) - (1 - t) * theta)
+        assert angle_err <= 8 * _EPS32 + rounding, (
+            f'{where}: angle to mu off by {angle_err}')
+        if np.pi - theta > _PLANE_DEFINED:
+          err = np.linalg.norm(y[i] - ref) / r
+          tol = (4 + 2 / (np.pi - theta)) * _EPS32 + rounding
+          assert err <= tol, f'{where}: |y - slerp| = {err} |x| > {tol}'
+
+
+@pytest.mark.parametrize('theta', [0.0, 1e-3, 1.0, np.pi - 1e-4, np.pi])
+def test_spherical_gradients_are_finite(theta):
+  """Nothing differentiates through steering today; if something does, the
+  plane switch, theta = 0 and x = 0 must not give NaN or inf."""
+  mu = _random((16,), 20)
+  mu /= np.linalg.norm(mu)
+  v = _random((16,), 21)
+  v -= (v @ mu) * mu
+  v /= np.linalg.norm(v)
+  x = jnp.asarray(2.0 * (np.cos(theta) * mu + np.sin(theta) * v), jnp.float32)
+  if theta == np.pi:
+    x = jnp.asarray(-2.0 * mu)
+  weights = jnp.asarray(_random((16,), 22))
+  loss = lambda x, t: jnp.sum(st.slerp_rotate(x, jnp.asarray(mu), t) * weights)
+  for point in (x, jnp.zeros(16)):
+    for t in (0.0, 0.3, 1.0):
+      grads = jax.grad(loss, argnums=(0, 1))(point, jnp.float32(t))
+      assert all(np.all(np.isfinite(g)) for g in grads), (theta, t)
+
+
 def test_zero_activation_stays_zero():
   mu = jnp.ones(4)
   out, _ = st.Steering('spherical', mu, alpha=1.0, gate=False)(jnp.zeros(
