@@ -1,6 +1,8 @@
 """The decoder LM's cache, steering hooks, generation modes and steering-vector files."""
 
+import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -169,6 +171,125 @@ def test_vector_file_roundtrip_and_mismatches(params, tmp_path):
                           steering_vectors.SteeringVector(
                               np.zeros(32, np.float32), 1, 'block_1', 'x'))
   assert not os.path.exists(tmp_path / 'z.npz')
+
+
+def _vector_file(path, params, direction=None, drop=(), meta_bytes=None,
+                 arrays=('direction', 'meta')):
+  """Writes a vector file as `save` would, with the given parts replaced.
+
+  The fingerprint always matches `params`: these files fail on their own
+  contents, not on belonging to another model.
+  """
+  if direction is None:
+    direction = _unit32()
+  meta = dict(format=steering_vectors.FORMAT_VERSION, layer=1,
+              layer_path='block_1', hidden_size=32,
+              model_fingerprint=steering_vectors.fingerprint(params), info={})
+  for field in drop:
+    del meta[field]
+  if meta_bytes is None:
+    meta_bytes = json.dumps(meta).encode()
+  contents = dict(direction=np.asarray(direction, np.float32),
+                  meta=np.frombuffer(meta_bytes, np.uint8))
+  np.savez(path, **{k: v for k, v in contents.items() if k in arrays})
+
+
+def _unit32():
+  return np.asarray(st.unit(jnp.arange(1.0, 33.0)))
+
+
+def _truncate(path, params):
+  _vector_file(path, params)
+  data = open(path, 'rb').read()
+  with open(path, 'wb') as f:
+    f.write(data[:len(data) // 2])
+
+
+def _flip_a_direction_byte(path, params):
+  _vector_file(path, params)
+  data = bytearray(open(path, 'rb').read())
+  data[data.index(b'\x93NUMPY') + 140] ^= 0x40  # Inside direction's values.
+  with open(path, 'wb') as f:
+    f.write(bytes(data))
+
+
+def _npy_not_npz(path, params):
+  del params
+  with open(path, 'wb') as f:
+    np.save(f, _unit32())
+
+
+def _write(contents):
+  def write(path, params):
+    del params
+    with open(path, 'wb') as f:
+      f.write(contents)
+  return write
+
+
+@pytest.mark.parametrize('make,message', [
+    (lambda p, params: _vector_file(p, params, np.where(
+        np.arange(32) == 5, np.nan, _unit32())),
+     'direction: has 1 non-finite entries'),
+    (lambda p, params: _vector_file(p, params, np.zeros(32)),
+     'direction: is zero'),
+    (lambda p, params: _vector_file(p, params, _unit32()[None]),
+     r'direction: shape \(1, 32\): must be \(32,\), a vector of the hidden '
+     'size'),
+    (lambda p, params: _vector_file(p, params, _unit32()[:31] / np.linalg.norm(
+        _unit32()[:31])),
+     r'direction: shape \(31,\): must be \(32,\)'),
+    (lambda p, params: _vector_file(p, params, 1e6 * _unit32()),
+     r'direction: norm 1e\+06: must be a unit vector'),
+    (_truncate, r'damaged steering vector file \(a truncated or corrupt '
+     r'\.npz archive: BadZipFile'),
+    (_write(b''), r'empty file \(0 bytes\), not a steering vector'),
+    (_write(b'\x93NUMPY' + bytes(np.random.default_rng(0).integers(
+        0, 256, 4096, dtype=np.uint8))),
+     r"not a steering vector file \(not an \.npz archive; it starts with "
+     r"b'\\x93NUM'\)"),
+    (_npy_not_npz,
+     r"not a steering vector file \(not an \.npz archive; it starts with "),
+    (_flip_a_direction_byte, r'damaged steering vector file \(an array does '
+     r"not read back: BadZipFile: Bad CRC-32 for file 'direction\.npy'\)"),
+    (lambda p, params: _vector_file(p, params, drop=('layer',)),
+     'meta: missing layer'),
+    (lambda p, params: _vector_file(p, params, meta_bytes=b'{"layer": 1,'),
+     r'damaged steering vector file \(meta is not JSON'),
+    (lambda p, params: _vector_file(p, params, arrays=('direction',)),
+     r'not a steering vector file: missing meta \(it has \[.direction.\]\)'),
+], ids=['nan', 'zero', '2d', 'wrong_hidden_size', 'scaled_1e6', 'truncated',
+        'empty', 'garbage', 'npy_not_npz', 'flipped_byte',
+        'missing_meta_field', 'meta_not_json', 'missing_array'])
+def test_damaged_or_invalid_vector_file_is_one_value_error(params, tmp_path,
+                                                          make, message):
+  path = str(tmp_path / 'v.npz')
+  make(path, params)
+  # Whether or not the caller passes the model, the file is checked.
+  for model in (params, None):
+    with pytest.raises(ValueError) as caught:
+      steering_vectors.load(path, model)
+    assert caught.type is ValueError  # Not BadZipFile, EOFError, KeyError.
+    text = str(caught.value)
+    assert '\n' not in text
+    assert re.match(re.escape(path) + ': ' + message, text), text
+
+
+def test_save_refuses_a_direction_load_would_refuse(params, tmp_path):
+  path = str(tmp_path / 'v.npz')
+  fp = steering_vectors.fingerprint(params)
+  with pytest.raises(ValueError, match=r'direction: norm 3: must be a unit'):
+    steering_vectors.save(path, steering_vectors.SteeringVector(
+        3 * _unit32(), 1, 'block_1', fp))
+  with pytest.raises(ValueError, match=r'direction: shape \(2, 32\)'):
+    steering_vectors.save(path, steering_vectors.SteeringVector(
+        np.stack([_unit32()] * 2), 1, 'block_1', fp))
+  assert not os.listdir(tmp_path)
+  # What save writes, load reads back unchanged.
+  _vector_file(path, params)
+  steering_vectors.save(path, steering_vectors.load(path, params))
+  np.testing.assert_array_equal(steering_vectors.load(path).direction,
+                                _unit32())
 
 
 def test_multiple_choice_scores_equal_a_direct_computation(params):

@@ -8,22 +8,41 @@ model it is meant for: a different hidden size, layer count or
 fingerprint fails with an error naming the field, instead of steering a
 model with another model's direction. Files are written atomically
 (temporary file, then rename), so a crash never leaves half a vector.
+
+Loading also checks the file itself: a damaged file (empty, truncated,
+garbage, a missing array or metadata field) and a direction that is not a
+finite unit vector of the stated hidden size fail with one ValueError line
+naming the file and the problem. Directions are unit vectors: every writer
+normalises them and `save` refuses one that is not, so a norm off by more
+than `UNIT_TOLERANCE` means the file was scaled or damaged after writing.
 """
 
 import dataclasses
 import hashlib
 import json
 import os
+import zipfile
+import zlib
 from typing import Any
 
 import flax.linen as nn
 import jax
 import numpy as np
 
-from geom import steering as steering_lib
 from train.steering import hooks as steering_hooks
 
 FORMAT_VERSION = 1
+# |norm - 1| allowed for a saved direction: float32 normalisation is off by
+# about 1e-7; anything past this was scaled or damaged after normalising.
+UNIT_TOLERANCE = 1e-3
+# An .npz file is a zip archive: it starts with a local file header.
+_NPZ_MAGIC = b'PK\x03\x04'
+# What numpy raises for a damaged .npz: truncated or a bad CRC (BadZipFile),
+# a bad array header (ValueError), a short read (EOFError, OSError), a
+# member listed but unreadable (KeyError), a damaged deflate stream
+# (zlib.error).
+_DAMAGED = (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile,
+            zlib.error)
 
 
 def fingerprint(params: Any) -> str:
@@ -60,7 +79,7 @@ class SteeringVector:
 
 def save(path: str, vector: SteeringVector) -> None:
   """Writes `vector` to `path` (.npz) atomically."""
-  steering_lib.check_direction(vector.direction)
+  _check_direction(vector.direction, vector.hidden_size, path)
   meta = dict(format=FORMAT_VERSION, layer=vector.layer,
               layer_path=vector.layer_path, hidden_size=vector.hidden_size,
               model_fingerprint=vector.model_fingerprint, info=vector.info)
@@ -78,23 +97,128 @@ def save(path: str, vector: SteeringVector) -> None:
 def load(path: str, params: Any | None = None) -> SteeringVector:
   """Reads a vector; with `params`, checks that it belongs to that model.
 
+  Args:
+    path: the .npz file written by `save`.
+    params: the model's parameters; when given, the vector's layer, hidden
+      size and model fingerprint must match them.
+
+  Returns:
+    The vector, its direction a float32 unit vector of the hidden size the
+    file states (and, with `params`, the model's).
+
   Raises:
-    FileNotFoundError: no file at `path`.
-    ValueError: the file is not a steering vector, or (with `params`) its
-      hidden size, layer or model fingerprint does not match the model's;
-      the message names the field.
+    FileNotFoundError: no file at `path` (and OSError where it cannot be
+      opened, e.g. a directory or no permission).
+    ValueError: one line naming `path` and the problem: the file is damaged
+      or not a steering vector (empty, truncated, garbage, an array or a
+      metadata field missing), its direction is not a finite unit vector of
+      its hidden size, or (with `params`) its hidden size, layer or model
+      fingerprint does not match the model's.
   """
-  with np.load(path) as f:
-    if 'direction' not in f or 'meta' not in f:
-      raise ValueError(f'{path}: not a steering vector file (needs '
-                       f'direction and meta, has {sorted(f.files)})')
-    direction = f['direction']
-    meta = json.loads(f['meta'].tobytes().decode())
-  vector = SteeringVector(direction, int(meta['layer']), meta['layer_path'],
-                          meta['model_fingerprint'], meta.get('info', {}))
+  direction, meta = _read(path)
+  direction = _check_direction(direction, meta['hidden_size'], path)
+  vector = SteeringVector(direction, meta['layer'], meta['layer_path'],
+                          meta['model_fingerprint'], meta['info'])
   if params is not None:
     check_matches(vector, params, path)
   return vector
+
+
+def _read(path: str) -> tuple[np.ndarray, dict[str, Any]]:
+  """The raw direction and the checked metadata of the file at `path`."""
+  with open(path, 'rb') as f:
+    head = f.read(len(_NPZ_MAGIC))
+  # Named here because numpy's own errors for these read as advice to
+  # unpickle (garbage) or as an unrelated EOFError (empty file).
+  if not head:
+    raise ValueError(f'{path}: empty file (0 bytes), not a steering vector')
+  if head != _NPZ_MAGIC:
+    raise ValueError(f'{path}: not a steering vector file (not an .npz '
+                     f'archive; it starts with {head!r})')
+  try:
+    archive = np.load(path, allow_pickle=False)
+  except FileNotFoundError:
+    raise
+  except _DAMAGED as e:
+    raise ValueError(f'{path}: damaged steering vector file (a truncated or '
+                     f'corrupt .npz archive: {_first_line(e)})') from None
+  with archive as f:
+    missing = [k for k in ('direction', 'meta') if k not in f.files]
+    if missing:
+      raise ValueError(f'{path}: not a steering vector file: missing '
+                       f'{", ".join(missing)} (it has {sorted(f.files)})')
+    try:
+      direction, raw_meta = f['direction'], f['meta']
+    except _DAMAGED as e:
+      raise ValueError(f'{path}: damaged steering vector file (an array does '
+                       f'not read back: {_first_line(e)})') from None
+  try:
+    meta = json.loads(raw_meta.tobytes().decode())
+  except (ValueError, TypeError) as e:
+    raise ValueError(f'{path}: damaged steering vector file (meta is not '
+                     f'JSON: {_first_line(e)})') from None
+  return direction, _check_meta(meta, path)
+
+
+def _check_meta(meta: Any, path: str) -> dict[str, Any]:
+  """`meta` with its fields checked; ValueError naming the field otherwise."""
+  if not isinstance(meta, dict):
+    raise ValueError(f'{path}: meta: a JSON object expected, got '
+                     f'{type(meta).__name__}')
+  kinds = dict(format=int, layer=int, layer_path=str, hidden_size=int,
+               model_fingerprint=str)
+  for field, kind in kinds.items():
+    if field not in meta:
+      raise ValueError(f'{path}: meta: missing {field} (a damaged file or '
+                       'not one written by train.steering.vectors.save)')
+    if not isinstance(meta[field], kind) or isinstance(meta[field], bool):
+      raise ValueError(f'{path}: meta.{field}={meta[field]!r}: must be '
+                       f'{"an integer" if kind is int else "a string"}')
+  if meta['format'] != FORMAT_VERSION:
+    raise ValueError(f'{path}: meta.format={meta["format"]}: this version '
+                     f'reads format {FORMAT_VERSION}')
+  if meta['hidden_size'] <= 0:
+    raise ValueError(f'{path}: meta.hidden_size={meta["hidden_size"]}: must '
+                     'be positive')
+  if meta['layer'] < 0:
+    raise ValueError(f'{path}: meta.layer={meta["layer"]}: must be >= 0')
+  info = meta.get('info', {})
+  if not isinstance(info, dict):
+    raise ValueError(f'{path}: meta.info: a JSON object expected, got '
+                     f'{type(info).__name__}')
+  return dict(meta, info=info)
+
+
+def _check_direction(direction: Any, hidden_size: int,
+                     where: str) -> np.ndarray:
+  """The direction as float32 after checking it is a finite unit vector of
+  `hidden_size` entries; ValueError naming `where` and the problem otherwise."""
+  d = np.asarray(direction)
+  problem = None
+  if d.dtype.kind != 'f':
+    problem = f'dtype {d.dtype}: must be floating point'
+  elif d.shape != (hidden_size,):
+    problem = (f'shape {d.shape}: must be ({hidden_size},), a vector of the '
+               'hidden size')
+  elif not np.all(np.isfinite(d)):
+    problem = f'has {np.sum(~np.isfinite(d))} non-finite entries'
+  else:
+    norm = float(np.linalg.norm(d.astype(np.float64)))
+    if norm == 0:
+      problem = 'is zero; a steering direction needs a non-zero vector'
+    elif abs(norm - 1) > UNIT_TOLERANCE:
+      problem = (f'norm {norm:.6g}: must be a unit vector (|norm - 1| <= '
+                 f'{UNIT_TOLERANCE}); normalise it, e.g. with '
+                 'geom.steering.unit')
+  if problem:
+    raise ValueError(f'{where}: direction: {problem}')
+  return d.astype(np.float32)
+
+
+def _first_line(error: BaseException) -> str:
+  """`Type: message` of an exception, cut to its first line."""
+  text = str(error).strip().splitlines()
+  return type(error).__name__ + (f': {text[0]}' if text else '')
 
 
 def check_matches(vector: SteeringVector, params: Any,
