@@ -14,8 +14,9 @@ CASES = {c.name: c for c in battery.CASES}
 NAMES = sorted(CASES)
 
 
-def _run(tx, params, loss, batch, steps, needs_grad_fn, jit=True):
-  state = tx.init(params)
+def _run(tx, params, loss, batch, steps, needs_grad_fn, jit=True,
+         state=None):
+  state = tx.init(params) if state is None else state
   fn = battery.step
   if jit:
     fn = jax.jit(battery.step, static_argnums=(0, 3, 5))
@@ -107,16 +108,48 @@ def test_gradient_accumulation_over_identical_microbatches(name):
 
 
 @pytest.mark.parametrize('name', NAMES)
-def test_inside_chain_and_inject_hyperparams(name):
+def test_inside_chain(name):
   case = CASES[name]
   params, loss, batch = battery.problem()
   plain, _ = _run(case.make(), params, loss, batch, 3, case.needs_grad_fn)
   chained, _ = _run(optax.chain(case.make(), optax.scale(1.0)), params, loss,
                     batch, 3, case.needs_grad_fn)
   _close(plain, chained, rtol=1e-6, atol=1e-7)
+
+
+def _max_diff(a, b):
+  return max(float(np.max(np.abs(np.asarray(x, np.float32) -
+                                 np.asarray(y, np.float32))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_a_hyperparameter_changed_under_inject_hyperparams_takes_effect(name):
+  # After the change, the injected transformation must step as the one
+  # built with the new value does from the same inner state, and not as
+  # the old one: a value read once and kept (at init, or from the last
+  # step) would pass a check that never changes it.
+  case = CASES[name]
+  assert case.changed, f'{name}: name a hyperparameter to change'
+  field, value = case.changed
+  assert value != case.kwargs[field]
+  params, loss, batch = battery.problem()
+  steps = lambda tx, p, state: _run(tx, p, loss, batch, 2, case.needs_grad_fn,
+                                    state=state)
   injected_tx = optax.inject_hyperparams(case.factory)(**case.kwargs)
-  injected, _ = _run(injected_tx, params, loss, batch, 3, case.needs_grad_fn)
-  _close(plain, injected, rtol=1e-5, atol=1e-6)
+  plain_tx = case.make()  # One object: one compilation for both runs.
+  mid, state = steps(injected_tx, params, None)
+  plain, _ = steps(plain_tx, params, None)
+  _close(mid, plain, rtol=1e-5, atol=1e-6)  # The same until the change.
+  old = state.hyperparams[field]
+  state = state._replace(hyperparams={
+      **state.hyperparams, field: jnp.asarray(value, old.dtype)})
+  got, _ = steps(injected_tx, mid, state)
+  want, _ = steps(case.factory(**{**case.kwargs, field: value}), mid,
+                  state.inner_state)
+  _close(got, want, rtol=1e-5, atol=1e-6)
+  unchanged, _ = steps(plain_tx, mid, state.inner_state)
+  assert _max_diff(got, unchanged) > 1e-4
 
 
 @pytest.mark.parametrize('name', NAMES)

@@ -6,7 +6,8 @@ under jit with the same result, keeps parameter dtypes (float32 and
 bfloat16) and state dtypes, keeps its state sharded on a mesh, works under
 `optax.inject_hyperparams`, `optax.MultiSteps` (gradient accumulation) and
 `optax.chain`, and its state survives an Orbax checkpoint. A new method
-joins by adding a `Case`.
+joins by adding a `Case`, naming a numeric hyperparameter and a new value
+for it (`changed`) that the inject_hyperparams check sets mid-run.
 """
 
 import dataclasses
@@ -32,11 +33,16 @@ class Case:
   # Whether k accumulated equal micro-batches equal one step (not for
   # transformations whose update spans several calls).
   accumulates: bool = True
+  # (keyword of `factory`, new value): changed in the state of
+  # `optax.inject_hyperparams(factory)` mid-run; the value must change
+  # the update.
+  changed: tuple[str, float] | None = None
 
 
 def _sam_case(name, **kw):
   kwargs = dict(base_optimizer=optax.sgd(0.05, momentum=0.9), rho=0.05, **kw)
-  return Case(name, lambda: sam.sam(**kwargs), factory=sam.sam, kwargs=kwargs)
+  return Case(name, lambda: sam.sam(**kwargs), factory=sam.sam, kwargs=kwargs,
+              changed=('rho', 0.2))
 
 
 CASES = [
@@ -55,7 +61,7 @@ CASES = [
          needs_grad_fn=False, factory=sam.sam,
          kwargs=dict(base_optimizer=optax.sgd(0.05, momentum=0.9), rho=0.05,
                      mode='two_call'),
-         accumulates=False),
+         accumulates=False, changed=('rho', 0.2)),
     # A pluggable ascent (optax's adv_optimizer), its state reset each step
     # or kept (Adam moments carried from one SAM step to the next).
     _sam_case('sam_ascent_adam', ascent=optax.chain(
@@ -67,7 +73,8 @@ CASES = [
          lambda: sam.sam(optax.adamw(1e-2, weight_decay=1e-4), rho=0.05),
          factory=sam.sam,
          kwargs=dict(base_optimizer=optax.adamw(1e-2, weight_decay=1e-4),
-                     rho=0.05)),
+                     rho=0.05),
+         changed=('rho', 0.2)),
 ]
 
 
