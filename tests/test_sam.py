@@ -223,6 +223,55 @@ def test_window_limits_sam_to_its_steps():
   assert active == [False, False, True, True, False, False]
 
 
+def _perturbation_points(tx, params, loss, steps):
+  """Runs `tx` jitted; per step (w, g at w, the point grad_fn was asked at,
+  None on a plain step) and the states after each step."""
+  grad = jax.grad(loss)
+  asked = []
+
+  def recording_grad_fn(p):
+    jax.debug.callback(lambda q: asked.append(jax.tree.map(np.asarray, q)), p)
+    return grad(p)
+
+  step = jax.jit(lambda p, s: tx.update(grad(p), s, p,
+                                        grad_fn=recording_grad_fn))
+  state, out, states = tx.init(params), [], []
+  for _ in range(steps):
+    asked.clear()
+    updates, state = step(params, state)
+    jax.effects_barrier()
+    assert len(asked) <= 1
+    out.append((params, grad(params), asked[0] if asked else None))
+    states.append(state)
+    params = optax.apply_updates(params, updates)
+  return out, states
+
+
+@pytest.mark.parametrize('threshold,flags,scales', [
+    # Every SAM step is suspicious (|g+|/|g| is near 1 < 10): with patience
+    # 2 the detector fires on steps 1, 3 and 5, and rho halves after each.
+    (10.0, [0, 1, 1, 2, 2, 3], [1.0, 1.0, 0.5, 0.5, 0.25, 0.25]),
+    # No step is suspicious: rho is never touched.
+    (1e-3, [0] * 6, [1.0] * 6),
+])
+def test_shrink_rho_halves_rho_after_each_flag_only(threshold, flags, scales):
+  params, loss, _ = _mlp()
+  tx = sam.sam(optax.sgd(0.05), rho=0.08, response='shrink_rho',
+               shrink_factor=0.5, detector=hallucination.DetectorConfig(
+                   patience=2, ratio_threshold=threshold))
+  points, states = _perturbation_points(tx, params, loss, len(scales))
+  for (w, g, asked), scale in zip(points, scales):
+    # The point SAM evaluates g+ at, against w + rho g / |g| by hand.
+    g = jax.tree.map(lambda x: np.asarray(x, np.float64), g)
+    norm = np.sqrt(sum(np.sum(x ** 2) for x in jax.tree.leaves(g)))
+    want = jax.tree.map(lambda wi, gi: wi + 0.08 * scale * gi / norm, w, g)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
+                 asked, want)
+  assert [int(s.detector.flagged_steps) for s in states] == flags
+  np.testing.assert_allclose([float(s.rho) for s in states],
+                             [0.08 * s for s in scales], rtol=1e-6)
+
+
 def _two_call_trajectory(tx, params, loss, steps, jit=True):
   grad = jax.grad(loss)
   update = jax.jit(tx.update) if jit else tx.update

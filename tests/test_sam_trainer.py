@@ -215,6 +215,50 @@ def test_host_chosen_branches_match_the_transformations_own_choice(
                jax.device_get(state_a.params), jax.device_get(state_b.params))
 
 
+def _per_step_log(config, workdir):
+  """Runs `config` logging every step; {metric: [value at step 1, 2, ...]}."""
+  config.log_every = 1
+  config.eval_every = config.checkpoint_every = config.num_steps
+  trainer.train_and_evaluate(config, workdir)
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    train = [r for r in map(json.loads, f) if 'train_loss' in r]
+  assert [r['step'] for r in train] == list(range(1, config.num_steps + 1))
+  return {k: [r[k] for r in train] for k in train[0]}
+
+
+def test_warm_restart_runs_plain_steps_exactly_after_each_flag(tmp_path):
+  # The loop picks the SAM or the plain program of each step on the host,
+  # from the warm restart's cooldown in the state (m-sharpness; the MLP
+  # compiles faster, and the choice does not depend on the model). The
+  # detector fires on every SAM step (|g+|/|g| stays far below 10, patience
+  # 1) and each restart is 2 plain steps: update 0 is the warm-up, then SAM
+  # at 1, 4 and 7, plain between.
+  from configs import digits  # pylint: disable=g-import-not-at-top
+  logs = {}
+  for response in ('warm_restart', 'flag'):
+    config = _sam_config(digits.get_config('runlocal,model=mlp'), rho=0.5,
+                         m_sharpness=True, warmup_steps=1, restart_steps=2,
+                         response=response)
+    config.optimizer.sam.detector.patience = 1
+    config.optimizer.sam.detector.ratio_threshold = 10.0
+    config.optimizer.warmup_steps = 0
+    config.num_steps = 8
+    logs[response] = _per_step_log(config, str(tmp_path / response))
+  restart, flag = logs['warm_restart'], logs['flag']
+  # The variant that ran sets sam_active (sam_step fixes the branch).
+  assert restart['opt/sam_active'] == [0, 1, 0, 0, 1, 0, 0, 1]
+  assert restart['opt/cooldown'] == [0, 2, 1, 0, 2, 1, 0, 2]
+  assert restart['opt/hallucination_steps'] == [0, 1, 1, 1, 2, 2, 2, 3]
+  assert flag['opt/sam_active'] == [0] + [1] * 7
+  # The loss logged at step k is at the weights after k - 1 updates: the
+  # two runs agree until the first plain step of the restart (update 2)
+  # and differ from the loss after it on.
+  np.testing.assert_allclose(restart['train_loss'][:3],
+                             flag['train_loss'][:3], rtol=1e-6)
+  gaps = np.abs(np.subtract(restart['train_loss'], flag['train_loss']))
+  assert np.all(gaps[3:] > 1e-4), gaps
+
+
 @pytest.mark.parametrize('m_sharpness', [False, True])
 def test_fused_perturbation_matches_the_unfused_step(digits_config, tmp_path,
                                                      m_sharpness):
