@@ -23,6 +23,7 @@ tens of steps.
 """
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -62,9 +63,9 @@ class DetectorConfig:
     validation.check(owner, 'ema_decay', self.ema_decay,
                      lambda v: 0 <= v < 1, 'in [0, 1)')
     validation.check(owner, 'ratio_threshold', self.ratio_threshold,
-                     lambda v: v > 0, '> 0')
+                     lambda v: 0 < v < math.inf, 'finite and > 0')
     validation.check(owner, 'min_grad_norm', self.min_grad_norm,
-                     lambda v: v >= 0, '>= 0')
+                     lambda v: 0 <= v < math.inf, 'finite and >= 0')
     validation.check(owner, 'patience', self.patience, lambda v: v >= 1,
                      '>= 1')
 

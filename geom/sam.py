@@ -99,6 +99,7 @@ from collections.abc import Callable
 import dataclasses
 import functools
 import inspect
+import math
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -197,9 +198,10 @@ class SAMOptions:
 
   def __post_init__(self):
     check = functools.partial(validation.check, _OWNER)
-    check('rho', self.rho, lambda r: r >= 0, '>= 0 (or a schedule)')
-    check('eta', self.eta, lambda v: v > 0, '> 0')
-    check('eps', self.eps, lambda v: v >= 0, '>= 0')
+    check('rho', self.rho, lambda r: 0 <= r < math.inf,
+          'finite and >= 0 (or a schedule)')
+    check('eta', self.eta, lambda v: 0 < v < math.inf, 'finite and > 0')
+    check('eps', self.eps, lambda v: 0 <= v < math.inf, 'finite and >= 0')
     check('warmup_steps', self.warmup_steps, lambda v: v >= 0, '>= 0')
     check('restart_steps', self.restart_steps, lambda v: v >= 1, '>= 1')
     check('shrink_factor', self.shrink_factor, lambda v: 0 < v < 1,

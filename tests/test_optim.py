@@ -172,7 +172,11 @@ def test_sam_from_config_reads_grad_fn_and_matches_a_hand_computed_step():
     ('name', 'lamb', r"config.optimizer.name='lamb'.*valid choices: 'sgd', "
      r"'momentum', 'adamw'"),
     ('schedule', 'step', r"config.optimizer.schedule='step'.*'cosine'"),
-    ('learning_rate', 0.0, r'config.optimizer.learning_rate=0.0: must be > 0'),
+    ('learning_rate', 0.0,
+     r'config.optimizer.learning_rate=0.0: must be finite and > 0'),
+    ('learning_rate', float('inf'),
+     r'config.optimizer.learning_rate=inf: must be finite and > 0'),
+    ('end_lr_fraction', 2.0, r'config.optimizer.end_lr_fraction=2.0'),
     ('warmup_steps', 10, r'config.optimizer.warmup_steps=10: must be in'),
     ('weight_decay', -1.0, r'config.optimizer.weight_decay=-1.0'),
     ('momentum', 1.0, r'config.optimizer.momentum=1.0'),
@@ -184,7 +188,10 @@ def test_bad_optimizer_settings_name_the_field(field, value, match):
 
 
 @pytest.mark.parametrize('changes,match', [
-    ({'rho': -0.1}, r'^config.optimizer.sam.rho=-0.1: must be >= 0'),
+    ({'rho': -0.1},
+     r'^config.optimizer.sam.rho=-0.1: must be finite and >= 0'),
+    ({'rho': float('inf')},
+     r'^config.optimizer.sam.rho=inf: must be finite and >= 0'),
     ({'window_start': 5, 'window_stop': 5},
      r'^config.optimizer.sam.window_start/window_stop=\(5, 5\): empty'),
     # The config's own values (-1: no end), not geom's (None).

@@ -375,11 +375,12 @@ def test_diagnostics_report_the_step():
 
 
 @pytest.mark.parametrize('kwargs,match', [
-    (dict(rho=-0.1), r'rho=-0.1: must be >= 0'),
+    (dict(rho=-0.1), r'rho=-0.1: must be finite and >= 0'),
+    (dict(rho=float('inf')), r'rho=inf: must be finite and >= 0'),
     (dict(warmup_steps=-1), r'warmup_steps=-1: must be >= 0'),
     (dict(window=(5, 5)), r'window=\(5, 5\): empty'),
     (dict(window=(5, 2)), r'window=\(5, 2\): empty'),
-    (dict(adaptive=True, eta=0.0), r'eta=0.0: must be > 0'),
+    (dict(adaptive=True, eta=0.0), r'eta=0.0: must be finite and > 0'),
     (dict(response='panic'), r"response='panic'; valid choices: flag, "
      r'warm_restart, shrink_rho'),
     (dict(mode='lazy'), r"mode='lazy'; valid choices: opaque, two_call"),

@@ -28,6 +28,7 @@ field is named in the `ConfigError` raised here.
 
 from collections.abc import Callable
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -52,12 +53,15 @@ def learning_rate_schedule(cfg: ml_collections.ConfigDict,
   if cfg.schedule not in SCHEDULES:
     raise ConfigError('optimizer.schedule', cfg.schedule, 'unknown schedule',
                       SCHEDULES)
-  if not cfg.learning_rate > 0:
+  if not 0 < cfg.learning_rate < math.inf:
     raise ConfigError('optimizer.learning_rate', cfg.learning_rate,
-                      'must be > 0')
+                      'must be finite and > 0')
   if not 0 <= cfg.warmup_steps < total_steps:
     raise ConfigError('optimizer.warmup_steps', cfg.warmup_steps,
                       f'must be in [0, num_steps={total_steps})')
+  if not 0 <= cfg.end_lr_fraction <= 1:
+    raise ConfigError('optimizer.end_lr_fraction', cfg.end_lr_fraction,
+                      'must be in [0, 1]')
   peak = cfg.learning_rate
   if cfg.schedule == 'cosine':
     decay = optax.cosine_decay_schedule(
@@ -106,8 +110,9 @@ def _base_chain(cfg: ml_collections.ConfigDict,
     raise ConfigError('optimizer.name', cfg.name, 'unknown optimizer',
                       OPTIMIZERS)
   for field in ('weight_decay', 'grad_clip_norm'):
-    if cfg[field] < 0:
-      raise ConfigError(f'optimizer.{field}', cfg[field], 'must be >= 0')
+    if not 0 <= cfg[field] < math.inf:
+      raise ConfigError(f'optimizer.{field}', cfg[field],
+                        'must be finite and >= 0')
   try:
     re.compile(cfg.weight_decay_exclude)
   except re.error as e:
@@ -123,6 +128,12 @@ def _base_chain(cfg: ml_collections.ConfigDict,
                         'must be in [0, 1)')
     parts.append(optax.trace(decay=cfg.momentum, nesterov=cfg.nesterov))
   elif cfg.name == 'adamw':
+    for field in ('b1', 'b2'):
+      if not 0 <= cfg[field] < 1:
+        raise ConfigError(f'optimizer.{field}', cfg[field],
+                          'must be in [0, 1)')
+    if not 0 < cfg.eps < math.inf:
+      raise ConfigError('optimizer.eps', cfg.eps, 'must be finite and > 0')
     parts.append(optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps))
   if cfg.weight_decay > 0:
     parts.append(optax.add_decayed_weights(
