@@ -130,6 +130,11 @@ def test_m_sharpness_step_matches_a_per_device_loop(digits_config, tmp_path):
                got.batch_stats, mean(new_stats))
 
 
+# Slow (two runs and a preemption). The default run covers its parts: the
+# loop's bit-exact resume after SIGTERM or kill -9 (tests/test_resume.py)
+# and every SAM state, detector included, through an Orbax checkpoint and
+# on bit for bit (test_battery.py::test_state_survives_a_checkpoint).
+@pytest.mark.slow
 def test_sam_state_resumes_bit_exactly_after_preemption(digits_config,
                                                         tmp_path):
   config = _sam_config(digits_config, rho=0.1, warmup_steps=5)
@@ -185,6 +190,14 @@ def test_diagnostics_metric_names_are_prefixed(digits_config, tmp_path):
 
 
 
+# Slow (a CNN step in a cond, 70x slower on XLA:CPU). Covered by:
+# test_method_hooks.py::test_host_choice_agrees_with_the_device_at_every_step
+# (the host rule equals geom.sam's own choice, warm-up and window included),
+# test_sam.py::test_sam_step_fixes_the_branch_at_trace_time (a fixed branch
+# equals the free one) and
+# test_warm_restart_runs_plain_steps_exactly_after_each_flag below (the
+# loop runs the variant the rule picks).
+@pytest.mark.slow
 def test_host_chosen_branches_match_the_transformations_own_choice(
     digits_config, tmp_path):
   # The trainer compiles a SAM and a plain step and picks one on the host;
@@ -259,7 +272,13 @@ def test_warm_restart_runs_plain_steps_exactly_after_each_flag(tmp_path):
   assert np.all(gaps[3:] > 1e-4), gaps
 
 
-@pytest.mark.parametrize('m_sharpness', [False, True])
+@pytest.mark.parametrize('m_sharpness', [
+    # Slow; the kernel in the trainer is covered by m_sharpness=True, and
+    # fused = unfused without a per-device axis by test_kernels_sam_perturb.py
+    # (test_equals_unfused_geom_sam_inside_jit).
+    pytest.param(False, marks=pytest.mark.slow),
+    True,
+])
 def test_fused_perturbation_matches_the_unfused_step(digits_config, tmp_path,
                                                      m_sharpness):
   from configs import digits  # pylint: disable=g-import-not-at-top
