@@ -1,6 +1,7 @@
 """What every absl entry point in launch/ shares: one-line usage errors,
 quiet library logs, and device settings that precede JAX's start."""
 
+import os
 import re
 import sys
 
@@ -8,7 +9,8 @@ from absl import flags
 from absl import logging
 
 EXIT_USAGE = 2
-EXIT_NONFINITE = 3
+# The workdir is held by another run: try again later (sysexits' EX_TEMPFAIL).
+EXIT_BUSY = 75
 
 
 # Libraries whose routine lines (one per checkpoint file, per data set
@@ -21,12 +23,81 @@ _QUIET_LIBRARIES = {
 }
 
 
+# Where a full disk is logged from background threads, with a traceback per
+# array (orbax's save threads; asyncio's unretrieved tasks at exit). The run
+# reports it in one line (`errors.DiskFull`).
+_DISK_FULL_LOGGERS = ('/orbax/', '/asyncio/', '/tensorstore/')
+
+
 class LibraryNoiseFilter(logging.logging.Filter):
+  """Hides libraries' routine lines, and their error records of a full disk
+  (from the first such record on, all of their errors: the follow-ups of a
+  failed save name no cause)."""
+
+  def __init__(self):
+    super().__init__()
+    from train import disk_space  # pylint: disable=g-import-not-at-top
+    self._disk_full_text = disk_space.FULL_DISK_TEXT
+    self._disk_full_seen = False
 
   def filter(self, record) -> bool:
-    return not any(lib in record.pathname and
-                   record.levelno <= level
-                   for lib, level in _QUIET_LIBRARIES.items())
+    if any(lib in record.pathname and record.levelno <= level
+           for lib, level in _QUIET_LIBRARIES.items()):
+      return False
+    if '/asyncio/' in record.pathname and 'never retrieved' in record.msg:
+      # Orbax leaves the futures of a failed read or write unretrieved; the
+      # failure itself reaches the run as an exception, which it reports.
+      return False
+    if (record.levelno >= logging.logging.ERROR
+        and any(lib in record.pathname for lib in _DISK_FULL_LOGGERS)):
+      if not self._disk_full_seen:
+        text = record.getMessage()
+        if record.exc_info:
+          text += repr(record.exc_info[1])
+        self._disk_full_seen = bool(self._disk_full_text.search(text))
+      return not self._disk_full_seen
+    return True
+
+
+def _quiet_unraisable(previous):
+  from train.errors import Interrupted  # pylint: disable=g-import-not-at-top
+
+  def hook(unraisable):
+    error = unraisable.exc_value
+    # Tensorstore completing a read of a failed checkpoint restore after
+    # orbax closed its event loop: a leftover, not a new error.
+    if (isinstance(error, RuntimeError)
+        and str(error) == 'Event loop is closed'):
+      return
+    # A signal's exception raised inside a callback that drops it (e.g. a
+    # garbage-collection hook): the launcher raises it again and reports it.
+    if isinstance(error, Interrupted):
+      return
+    previous(unraisable)
+  return hook
+
+
+def quiet_libraries() -> None:
+  """Hides the libraries' routine log lines and their leftovers of a failure
+  the run reports itself (`LibraryNoiseFilter`, closed-loop callbacks)."""
+  logging.get_absl_handler().addFilter(LibraryNoiseFilter())
+  sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
+
+
+def exit_now(code: int) -> None:
+  """Flushes the streams and logs, then ends the process with `code`.
+
+  For a run that already reported why it ends: the interpreter's teardown
+  would run the leftovers of a failed checkpoint read or write (tensorstore
+  callbacks into a closed event loop), each printing a traceback after the
+  one line that matters. The checkpoints' blocks have waited for their
+  writes by then.
+  """
+  for stream in (sys.stdout, sys.stderr):
+    stream.flush()
+  for handler in logging.logging.getLogger().handlers:
+    handler.flush()
+  os._exit(code)  # pylint: disable=protected-access
 
 
 def one_line(error: Exception, argv: list[str]) -> str:

@@ -49,9 +49,16 @@ def collect(dirs: list[str]) -> tuple[list[dict], list[str]]:
       if not os.path.exists(path):
         unfinished.append(e['name'])
         continue
-      with open(path) as f:
-        metrics = {k: v for k, v in json.load(f).items()
-                   if isinstance(v, (int, float)) and k != 'step'}
+      try:
+        with open(path) as f:
+          saved = json.load(f)
+      except ValueError:  # Torn by hand or by a disk: the run must redo it.
+        unfinished.append(e['name'])
+        continue
+      # null is a non-finite value (a diverged run): it counts, as NaN.
+      metrics = {k: math.nan if v is None else v for k, v in saved.items()
+                 if (v is None or isinstance(v, (int, float)))
+                 and k != 'step'}
       runs.append({'name': e['name'], 'overrides': e['overrides'],
                    'metrics': metrics})
   return runs, unfinished

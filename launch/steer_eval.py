@@ -11,7 +11,6 @@ import sys
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
 from launch import entry
@@ -27,15 +26,18 @@ flags.mark_flags_as_required(['config', 'workdir'])
 def main(argv):
   del argv
   config = _CONFIG.value
-  logging.get_absl_handler().addFilter(entry.LibraryNoiseFilter())
+  entry.quiet_libraries()
   entry.configure_devices(config)
   from train.steering import evaluation as steering_eval  # pylint: disable=g-import-not-at-top
-  from train.errors import UsageError  # pylint: disable=g-import-not-at-top
+  from train.errors import RunError, UsageError  # pylint: disable=g-import-not-at-top
   try:
     rows = steering_eval.evaluate(config, _WORKDIR.value)
   except UsageError as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(entry.EXIT_USAGE)
+  except RunError as e:  # e.g. no LM checkpoint that loads and verifies.
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(e.exit_code)
   print(f'{len(rows)} settings evaluated; table: {_WORKDIR.value}/results.md')
 
 

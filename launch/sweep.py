@@ -11,7 +11,9 @@ r"""Expand a config's sweep into `launch.train` runs: run them here, or on TPU p
 Each run gets `--workdir/<its overrides>`. `--target=local` runs
 `--parallel` at a time: a finished run (final_metrics.json present) is
 skipped, an interrupted one resumes from its checkpoint, so relaunching the
-same command finishes a sweep; logs go to `--workdir/logs/`, and
+same command finishes a sweep. Runs die with the sweep (they get SIGTERM
+and save a checkpoint), and a run whose workdir is still held by another
+process (its lock, `train.workdir_lock`) waits for it instead of racing it; logs go to `--workdir/logs/`, and
 `--workdir/sweep.json` lists the runs for `launch.report`. The TPU and xpk
 targets print their commands (a dry run) unless `--execute`; on TPU every
 run goes to all workers with `--multihost`, one run after another.
@@ -21,8 +23,10 @@ missing --tpu) end with one line naming the flag and the valid choices
 (exit status 2) before anything runs.
 """
 
+import ctypes
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -78,49 +82,102 @@ def _check_target_flags() -> None:
     raise UsageError('--parallel', _PARALLEL.value, 'must be >= 1')
 
 
-def run_local(runs: list[sweep_plan.Run], root: str, parallel: int) -> int:
-  """Runs what is not finished, `parallel` at a time; returns the failures."""
+def _die_with_parent() -> None:
+  """In the child, before exec: SIGTERM when the sweep dies (Linux).
+
+  The trainer saves a checkpoint on SIGTERM, so a sweep killed with -9
+  leaves no orphaned trainer racing the next launch for its workdir.
+  """
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+  except (OSError, AttributeError):
+    pass  # Not Linux: the relaunch still waits on the workdir lock.
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _latest_checkpoint(workdir: str) -> int | None:
+  from train import disk_space  # pylint: disable=g-import-not-at-top
+  steps = disk_space.completed_steps(os.path.join(workdir, 'checkpoints'))
+  return steps[-1] if steps else None
+
+
+def run_local(runs: list[sweep_plan.Run], root: str, parallel: int,
+              poll_seconds: float = 0.2) -> int:
+  """Runs what is not finished, `parallel` at a time; returns the failures.
+
+  A run whose workdir another process holds (e.g. the trainer of an
+  earlier launch of this sweep) waits until it is free, then is skipped if
+  that process finished it, else resumed.
+  """
+  from train import workdir_lock  # pylint: disable=g-import-not-at-top
   logs = os.path.join(root, 'logs')
   os.makedirs(logs, exist_ok=True)
-  pending = []
-  for run in runs:
-    if os.path.exists(os.path.join(run.workdir, 'final_metrics.json')):
-      print(f'[skip] {run.name}: finished')
-    else:
-      resumed = os.path.isdir(os.path.join(run.workdir, 'checkpoints'))
-      pending.append((run, 'resume' if resumed else 'start'))
-  active, failed = {}, []
+  pending, waiting = list(runs), set()
+  active, failed, done = {}, [], 0
+
+  def finished(run):
+    return os.path.exists(os.path.join(run.workdir, 'final_metrics.json'))
+
   try:
     while pending or active:
-      while pending and len(active) < parallel:
-        run, how = pending.pop(0)
+      for run in list(pending):
+        if len(active) >= parallel:
+          break
+        holder = workdir_lock.holder(run.workdir)
+        if holder is not None:
+          if run.name not in waiting:
+            waiting.add(run.name)
+            print(f'[wait] {run.name}: workdir in use by pid '
+                  f'{holder.get("pid", "?")} on {holder.get("host", "?")}')
+          continue
+        pending.remove(run)
+        if finished(run):
+          print(f'[skip] {run.name}: finished')
+          done += 1
+          continue
+        how = ('resume' if os.path.isdir(os.path.join(run.workdir,
+                                                      'checkpoints'))
+               else 'start')
         log = open(os.path.join(logs, f'{run.name}.log'), 'a')
         print(f'[{how}] {run.name}: {shlex.join(sweep_plan.local_argv(run))}')
         active[run.name] = (subprocess.Popen(
             sweep_plan.local_argv(run), stdout=log, stderr=subprocess.STDOUT,
-            cwd=os.getcwd()), log, run)
-      time.sleep(0.2)
+            cwd=os.getcwd(), preexec_fn=_die_with_parent), log, run)
+      time.sleep(poll_seconds)
       for name, (proc, log, run) in list(active.items()):
         if proc.poll() is None:
           continue
         log.close()
         del active[name]
-        status = 'done' if proc.returncode == 0 else (
-            f'FAILED (exit {proc.returncode}; log: {log.name})')
+        if proc.returncode == entry.EXIT_BUSY:
+          # Taken between our look at the lock and the child's: wait again.
+          pending.append(run)
+          continue
         if proc.returncode:
           failed.append(name)
-        print(f'[{status.split(" ")[0].lower()}] {name}'
-              + ('' if proc.returncode == 0 else f': {status}'))
+          print(f'[failed] {name}: exit {proc.returncode}; log: {log.name}')
+        else:
+          done += 1
+          print(f'[done] {name}')
   except KeyboardInterrupt:
-    # The trainer saves a checkpoint on SIGTERM; the next launch resumes.
-    for proc, log, _ in active.values():
+    # Ctrl-C reached the children too; SIGTERM covers a `kill` of the sweep
+    # alone. Each saves a checkpoint when it is inside its training loop.
+    for proc, _, _ in active.values():
       proc.terminate()
-    for proc, log, _ in active.values():
+    for proc, log, run in active.values():
       proc.wait()
       log.close()
-    print('interrupted: running runs saved a checkpoint; relaunch to resume')
+      step = _latest_checkpoint(run.workdir)
+      print(f'[stopped] {run.name}: '
+            + ('no checkpoint yet; a relaunch starts it over'
+               if step is None else
+               f'latest checkpoint at step {step}; a relaunch resumes it'))
+    print('interrupted; relaunch the same command to finish the sweep')
     return len(active) or 1
-  print(f'{len(runs) - len(failed)}/{len(runs)} runs finished'
+  print(f'{done}/{len(runs)} runs finished'
         + (f'; failed: {", ".join(failed)}' if failed else ''))
   return len(failed)
 

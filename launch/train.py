@@ -7,8 +7,14 @@ finds the coordinator by itself on Cloud TPU; elsewhere pass
 
 A mistake in the config or flags ends the run before any compute with one
 line naming the setting, the value and the valid choices (exit status 2).
+Other ends, each one line on stderr: the workdir is in use by another run
+(75), no checkpoint in the workdir loads and verifies (4), a non-finite
+loss (3), a full disk (5), a damaged data file (6); SIGTERM saves a
+checkpoint and exits 0, SIGINT (Ctrl-C) saves one and exits 130; either
+signal outside the training loop exits 128 + its number.
 """
 
+import signal
 import sys
 
 from absl import app
@@ -76,21 +82,37 @@ def _train_and_evaluate(config, workdir: str) -> dict[str, float]:
 def main(argv):
   del argv
   config = _CONFIG.value
-  logging.get_absl_handler().addFilter(entry.LibraryNoiseFilter())
-  _init_jax(config)
-  from train.errors import NonFiniteLossError, Preempted, UsageError  # pylint: disable=g-import-not-at-top
-  try:
-    final = _train_and_evaluate(config, _WORKDIR.value)
-  except UsageError as e:
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(entry.EXIT_USAGE)
-  except NonFiniteLossError as e:
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(entry.EXIT_NONFINITE)
-  except Preempted as e:
-    logging.info('%s', e)
-    print(str(e), file=sys.stderr)
-    return
+  entry.quiet_libraries()
+  # pylint: disable=g-import-not-at-top
+  from train import preemption
+  from train.errors import Interrupted, Preempted, RunError, UsageError
+  from train.workdir_lock import WorkdirBusy
+  # pylint: enable=g-import-not-at-top
+  with preemption.raise_on_signals():
+    try:
+      _init_jax(config)
+      final = _train_and_evaluate(config, _WORKDIR.value)
+      preemption.raise_if_interrupted()
+    except WorkdirBusy as e:
+      print(f'error: {e}', file=sys.stderr)
+      entry.exit_now(entry.EXIT_BUSY)
+    except UsageError as e:
+      print(f'error: {e}', file=sys.stderr)
+      entry.exit_now(entry.EXIT_USAGE)
+    except RunError as e:
+      print(f'error: {e}', file=sys.stderr)
+      entry.exit_now(e.exit_code)
+    except Interrupted as e:
+      # The signal may have cut a library's start-up short: teardown could
+      # crash on the half-made backend.
+      print(str(e), file=sys.stderr)
+      entry.exit_now(128 + e.signum)
+    except Preempted as e:
+      logging.info('%s', e)
+      print(str(e), file=sys.stderr)
+      # SIGTERM is how schedulers preempt: a clean stop (0). Ctrl-C keeps
+      # the shell's convention for an interrupted command.
+      sys.exit(0 if e.signal_name == 'SIGTERM' else 128 + signal.SIGINT)
   print(f'test accuracy: {final["test_accuracy"]:.4f} '
         f'(test loss {final["test_loss"]:.4f}, step {final["step"]}, '
         f'workdir {_WORKDIR.value})')

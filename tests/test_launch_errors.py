@@ -56,7 +56,10 @@ CASES = {
     'negative SAM radius': (
         ['--config.optimizer.sam.enabled=True',
          '--config.optimizer.sam.rho=-0.1'],
-        'config.optimizer.sam.rho=-0.1: must be >= 0'),
+        'config.optimizer.sam.rho=-0.1: must be finite and >= 0'),
+    'infinite learning rate': (
+        ['--config.optimizer.learning_rate=inf'],
+        'config.optimizer.learning_rate=inf: must be finite and > 0'),
     'zero steps': (['--config.num_steps=0'],
                    'config.num_steps=0: must be a positive integer'),
     'negative steps': (['--config.num_steps=-5'],

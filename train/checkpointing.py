@@ -1,18 +1,68 @@
-"""Orbax checkpoints in the workdir: atomic, asynchronous, keep N, resume.
+"""Orbax checkpoints in the workdir: atomic, asynchronous, verified, keep N, resume.
 
 Orbax writes each step into a temporary directory and renames it when
 complete, so a crash never leaves a half-written checkpoint that a restart
 would pick up. Saves are asynchronous: the device-to-host copy happens
 before `save` returns (so the caller may donate the arrays to the next
 step); the write to disk overlaps with training.
+
+Every checkpoint carries a fingerprint of each array it holds
+(`train.checksums`, computed on the devices), and a restore recomputes and
+compares them, so a flipped bit on disk is found rather than trained on.
+`restore_latest_good` walks back from the newest checkpoint past any that
+fails to load or to verify, with one warning line each, and moves those
+aside (`checkpoints_damaged/<step>`: nothing is deleted) so that the run
+can write their steps again.
 """
 
+from collections.abc import Callable
 from typing import Any
 
+from absl import logging
 import jax
+from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 
+from train import checksums
+from train import disk_space
 from train import fileio
+from train.errors import RunError
+
+CHECKPOINTS = 'checkpoints'
+CHECKSUMS = 'checksums'
+DAMAGED = 'checkpoints_damaged'
+
+
+class DamagedCheckpoint(RuntimeError):
+  """A checkpoint that does not load, or whose arrays fail verification."""
+
+  def __init__(self, step: int, reason: str):
+    self.step = step
+    self.reason = reason
+    super().__init__(f'checkpoint at step {step}: {reason}')
+
+
+class NoGoodCheckpoint(RunError):
+  """Checkpoints exist and none of them is usable (the run cannot resume)."""
+  exit_code = 4
+
+  def __init__(self, directory: str, problems: list[DamagedCheckpoint]):
+    self.problems = problems
+    listed = '; '.join(f'step {p.step}: {p.reason}' for p in problems)
+    super().__init__(
+        f'no usable checkpoint in {directory} ({listed}). Nothing was '
+        'changed; to start the run over, move that directory aside.')
+
+
+def _first_line(error: BaseException) -> str:
+  """The root cause's type and first line (orbax wraps tensorstore's
+  precise message, e.g. which file and byte range, in a vaguer one)."""
+  seen = set()
+  while id(error) not in seen and (error.__cause__ or error.__context__):
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+  text = str(error).strip().splitlines()
+  return f'{type(error).__name__}: {text[0][:300] if text else ""}'
 
 
 class Checkpoints:
@@ -20,7 +70,8 @@ class Checkpoints:
 
   def __init__(self, workdir: str, *, every_steps: int, keep: int,
                async_save: bool = True):
-    self.directory = fileio.join(fileio.absolute(workdir), 'checkpoints')
+    self.workdir = fileio.absolute(workdir)
+    self.directory = fileio.join(self.workdir, CHECKPOINTS)
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
@@ -46,29 +97,133 @@ class Checkpoints:
 
   def save(self, step: int, state: Any, meta: dict[str, Any],
            force: bool = False) -> bool:
-    """Starts saving `state` at `step`; returns whether a save was started."""
+    """Starts saving `state` at `step`; returns whether a save was started.
+
+    The arrays' fingerprints go into the saved `meta` under 'checksums'.
+
+    Raises:
+      DiskFull: the disk has less room than the checkpoint needs (the
+        earlier checkpoints stay as they are).
+    """
+    if not (force or self.should_save(step)):
+      return False
+    # Arrays as stored (uncompressed), plus the metadata files.
+    disk_space.check_room(self.directory,
+                          disk_space.tree_bytes(state) * 11 // 10 + 2**16)
+    meta = dict(meta, **{CHECKSUMS: checksums.fingerprint(state)})
     return self._manager.save(
         step,
         args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                 meta=ocp.args.JsonSave(meta)),
         force=force)
 
-  def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
-    """Restores `step` into the shapes, dtypes and shardings of `abstract_state`."""
+  def restore(self, step: int, abstract_state: Any
+              ) -> tuple[Any, dict[str, Any]]:
+    """Restores `step` into the shapes, dtypes and shardings of `abstract_state`.
+
+    Raises:
+      DamagedCheckpoint: it does not load, or an array's fingerprint
+        differs from the one saved with it.
+    """
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                        sharding=x.sharding),
         abstract_state)
-    restored = self._manager.restore(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                meta=ocp.args.JsonRestore()))
-    return restored.state, restored.meta
+    try:
+      restored = self._manager.restore(
+          step,
+          args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                  meta=ocp.args.JsonRestore()))
+    except Exception as e:  # pylint: disable=broad-except
+      # Orbax and tensorstore raise many types for unreadable files.
+      raise DamagedCheckpoint(step, f'does not load ({_first_line(e)})'
+                              ) from e
+    state, meta = restored.state, restored.meta
+    saved = meta.get(CHECKSUMS) if isinstance(meta, dict) else None
+    if saved is None:
+      logging.warning('The checkpoint at step %d in %s has no checksums '
+                      '(saved by an older version): not verified.', step,
+                      self.directory)
+      return state, meta
+    bad = checksums.mismatches(saved, checksums.fingerprint(state))
+    if bad:
+      raise DamagedCheckpoint(
+          step, f'checksum mismatch in {len(bad)} array(s), e.g. '
+          f'state{bad[0]}')
+    return state, meta
 
   def restore_meta(self, step: int) -> dict[str, Any]:
-    """The JSON metadata saved with `step` (e.g. the run's config), alone."""
-    return self._manager.restore(
-        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    """The JSON metadata saved with `step` (e.g. the run's config), alone.
+
+    Raises:
+      DamagedCheckpoint: it does not load.
+    """
+    try:
+      meta = self._manager.restore(
+          step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    except Exception as e:  # pylint: disable=broad-except
+      raise DamagedCheckpoint(step, f'metadata does not load '
+                              f'({_first_line(e)})') from e
+    if not isinstance(meta, dict):
+      raise DamagedCheckpoint(step, 'metadata is not a JSON object')
+    return meta
+
+  def restore_latest_good(
+      self, abstract_state: Any | Callable[[dict[str, Any]], Any], *,
+      check_meta: Callable[[int, dict[str, Any]], None] | None = None,
+      move_damaged: bool = True) -> tuple[int, Any, dict[str, Any]] | None:
+    """The newest checkpoint that loads and verifies: (step, state, meta).
+
+    Args:
+      abstract_state: the target of the restore, or `meta -> target`.
+      check_meta: called with each candidate's step and metadata before its
+        arrays are read; a `UsageError` it raises (e.g. a changed config)
+        ends the search and propagates.
+      move_damaged: move the checkpoints skipped as damaged to
+        `workdir/checkpoints_damaged/` (only the run that owns the workdir
+        should; a reader leaves them).
+
+    Returns:
+      None when there is no checkpoint at all.
+
+    Raises:
+      NoGoodCheckpoint: there are checkpoints and none is usable.
+    """
+    problems = []
+    for step in sorted(self.all_steps(), reverse=True):
+      try:
+        meta = self.restore_meta(step)
+        if check_meta is not None:
+          check_meta(step, meta)
+        target = (abstract_state(meta) if callable(abstract_state)
+                  else abstract_state)
+        state, meta = self.restore(step, target)
+      except DamagedCheckpoint as e:
+        logging.warning('Skipping the damaged %s', e)
+        problems.append(e)
+        continue
+      if problems and move_damaged:
+        self._move_aside([p.step for p in problems])
+      return step, state, meta
+    if problems:
+      raise NoGoodCheckpoint(self.directory, problems)
+    return None
+
+  def _move_aside(self, damaged_steps: list[int]) -> None:
+    """Moves damaged steps to `workdir/checkpoints_damaged/` (process 0)."""
+    if jax.process_index() == 0:
+      aside = fileio.join(self.workdir, DAMAGED)
+      fileio.makedirs(aside)
+      for step in damaged_steps:
+        target, n = fileio.join(aside, str(step)), 1
+        while fileio.exists(target):
+          target, n = fileio.join(aside, f'{step}.{n}'), n + 1
+        fileio.rename(fileio.join(self.directory, str(step)), target)
+        logging.warning('Moved the damaged checkpoint at step %d to %s',
+                        step, target)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices('geom_move_damaged_checkpoints')
+    self._manager.reload()
 
   def wait_until_finished(self) -> None:
     self._manager.wait_until_finished()

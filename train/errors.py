@@ -34,30 +34,89 @@ class ConfigError(UsageError):
     super().__init__(f'config.{field}', value, problem, choices)
 
 
-class NonFiniteLossError(RuntimeError):
+class RunError(RuntimeError):
+  """The run cannot go on, for a reason outside its config (one line).
+
+  `exit_code` is the launcher's exit status for it.
+  """
+  exit_code = 1
+
+
+class NonFiniteLossError(RunError):
   """Training produced non-finite values and the config says stop.
 
   `what` says where: the loss (policy 'stop'), or the train state found
   non-finite by the check that runs before every checkpoint.
   """
+  exit_code = 3
 
   def __init__(self, step: int, last_checkpoint: int | None,
-               what: str = 'loss'):
+               what: str = 'loss', skipping: bool = False):
     self.step = step
     self.last_checkpoint = last_checkpoint
     where = ('no checkpoint was written' if last_checkpoint is None
              else f'last good checkpoint: step {last_checkpoint}')
+    # With nonfinite='skip' already set, skipping did not keep the state
+    # finite (e.g. finite but huge updates overflowed it).
+    advice = ('Lower the learning rate.' if skipping else
+              'Lower the learning rate, or set --config.nonfinite=skip to '
+              'skip such steps.')
     super().__init__(
         f'non-finite {what} at step {step}; stopped without saving '
-        f'({where}). Lower the learning rate, or set '
-        '--config.nonfinite=skip to skip such steps.')
+        f'({where}). {advice}')
+
+
+class DiskFull(RunError):
+  """Writing to the workdir ran out of space; what was saved before stays."""
+  exit_code = 5
+
+  def __init__(self, path: str, needed_bytes: int | None,
+               free_bytes: int | None, last_checkpoint: int | None):
+    mb = lambda n: '?' if n is None else f'{n / 2**20:.1f} MB'
+    kept = ('no checkpoint was saved before' if last_checkpoint is None
+            else f'checkpoints up to step {last_checkpoint} are intact')
+    super().__init__(
+        f'disk full writing {path} (needs about {mb(needed_bytes)}, '
+        f'{mb(free_bytes)} free); {kept}. Free space and run the same '
+        'command to resume.')
+
+
+class DamagedDataFile(RunError):
+  """A data file cannot be read (truncated, corrupt)."""
+  exit_code = 6
+
+  def __init__(self, what: str, files: list[str], error: BaseException):
+    text = str(error).strip().splitlines()
+    super().__init__(
+        f'cannot read {what}: damaged data file(s) {", ".join(files)} '
+        f'({type(error).__name__}: {text[0][:200] if text else ""}). '
+        'Prepare the data set again.')
 
 
 class Preempted(Exception):
-  """The run received SIGTERM, saved a checkpoint at `step` and stopped."""
+  """The run received SIGTERM or SIGINT, saved a checkpoint at `step` and
+  stopped."""
 
-  def __init__(self, step: int):
+  def __init__(self, step: int, signal_name: str = 'SIGTERM'):
     self.step = step
+    self.signal_name = signal_name
     super().__init__(
-        f'stopped by SIGTERM at step {step}; checkpoint saved. Run the same '
-        'command again to resume.')
+        f'stopped by {signal_name} at step {step}; checkpoint saved. Run the '
+        'same command again to resume.')
+
+
+class Interrupted(BaseException):
+  """SIGTERM or SIGINT arrived outside the training loop (start-up, final
+  evaluation), where there is no new state to save.
+
+  A BaseException, as KeyboardInterrupt is: the signal may land inside
+  code that catches Exception (a library probing a backend, a check that
+  turns OSError into a usage error), which must not swallow it.
+  """
+
+  def __init__(self, signum: int, signal_name: str):
+    self.signum = signum
+    self.signal_name = signal_name
+    super().__init__(
+        f'stopped by {signal_name} outside the training loop; nothing new '
+        'to save. Run the same command again to resume.')

@@ -126,6 +126,11 @@ def check_loop_settings(config: ml_collections.ConfigDict) -> None:
 
 def check_workdir(workdir: str) -> str:
   """Creates `workdir` if needed and proves it writable with a probe file."""
+  if not workdir or not str(workdir).strip():
+    # os.path.abspath('') is the current directory: an unset shell variable
+    # would scatter the run's files there.
+    raise UsageError('--workdir', workdir,
+                     'empty (an unset variable?); give a directory')
   path = fileio.absolute(workdir)
   try:
     if fileio.is_remote(path):

@@ -40,6 +40,14 @@ def makedirs(path: str) -> None:
     os.makedirs(path, exist_ok=True)
 
 
+def rename(source: str, target: str) -> None:
+  """Moves a file or directory (in a bucket: copies then deletes)."""
+  if is_remote(source):
+    epath.Path(source).rename(target)
+  else:
+    os.replace(source, target)
+
+
 def read_text(path: str) -> str:
   if is_remote(path):
     return epath.Path(path).read_text()

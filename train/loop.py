@@ -11,41 +11,64 @@ everything else is here, method-agnostic: a method reaches the loop only
 through `exp.hooks` (`geom.method_hooks.MethodHooks`).
 
 Guarantees of a workdir:
+- One run at a time: the run holds an OS lock on the workdir
+  (`train.workdir_lock`) before it reads or writes anything there; a
+  second launch ends at once naming the holder. The kernel drops the lock
+  when its holder dies, kill -9 included.
 - Resume: running the command again restores the latest checkpoint, data
   position included (batch k is a pure function of the seed and k), and
   ends with parameters equal, bit for bit, to an uninterrupted run's.
-  Lines of `metrics.jsonl` written after that checkpoint are dropped. A
-  finished run returns its final metrics and trains nothing.
-- Preemption: SIGTERM (or, with several processes, JAX's preemption sync
-  point) saves a checkpoint at the current step and raises `Preempted`.
+  The saved config is compared with the new one first
+  (`train.resume_check`): a change to a field that fixes the run is
+  refused before any compute. Lines of `metrics.jsonl` written after that
+  checkpoint, or torn by a crash, are dropped. A finished run returns its
+  final metrics and trains nothing.
+- Verified checkpoints: each carries fingerprints of its arrays, checked
+  on restore; one that does not load or verify is moved aside with a
+  warning and the one before it is used (`train.checkpointing`).
+- Preemption: SIGTERM or SIGINT (or, with several processes, JAX's
+  preemption sync point) saves a checkpoint at the current step and raises
+  `Preempted`.
 - Non-finite values: with `nonfinite='stop'` a non-finite loss ends the
   run, naming its step, before anything after it is saved; every
-  checkpoint is checked finite first. `'skip'` skips such updates.
+  checkpoint is checked finite first. `'skip'` skips such updates; the
+  JSON files hold such values as null.
+- A full disk ends the run with `DiskFull` (the path, the space needed and
+  left); the checkpoints written before stay valid.
 
 Loops whose step differs (test-time adaptation, RL) reuse the parts:
-`checkpointing.Checkpoints`, `metrics.MetricWriter`,
-`preemption.SigtermFlag`, `aot.log_memory_stats`.
+`workdir_lock.hold`, `checkpointing.Checkpoints` (with
+`restore_latest_good` and `resume_check.check`), `metrics.MetricWriter`,
+`preemption.StopFlag`, `disk_space.as_disk_full`,
+`aot.log_memory_stats`.
 """
 
 from collections.abc import Callable, Mapping
 import contextlib
 import dataclasses
+import functools
 
 from absl import logging
 import jax
 
 from train import aot
 from train import checkpointing
+from train import disk_space
 from train import experiment as experiment_lib
 from train import fileio
 from train import input_pipeline
 from train import metrics as metrics_lib
 from train import plots
 from train import preemption
+from train import resume_check
 from train import steps
-from train.errors import NonFiniteLossError, Preempted
+from train import workdir_lock
+from train.errors import (Interrupted, NonFiniteLossError, Preempted,
+                          RunError, UsageError)
 
 FINAL_METRICS = 'final_metrics.json'
+# In a checkpoint's metadata: the records metrics.jsonl held when it was saved.
+METRICS_RECORDS = 'metrics_records'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,43 +115,97 @@ def train_and_evaluate(exp: experiment_lib.Experiment,
     load_data: gives the splits; not called for a finished run.
 
   Raises:
+    WorkdirBusy: another run holds the workdir.
+    ConfigChanged: the workdir holds a run with a different config.
+    NoGoodCheckpoint: checkpoints exist and none loads and verifies.
     NonFiniteLossError: a non-finite loss with `config.nonfinite='stop'`.
-    Preempted: SIGTERM arrived; a checkpoint was saved first.
+    DiskFull: a write ran out of space (earlier checkpoints are intact).
+    Preempted: SIGTERM or SIGINT arrived; a checkpoint was saved first.
   """
+  try:
+    return _train_and_evaluate(exp, load_data)
+  except (UsageError, RunError, Preempted, Interrupted):
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    full = disk_space.as_disk_full(
+        e, exp.workdir, disk_space.tree_bytes(exp.abstract_state),
+        fileio.join(exp.workdir, checkpointing.CHECKPOINTS))
+    if full is None:
+      raise
+    raise full from e
+
+
+def _train_and_evaluate(exp: experiment_lib.Experiment,
+                        load_data: Callable[[], Data]) -> dict[str, float]:
   config, workdir = exp.config, exp.workdir
   final_path = fileio.join(workdir, FINAL_METRICS)
-  # Leaving the block waits for in-flight saves, also when an error stops
-  # the run, so the last checkpoint it reports is on disk.
-  with checkpointing.Checkpoints(
-      workdir, every_steps=config.checkpoint_every,
-      keep=config.keep_checkpoints) as ckpts:
-    latest = ckpts.latest_step()
-    if (latest is not None and latest >= config.num_steps
-        and fileio.exists(final_path)):
-      logging.info('The run in %s is complete (step %d)', workdir, latest)
-      return metrics_lib.read_json(final_path)
-    if latest is None:
-      state = exp.init_state()
-      logging.info('Initialised a new run in %s', workdir)
-    else:
-      state, _ = ckpts.restore(latest, exp.abstract_state)
-      logging.info('Resumed from the checkpoint at step %d', latest)
+  check_config = functools.partial(
+      resume_check.check, config, workdir,
+      per_device_method=exp.hooks.per_device_axis is not None)
+  # The lock comes first: nothing in the workdir is read or written before
+  # this process owns it. Leaving the checkpoints' block waits for
+  # in-flight saves, also when an error stops the run, so the last
+  # checkpoint it reports is on disk.
+  with workdir_lock.hold(workdir):
+    with checkpointing.Checkpoints(
+        workdir, every_steps=config.checkpoint_every,
+        keep=config.keep_checkpoints) as ckpts:
+      finished = _finished_result(ckpts, final_path, check_config,
+                                  config.num_steps)
+      if finished is not None:
+        logging.info('The run in %s is complete (step %d)', workdir,
+                     finished['step'])
+        return finished
+      found = ckpts.restore_latest_good(exp.abstract_state,
+                                        check_meta=check_config)
+      if found is None:
+        latest, meta = None, {}
+        state = exp.init_state()
+        logging.info('Initialised a new run in %s', workdir)
+      else:
+        latest, state, meta = found
+        logging.info('Resumed from the checkpoint at step %d', latest)
 
-    data = load_data()
-    compiled = aot.compile_steps(exp, data.train)
-    with contextlib.closing(metrics_lib.MetricWriter(
-        workdir, resume_step=latest)) as writer:
-      state = train_loop(exp, state, compiled, data.train, data.validation,
-                         ckpts, writer, latest)
-      final = {'step': config.num_steps}
-      for prefix, split in data.final().items():
-        final.update(evaluate(exp, compiled.eval, state, split, prefix))
-      writer.write(config.num_steps,
-                   {k: v for k, v in final.items() if k != 'step'})
-  if jax.process_index() == 0:
-    metrics_lib.write_json_atomic(final_path, final)
-    plots.plot_curves(writer.path, fileio.join(workdir, 'curves.png'))
+      data = load_data()
+      compiled = aot.compile_steps(exp, data.train)
+      with contextlib.closing(metrics_lib.MetricWriter(
+          workdir, resume_step=latest,
+          keep_records=meta.get(METRICS_RECORDS))) as writer:
+        state = train_loop(exp, state, compiled, data.train, data.validation,
+                           ckpts, writer, latest)
+        final = {'step': config.num_steps}
+        for prefix, split in data.final().items():
+          final.update(evaluate(exp, compiled.eval, state, split, prefix))
+        writer.write(config.num_steps,
+                     {k: v for k, v in final.items() if k != 'step'})
+    if jax.process_index() == 0:
+      metrics_lib.write_json_atomic(final_path, final)
+      plots.plot_curves(writer.path, fileio.join(workdir, 'curves.png'))
   return final
+
+
+def _finished_result(ckpts: checkpointing.Checkpoints, final_path: str,
+                     check_config: Callable[[int, dict], None],
+                     num_steps: int) -> dict[str, float] | None:
+  """A finished run's final metrics, after checking the config against the
+  latest checkpoint's; None if the run is not finished or its final metrics
+  are unreadable (the run then restores and evaluates again)."""
+  latest = ckpts.latest_step()
+  if latest is None or latest < num_steps or not fileio.exists(final_path):
+    return None
+  try:
+    meta = ckpts.restore_meta(latest)
+  except checkpointing.DamagedCheckpoint:
+    return None  # restore_latest_good reports it and falls back.
+  check_config(latest, meta)
+  if latest != num_steps:
+    return None
+  try:
+    return metrics_lib.read_json(final_path)
+  except ValueError as e:
+    logging.warning('%s is unreadable (%s); evaluating the final '
+                    'checkpoint again', final_path, e)
+    return None
 
 
 def train_loop(exp: experiment_lib.Experiment, state: steps.TrainState,
@@ -150,20 +227,20 @@ def train_loop(exp: experiment_lib.Experiment, state: steps.TrainState,
   batches = input_pipeline.TrainBatches(
       train_data, config.batch_size, config.seed, jax.process_index(),
       jax.process_count())
-  meta = {'config': config.to_json_best_effort()}
+  config_json = resume_check.as_json(config)
   progress = metrics_lib.Progress(start, total)
   console = tuple(steps.DIAGNOSTICS_PREFIX + k for k in exp.hooks.console)
   pending, pending_from = [], start
-  sigterm = preemption.SigtermFlag()
+  stop = preemption.StopFlag()
   device_batches = input_pipeline.to_devices(
       batches.iterate(start, total, indices_only=compiled.data_on_device),
       exp.batch_sharding)
-  with sigterm.installed(), contextlib.closing(device_batches):
+  with stop.installed(), contextlib.closing(device_batches):
     for step in range(start + 1, total + 1):
       state, step_metrics = compiled.train(state, next(device_batches),
                                            step - 1)
       pending.append(step_metrics)
-      preempted = sigterm.requested(step)
+      preempted = stop.requested(step)
       is_last = step == total
       log_now = step % config.log_every == 0 or is_last or preempted
       save_now = ckpts.should_save(step) or is_last or preempted
@@ -187,9 +264,11 @@ def train_loop(exp: experiment_lib.Experiment, state: steps.TrainState,
         logging.info('step %d: %s', step, val)
       if save_now:
         if not bool(compiled.state_is_finite(state)):
-          raise NonFiniteLossError(step, last_saved, 'train state')
+          raise NonFiniteLossError(step, last_saved, 'train state',
+                                   skipping=config.nonfinite == 'skip')
+        meta = {'config': config_json, METRICS_RECORDS: writer.records}
         if ckpts.save(step, state, meta, force=is_last or preempted):
           last_saved = step
       if preempted:
-        raise Preempted(step)
+        raise Preempted(step, stop.signal_name)
   return state

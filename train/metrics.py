@@ -1,10 +1,12 @@
 """Run metrics: `metrics.jsonl`, TensorBoard event files and a console progress line.
 
-`metrics.jsonl` holds one JSON object per line, `{"step": int, name: float, ...}`.
+`metrics.jsonl` holds one JSON object per line, `{"step": int, name: float, ...}`
+(a non-finite value is null: strict JSON).
 On resume from a checkpoint at step s, lines with step > s (written after
 that checkpoint by the interrupted run) are dropped atomically and
 TensorBoard is told to purge them, so the log of a resumed run is the log
-of an uninterrupted one. Only process 0 writes. In a bucket (gs://), where
+of an uninterrupted one; a line torn by a crash is dropped then too. Only
+process 0 writes. In a bucket (gs://), where
 objects cannot be appended to, the whole (small) file is rewritten at each
 logging step.
 """
@@ -21,38 +23,104 @@ import jax
 from train import fileio
 
 
+def _finite_or_none(value: object) -> object:
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  if isinstance(value, dict):
+    return {k: _finite_or_none(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_finite_or_none(v) for v in value]
+  return value
+
+
+def dumps(obj: object, **kw) -> str:
+  """Strict JSON: non-finite floats (a skipped step's NaN loss) become null."""
+  return json.dumps(_finite_or_none(obj), allow_nan=False, **kw)
+
+
+def parse_jsonl(text: str) -> tuple[list[dict], int]:
+  """The complete records of a JSONL text, and how many lines were not.
+
+  A crash mid-write leaves a torn last line, or on some file systems a
+  tail of NUL bytes; those lines are not records and are dropped.
+  """
+  records, dropped = [], 0
+  for line in text.replace('\0', '\n').splitlines():
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except ValueError:
+      record = None
+    if isinstance(record, dict) and isinstance(record.get('step'), int):
+      records.append(record)
+    else:
+      dropped += 1
+  return records, dropped
+
+
 def read_jsonl(path: str) -> list[dict[str, float]]:
+  """The complete records of `path` ([] if it does not exist); non-finite
+  values are None."""
   if not fileio.exists(path):
     return []
-  return [json.loads(line) for line in fileio.read_text(path).splitlines()
-          if line.strip()]
+  records, dropped = parse_jsonl(fileio.read_text(path))
+  if dropped:
+    logging.warning('%s: %d damaged line(s) ignored (a crash mid-write)',
+                    path, dropped)
+  return records
 
 
 def read_json(path: str) -> dict:
-  return json.loads(fileio.read_text(path))
+  """A JSON object from `path`; ValueError if it is not one."""
+  value = json.loads(fileio.read_text(path))
+  if not isinstance(value, dict):
+    raise ValueError(f'{path} holds {type(value).__name__}, not an object')
+  return value
 
 
 write_text_atomic = fileio.write_text_atomic
 
 
 def write_json_atomic(path: str, obj: object) -> None:
-  write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + '\n')
+  write_text_atomic(path, dumps(obj, indent=2, sort_keys=True) + '\n')
 
 
 class MetricWriter:
-  """Writes scalars to JSONL and TensorBoard (process 0 only)."""
+  """Writes scalars to JSONL and TensorBoard (process 0 only).
 
-  def __init__(self, workdir: str, resume_step: int | None):
+  `records` counts the records in the file; a checkpoint saves it, so that
+  a resume keeps exactly the records written before that checkpoint (the
+  final evaluation's, logged at the last checkpoint's step but after it,
+  included among those dropped).
+  """
+
+  def __init__(self, workdir: str, resume_step: int | None,
+               keep_records: int | None = None):
+    """Opens `workdir/metrics.jsonl`.
+
+    Args:
+      workdir: the run's workdir.
+      resume_step: the checkpoint the run resumes from (None: a new run).
+      keep_records: how many records that checkpoint saw; None (a
+        checkpoint of an older version) keeps those at steps <=
+        `resume_step`.
+    """
     self.enabled = jax.process_index() == 0
     self.path = fileio.join(workdir, 'metrics.jsonl')
     self._tb = None
+    self.records = 0
     if not self.enabled:
       return
     if resume_step is None:
       kept = []
     else:
       kept = [r for r in read_jsonl(self.path) if r['step'] <= resume_step]
-    self._lines = [json.dumps(r) + '\n' for r in kept]
+      if keep_records is not None:
+        kept = kept[:keep_records]
+    self.records = len(kept)
+    # Rewritten whole (atomically): a torn tail of the crashed run goes.
+    self._lines = [dumps(r) + '\n' for r in kept]
     write_text_atomic(self.path, ''.join(self._lines))
     self._file = (None if fileio.is_remote(self.path)
                   else open(self.path, 'a'))
@@ -65,9 +133,10 @@ class MetricWriter:
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
     if not self.enabled:
       return
+    self.records += 1
     record = {'step': int(step)}
     record.update({k: float(v) for k, v in scalars.items()})
-    line = json.dumps(record) + '\n'
+    line = dumps(record) + '\n'
     if self._file is None:
       self._lines.append(line)
       write_text_atomic(self.path, ''.join(self._lines))

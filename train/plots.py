@@ -28,11 +28,12 @@ def plot_curves(metrics_path: str, out_path: str) -> None:
   for prefix, style in (('train', '-'), ('val', 'o-')):
     for name, ax in ((f'{prefix}_loss', ax_loss),
                      (f'{prefix}_accuracy', ax_acc)):
-      points = [(r['step'], r[name]) for r in records if name in r]
+      points = [(r['step'], r[name]) for r in records
+                if r.get(name) is not None]
       if points:
         steps, values = zip(*points)
         ax.plot(steps, values, style, label=name, markersize=3)
-  tests = [r for r in records if 'test_accuracy' in r]
+  tests = [r for r in records if r.get('test_accuracy') is not None]
   if tests:
     ax_acc.axhline(tests[-1]['test_accuracy'], color='k', ls='--', lw=0.8,
                    label=f'test_accuracy {tests[-1]["test_accuracy"]:.4f}')

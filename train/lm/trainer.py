@@ -105,6 +105,7 @@ def load_trained(lm_workdir: str) -> tuple[ml_collections.ConfigDict,
 
   Raises:
     UsageError: `lm_workdir` holds no checkpoint, or not an LM's.
+    NoGoodCheckpoint: it holds checkpoints and none loads and verifies.
   """
   directory = os.path.join(os.path.abspath(lm_workdir), 'checkpoints')
   if not os.path.isdir(directory):
@@ -112,18 +113,25 @@ def load_trained(lm_workdir: str) -> tuple[ml_collections.ConfigDict,
                      'holds no checkpoints; train the LM first with '
                      '`python -m launch.train --config=configs/lm.py '
                      f'--workdir={lm_workdir}`')
-  with checkpointing.Checkpoints(lm_workdir, every_steps=1, keep=1,
-                                 async_save=False) as ckpts:
-    step = ckpts.latest_step()
-    if step is None:
-      raise UsageError('config.lm_workdir', lm_workdir, 'holds no checkpoints')
-    config = ml_collections.ConfigDict(
-        json.loads(ckpts.restore_meta(step)['config']))
+  built = {}
+
+  def abstract_state(meta: dict):
+    config = ml_collections.ConfigDict(json.loads(meta['config']))
     if config.get('task') != 'lm':
       raise UsageError('config.lm_workdir', lm_workdir,
                        f'holds a {config.get("task", "classification")!r} '
                        'run, not an LM')
-    exp = build(config, lm_workdir)
-    state, _ = ckpts.restore(step, exp.abstract_state)
+    built['config'], built['exp'] = config, build(config, lm_workdir)
+    return built['exp'].abstract_state
+
+  with checkpointing.Checkpoints(lm_workdir, every_steps=1, keep=1,
+                                 async_save=False) as ckpts:
+    # The newest checkpoint that verifies; a damaged one is skipped but left
+    # in place (the LM's workdir belongs to its training run).
+    found = ckpts.restore_latest_good(abstract_state, move_damaged=False)
+    if found is None:
+      raise UsageError('config.lm_workdir', lm_workdir, 'holds no checkpoints')
+    step, state, _ = found
+  config, exp = built['config'], built['exp']
   logging.info('Loaded the LM at step %d from %s', step, lm_workdir)
   return config, exp.model, state.params

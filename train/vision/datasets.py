@@ -10,15 +10,17 @@ names (mnist, cifar10, ...) are read from `data_dir` and never downloaded:
 users on pods point `config.data_dir` at prepared data (e.g. in `gs://`).
 """
 
+from collections.abc import Iterator
 import contextlib
 import dataclasses
 import fcntl
 import os
+from typing import Any
 
 import numpy as np
 import tensorflow_datasets as tfds
 
-from train.errors import ConfigError
+from train.errors import ConfigError, DamagedDataFile
 from train.input_pipeline import Batch
 from train.vision import digits_builder
 
@@ -123,8 +125,32 @@ def _open_split(name: str, split_expr: str, data_dir: str):
     ) from None
 
 
+def _files(source) -> list[str]:
+  """The files behind a TFDS data source (for messages)."""
+  try:
+    return [os.fspath(p) for p in
+            source.dataset_info.splits[source.split].filepaths]
+  except Exception:  # pylint: disable=broad-except
+    return ['(files of this split)']
+
+
+def _read(source, name: str, split: str, indices) -> Iterator[Any]:
+  """Records `indices` of `source`, one at a time; a damaged file gives
+  one clear error."""
+  try:
+    for i in indices:
+      yield source[int(i)]
+  except Exception as e:  # pylint: disable=broad-except
+    # array_record and riegeli raise RuntimeError / ValueError / OSError
+    # for a truncated or corrupt file.
+    raise DamagedDataFile(f'{name} split {split!r}', _files(source),
+                          e) from None
+
+
 def check_available(name: str, data_dir: str | None) -> None:
-  """Fails with a ConfigError unless every split of `name` can be opened."""
+  """Fails with a ConfigError unless every split of `name` can be opened,
+  or `DamagedDataFile` if its first or last record cannot be read (a
+  truncated file, before any compute)."""
   spec = get_spec(name)
   data_dir = resolve_data_dir(data_dir)
   for split in SPLITS:
@@ -132,10 +158,16 @@ def check_available(name: str, data_dir: str | None) -> None:
     if len(source) == 0:
       raise ConfigError('dataset', name, f'split {split!r} is empty in '
                         f'data_dir={data_dir!r}')
+    for _ in _read(source, name, split, {0, len(source) - 1}):
+      pass
 
 
 def load_split(name: str, split: str, data_dir: str | None) -> ArraySplit:
-  """Reads one split ('train', 'validation' or 'test') into host memory."""
+  """Reads one split ('train', 'validation' or 'test') into host memory.
+
+  Raises:
+    DamagedDataFile: a record cannot be read.
+  """
   spec = get_spec(name)
   if split not in SPLITS:
     raise ValueError(f'split={split!r}; valid choices: {", ".join(SPLITS)}')
@@ -144,8 +176,11 @@ def load_split(name: str, split: str, data_dir: str | None) -> ArraySplit:
   n = len(source)
   images = np.empty((n, *spec.image_shape), np.uint8)
   labels = np.empty((n,), np.int32)
-  for i in range(n):
-    record = source[i]
-    images[i] = np.asarray(record['image']).reshape(spec.image_shape)
-    labels[i] = record['label']
+  for i, record in enumerate(_read(source, name, split, range(n))):
+    try:
+      images[i] = np.asarray(record['image']).reshape(spec.image_shape)
+      labels[i] = record['label']
+    except (KeyError, ValueError) as e:
+      raise DamagedDataFile(f'{name} split {split!r} record {i}',
+                            _files(source), e) from None
   return ArraySplit(images, labels)

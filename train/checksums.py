@@ -1,0 +1,85 @@
+"""Fingerprints of a train state, computed on its devices, for verified checkpoints.
+
+Every leaf gets a 64-bit fingerprint: each element's bits (its dtype's
+width, as an unsigned integer) are mixed with its position by two
+murmur3-style finalisers, and the mixed words are summed modulo 2^32, one
+sum per finaliser seed. Integer sums are exact and order-free, so the
+fingerprint does not depend on the mesh, the sharding or the reduction
+order: a checkpoint saved on 8 devices verifies when restored on 4. One
+flipped bit changes an element's mixed word in each lane, so it changes
+both sums unless two 32-bit collisions coincide (about 2^-64).
+
+The work is a reduction over the state on the devices that hold it, run at
+checkpoint steps only (where the loop waits for the state anyway to copy
+it to the host); no array goes to the host for it.
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+_SEEDS = (0x9E3779B9, 0x85EBCA6B)
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def _bits(x: jax.Array) -> jax.Array:
+  """Each element's bits as uint32 (64-bit elements as two words)."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  width = np.dtype(x.dtype).itemsize
+  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
+  bits = lax.bitcast_convert_type(x, unsigned[width])
+  return bits.astype(jnp.uint32)
+
+
+def _position(shape: tuple[int, ...]) -> jax.Array:
+  """Each element's row-major index (mod 2^32), built without a reshape
+  so that a sharded leaf stays sharded."""
+  index = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for dim in reversed(range(len(shape))):
+    index = index + lax.broadcasted_iota(jnp.uint32, shape, dim) * jnp.uint32(
+        stride % 2**32)
+    stride *= shape[dim]
+  return index
+
+
+def _leaf(x: jax.Array) -> jax.Array:
+  bits = _bits(x)
+  position = _position(bits.shape)
+  lanes = [jnp.sum(_fmix32(bits ^ _fmix32(position + jnp.uint32(seed))),
+                   dtype=jnp.uint32) for seed in _SEEDS]
+  return jnp.stack(lanes)
+
+
+@jax.jit
+def _fingerprints(tree: Any) -> Any:
+  return jax.tree.map(_leaf, tree)
+
+
+def fingerprint(tree: Any) -> dict[str, str]:
+  """`{leaf path: 16 hex digits}` for every array leaf of `tree`."""
+  sums = jax.device_get(_fingerprints(tree))
+  leaves = jax.tree_util.tree_leaves_with_path(sums)
+  return {jax.tree_util.keystr(path): f'{int(v[0]):08x}{int(v[1]):08x}'
+          for path, v in leaves}
+
+
+def mismatches(saved: Mapping[str, str], actual: Mapping[str, str]
+               ) -> list[str]:
+  """The leaf paths whose fingerprints differ (or exist on one side only)."""
+  return sorted(k for k in set(saved) | set(actual)
+                if saved.get(k) != actual.get(k))

@@ -1,0 +1,125 @@
+"""Resuming a workdir with a config: which fields may change, which may not.
+
+Each checkpoint saves the run's config. Before a run resumes (or reports a
+finished run's result), the new config is compared with the saved one,
+field by field. A field that changes what the run computes (model, data,
+batch size, optimizer, seed, mesh, ...) would splice two different runs
+into one workdir, so a change there is refused, naming every changed
+field with its old and new values. `MAY_CHANGE` lists the fields that
+may change, and why each is safe.
+"""
+
+from collections.abc import Mapping
+import json
+from typing import Any
+
+from absl import logging
+import ml_collections
+
+from train.errors import UsageError
+
+# Field -> why changing it on resume does not change the run's meaning.
+MAY_CHANGE = {
+    'num_steps': 'extends the run (never below the latest checkpoint)',
+    'log_every': 'logging cadence',
+    'eval_every': 'validation cadence (evaluation reads, never trains)',
+    'eval_batch_size': 'evaluation batching (every example is seen once)',
+    'checkpoint_every': 'checkpoint cadence',
+    'keep_checkpoints': 'checkpoint retention',
+    'data_dir': 'where the same data set is read from',
+    # The device layout: the same global batches on other devices (e.g. a
+    # checkpoint of one process resumed on two). Sums run in another order,
+    # so the resumed run is close to, not bit-identical with, the original.
+    'cpu_devices': 'the device layout (not with a per-device method)',
+    'mesh.shape': 'the device layout (not with a per-device method)',
+}
+# Changing these changes a per-device method's per-device batch (e.g.
+# m-sharpness perturbs each device's share of the batch).
+LAYOUT = ('cpu_devices', 'mesh.shape')
+
+
+class ConfigChanged(UsageError):
+  """The config differs from the saved one in fields that fix the run."""
+
+  def __init__(self, workdir: str, step: int,
+               changes: list[tuple[str, Any, Any]]):
+    self.changes = changes
+    listed = '; '.join(f'config.{k} {_show(old)} -> {_show(new)}'
+                       for k, old, new in changes)
+    super().__init__(
+        '--workdir', workdir,
+        f'holds a run (checkpoint at step {step}) with a different config: '
+        f'{listed}. These fields fix what the run computes; only '
+        f'{", ".join(MAY_CHANGE)} may change on resume. Use the saved '
+        'values, or a new --workdir')
+
+
+def _show(value: Any) -> str:
+  return '(absent)' if value is _ABSENT else json.dumps(value)
+
+
+_ABSENT = object()
+
+
+def _flatten(tree: Any, prefix: str = '') -> dict[str, Any]:
+  if isinstance(tree, Mapping):
+    flat = {}
+    for key, value in tree.items():
+      flat.update(_flatten(value, f'{prefix}{key}.'))
+    return flat
+  return {prefix[:-1]: tree}
+
+
+def as_json(config: ml_collections.ConfigDict) -> str:
+  """The form a config is saved in (`ConfigDict.to_json_best_effort`)."""
+  return config.to_json_best_effort()
+
+
+def changed_fields(saved: Mapping[str, Any], current: Mapping[str, Any]
+                   ) -> list[tuple[str, Any, Any]]:
+  """(dotted field, old, new) for every leaf that differs (`_ABSENT` if
+  missing on one side), in field order."""
+  old, new = _flatten(saved), _flatten(current)
+  return [(k, old.get(k, _ABSENT), new.get(k, _ABSENT))
+          for k in sorted(set(old) | set(new))
+          if old.get(k, _ABSENT) != new.get(k, _ABSENT)]
+
+
+def check(config: ml_collections.ConfigDict, workdir: str, step: int,
+          meta: Mapping[str, Any], *, per_device_method: bool = False
+          ) -> None:
+  """Refuses to resume the checkpoint at `step` (whose metadata is `meta`)
+  with `config` if a field outside `MAY_CHANGE` differs (or a `LAYOUT`
+  field, when `per_device_method`: the optimizer has a per-device update),
+  or if num_steps falls below `step`.
+
+  Raises:
+    ConfigChanged: a field that fixes the run changed.
+    UsageError: config.num_steps is below `step`.
+  """
+  if 'config' not in meta:
+    logging.warning('The checkpoint at step %d has no saved config: the '
+                    'config is not checked', step)
+    return
+  saved = json.loads(meta['config'])
+  current = json.loads(as_json(config))
+  changes = changed_fields(saved, current)
+  fixed = [c for c in changes if c[0] not in MAY_CHANGE
+           or (per_device_method and c[0] in LAYOUT)]
+  if fixed:
+    raise ConfigChanged(workdir, step, fixed)
+  if config.num_steps < step:
+    raise UsageError(
+        'config.num_steps', config.num_steps,
+        f'below the latest checkpoint of {workdir} (step {step}); a run '
+        'cannot be shortened after the fact (use a new --workdir)')
+  for field, old, new in changes:
+    if field == 'num_steps':
+      logging.warning(
+          'config.num_steps %s -> %s: the run is extended; schedules that '
+          'span num_steps (the learning rate, step windows) are rebuilt '
+          'over %s steps, so from step %d on they follow the new length.',
+          old, new, new, step)
+    else:
+      logging.info('config.%s %s -> %s on resume (%s)', field, _show(old),
+                   _show(new), MAY_CHANGE[field])

@@ -1,0 +1,117 @@
+"""One run per workdir: an OS lock held for the whole run.
+
+`hold(workdir)` takes an exclusive `flock` on `workdir/.lock` before the
+run writes anything, and writes who holds it (host, pid, start time) into
+the file. The kernel releases a `flock` when its holder dies, however it
+dies (kill -9 included), so a crashed run never leaves a stale lock behind:
+the next launch takes it. A second launch on a held workdir fails at once
+with `WorkdirBusy`, one line naming the holder.
+
+Several processes of one run (multi-host): process 0 holds the lock for
+all of them. A workdir in a bucket (gs://) cannot be flock-ed; its lock is
+a local file named after the URL (under ~/.cache/geom/locks), which keeps
+out a second run launched from the same machine, not one on another
+machine: that is the scheduler's job there (one job per workdir).
+"""
+
+from collections.abc import Iterator
+import contextlib
+import datetime
+import fcntl
+import hashlib
+import json
+import os
+import socket
+
+import jax
+
+from train import fileio
+from train.errors import UsageError
+
+LOCK_FILE = '.lock'
+
+
+class WorkdirBusy(UsageError):
+  """Another live process holds the workdir's lock."""
+
+  def __init__(self, workdir: str, holder: dict[str, str]):
+    self.holder = holder
+    who = (f'host {holder.get("host", "?")}, pid {holder.get("pid", "?")}, '
+           f'started {holder.get("started", "?")}')
+    super().__init__(
+        '--workdir', workdir,
+        f'in use by another run ({who}); wait for it to end or stop it, or '
+        'use another --workdir')
+
+
+def lock_path(workdir: str) -> str:
+  """The file whose flock guards `workdir` (made absolute)."""
+  workdir = fileio.absolute(workdir)
+  if not fileio.is_remote(workdir):
+    return os.path.join(workdir, LOCK_FILE)
+  digest = hashlib.sha256(workdir.rstrip('/').encode()).hexdigest()[:24]
+  return os.path.join(os.path.expanduser('~/.cache/geom/locks'),
+                      f'{digest}.lock')
+
+
+def _read_holder(f) -> dict[str, str]:
+  f.seek(0)
+  try:
+    return json.loads(f.read() or '{}')
+  except ValueError:
+    return {}
+
+
+def _try_lock(path: str):
+  """An open file holding the flock on `path`, or (None, the holder's info)."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  # 'a+' creates the file without truncating what a holder wrote.
+  f = open(path, 'a+')  # pylint: disable=consider-using-with
+  try:
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    holder = _read_holder(f)
+    f.close()
+    return None, holder
+  return f, None
+
+
+def holder(workdir: str) -> dict[str, str] | None:
+  """Who holds `workdir` now (host, pid, started), or None if nobody does."""
+  path = lock_path(workdir)
+  if not os.path.exists(path):
+    return None
+  f, info = _try_lock(path)
+  if f is None:
+    return info
+  f.close()  # Closing releases the flock we just took.
+  return None
+
+
+@contextlib.contextmanager
+def hold(workdir: str) -> Iterator[None]:
+  """Holds the lock of `workdir` (process 0 only) for the block.
+
+  Raises:
+    WorkdirBusy: another live process holds it.
+  """
+  if jax.process_index() != 0:
+    yield
+    return
+  path = lock_path(workdir)
+  f, info = _try_lock(path)
+  if f is None:
+    raise WorkdirBusy(workdir, info)
+  try:
+    f.seek(0)
+    f.truncate()
+    f.write(json.dumps({
+        'host': socket.gethostname(), 'pid': os.getpid(),
+        'started': datetime.datetime.now().astimezone().isoformat(
+            timespec='seconds')}))
+    f.flush()
+    yield
+  finally:
+    # The file stays: removing it would let a third process lock a new
+    # inode while a second still waits on the old one.
+    f.close()
