@@ -22,6 +22,7 @@ import pytest
 
 from tests import launch_runs
 from train import checkpointing
+from train import disk_space
 from train import workdir_lock
 from train.vision import experiment
 from train.vision import trainer
@@ -424,6 +425,31 @@ def test_an_empty_workdir_is_refused_before_anything_is_written():
   assert sorted(os.listdir(launch_runs.REPO_ROOT)) == before
 
 
+@pytest.mark.parametrize('damage', ['truncated', 'garbage'])
+def test_a_damaged_data_file_is_one_line_naming_it(reference, tmp_path,
+                                                   damage):
+  del reference  # Its run built the digits data in $TFDS_DATA_DIR.
+  data_dir = str(tmp_path / 'data')
+  shutil.copytree(os.path.join(os.environ['TFDS_DATA_DIR'], 'digits'),
+                  os.path.join(data_dir, 'digits'))
+  victim = next(os.path.join(d, f) for d, _, files in os.walk(data_dir)
+                for f in files if f.startswith('digits-train.array_record'))
+  if damage == 'truncated':
+    os.truncate(victim, os.path.getsize(victim) // 2)
+  else:
+    with open(victim, 'r+b') as f:
+      f.seek(os.path.getsize(victim) // 2)
+      f.write(bytes(random.Random(0).randrange(256) for _ in range(4096)))
+  workdir = str(tmp_path / 'run')
+  result = launch_runs.run(workdir, f'--config.data_dir={data_dir}',
+                           timeout=120)
+  assert result.returncode == 6
+  line = _error_line(result)
+  assert line.startswith(f"error: cannot read digits split 'train': damaged "
+                         f'data file(s) {victim} (')
+  assert not disk_space.completed_steps(os.path.join(workdir, 'checkpoints'))
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
   """A 3 MiB tmpfs (about three checkpoints of the small run), if this
@@ -495,6 +521,50 @@ def test_sigint_saves_a_checkpoint_and_exits_130(tmp_path):
   step = int(lines[0].split('stopped by SIGINT at step ')[1].split(';')[0])
   with checkpointing.Checkpoints(workdir, every_steps=1, keep=10) as ckpts:
     assert ckpts.latest_step() == step
+
+
+def test_after_a_stop_signal_a_second_signal_does_not_cut_the_save_short(
+    monkeypatch):
+  # Ctrl-C reaches a sweep and its runs; the sweep then terminates them
+  # while they save. The second signal must not raise in the saving run.
+  from train import errors, preemption  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(preemption, '_STOPPING', threading.Event())
+  monkeypatch.setattr(preemption, '_PENDING', [])
+  with preemption.raise_on_signals():
+    stop = preemption.StopFlag()
+    with stop.installed():
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(0.1)  # Handlers run between bytecodes of the main thread.
+      assert stop.requested(1) and stop.signal_name == 'SIGINT'
+    os.kill(os.getpid(), signal.SIGTERM)  # During the save, after the loop.
+    time.sleep(0.1)
+    preemption.raise_if_interrupted()  # Nothing pending either.
+  monkeypatch.setattr(preemption, '_STOPPING', threading.Event())
+  with pytest.raises(errors.Interrupted, match='SIGTERM'):
+    with preemption.raise_on_signals():  # Without a stop: start-up.
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(0.1)
+
+
+def test_a_stop_between_log_lines_resumes_to_the_same_log(reference,
+                                                          tmp_path,
+                                                          monkeypatch):
+  # Stopped at step 25 (logs every 10, checkpoints every 20): the interval
+  # 21..30 straddles the stop, and its logged means must still equal an
+  # uninterrupted run's, as must every other line and the parameters.
+  from train import errors, preemption  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path)
+  monkeypatch.setattr(preemption.StopFlag, 'requested',
+                      lambda self, step: step == 25)
+  with pytest.raises(errors.Preempted, match='at step 25'):
+    trainer.train_and_evaluate(_config(), workdir)
+  monkeypatch.undo()
+  assert trainer.train_and_evaluate(_config(), workdir) == reference[1]
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f, open(
+      os.path.join(reference[0], 'metrics.jsonl')) as g:
+    assert f.read() == g.read()
+  _assert_same_state(_state(workdir, 40), _state(reference[0], 40))
 
 
 def _catches_sigterm(pid) -> bool:

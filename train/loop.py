@@ -67,8 +67,10 @@ from train.errors import (Interrupted, NonFiniteLossError, Preempted,
                           RunError, UsageError)
 
 FINAL_METRICS = 'final_metrics.json'
-# In a checkpoint's metadata: the records metrics.jsonl held when it was saved.
+# In a checkpoint's metadata: the records metrics.jsonl held when it was
+# saved, and the [loss, accuracy] of the steps since the last log line.
 METRICS_RECORDS = 'metrics_records'
+INTERVAL_MEANS = 'interval_means'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +158,9 @@ def _train_and_evaluate(exp: experiment_lib.Experiment,
         logging.info('The run in %s is complete (step %d)', workdir,
                      finished['step'])
         return finished
+      # Read before anything is computed: a damaged data file ends the run
+      # here, with one line.
+      data = load_data()
       found = ckpts.restore_latest_good(exp.abstract_state,
                                         check_meta=check_config)
       if found is None:
@@ -166,13 +171,13 @@ def _train_and_evaluate(exp: experiment_lib.Experiment,
         latest, state, meta = found
         logging.info('Resumed from the checkpoint at step %d', latest)
 
-      data = load_data()
       compiled = aot.compile_steps(exp, data.train)
       with contextlib.closing(metrics_lib.MetricWriter(
           workdir, resume_step=latest,
           keep_records=meta.get(METRICS_RECORDS))) as writer:
         state = train_loop(exp, state, compiled, data.train, data.validation,
-                           ckpts, writer, latest)
+                           ckpts, writer, latest,
+                           carried=meta.get(INTERVAL_MEANS, []))
         final = {'step': config.num_steps}
         for prefix, split in data.final().items():
           final.update(evaluate(exp, compiled.eval, state, split, prefix))
@@ -213,10 +218,13 @@ def train_loop(exp: experiment_lib.Experiment, state: steps.TrainState,
                val_data: input_pipeline.Split,
                ckpts: checkpointing.Checkpoints,
                writer: metrics_lib.MetricWriter,
-               last_saved: int | None) -> steps.TrainState:
+               last_saved: int | None,
+               carried: list[list[float]] | None = None) -> steps.TrainState:
   """Trains from `state.step` to `config.num_steps`: data, logging, eval, saves.
 
-  `last_saved` is the step of the latest checkpoint on disk (for messages).
+  `last_saved` is the step of the latest checkpoint on disk (for messages);
+  `carried`, what it saved of the log interval it fell in (see
+  `steps.summarize`).
   Metrics of the steps since the last log line stay on the devices until
   the next log line or save, where the host reduces them and checks their
   losses: with `nonfinite='stop'` a non-finite loss ends the run there,
@@ -230,7 +238,10 @@ def train_loop(exp: experiment_lib.Experiment, state: steps.TrainState,
   config_json = resume_check.as_json(config)
   progress = metrics_lib.Progress(start, total)
   console = tuple(steps.DIAGNOSTICS_PREFIX + k for k in exp.hooks.console)
-  pending, pending_from = [], start
+  # The interval since the last log line: per-step metrics still on the
+  # devices (`pending`, from step `pending_from`), and host means of its
+  # steps before the last checkpoint (`carried`, saved with it).
+  pending, pending_from, carried = [], start, list(carried or [])
   stop = preemption.StopFlag()
   device_batches = input_pipeline.to_devices(
       batches.iterate(start, total, indices_only=compiled.data_on_device),
@@ -242,14 +253,17 @@ def train_loop(exp: experiment_lib.Experiment, state: steps.TrainState,
       pending.append(step_metrics)
       preempted = stop.requested(step)
       is_last = step == total
-      log_now = step % config.log_every == 0 or is_last or preempted
+      # A stop saves without a log line of its own, so that a resumed run
+      # logs the lines of an uninterrupted one.
+      log_now = step % config.log_every == 0 or is_last
       save_now = ckpts.should_save(step) or is_last or preempted
       if log_now or save_now:
-        scalars, first_bad = steps.summarize(
+        scalars, first_bad, means = steps.summarize(
             pending, pending_from,
-            grad_norm_logged=step % config.log_every == 0)
+            grad_norm_logged=step % config.log_every == 0, carried=carried)
         if first_bad is not None and config.nonfinite == 'stop':
           raise NonFiniteLossError(first_bad, last_saved)
+        carried, pending, pending_from = carried + means, [], step
       if log_now:
         scalars['learning_rate'] = float(exp.learning_rate(step - 1))
         if config.nonfinite == 'skip':
@@ -257,7 +271,7 @@ def train_loop(exp: experiment_lib.Experiment, state: steps.TrainState,
         writer.write(step, scalars)
         metrics_lib.log_progress(step, total, scalars, *progress.update(step),
                                  console=console)
-        pending, pending_from = [], step
+        carried = []
       if step % config.eval_every == 0 and not is_last:
         val = evaluate(exp, compiled.eval, state, val_data, 'val')
         writer.write(step, val)
@@ -266,7 +280,8 @@ def train_loop(exp: experiment_lib.Experiment, state: steps.TrainState,
         if not bool(compiled.state_is_finite(state)):
           raise NonFiniteLossError(step, last_saved, 'train state',
                                    skipping=config.nonfinite == 'skip')
-        meta = {'config': config_json, METRICS_RECORDS: writer.records}
+        meta = {'config': config_json, METRICS_RECORDS: writer.records,
+                INTERVAL_MEANS: carried}
         if ckpts.save(step, state, meta, force=is_last or preempted):
           last_saved = step
       if preempted:

@@ -42,10 +42,10 @@ def parse_jsonl(text: str) -> tuple[list[dict], int]:
   """The complete records of a JSONL text, and how many lines were not.
 
   A crash mid-write leaves a torn last line, or on some file systems a
-  tail of NUL bytes; those lines are not records and are dropped.
+  tail of NUL bytes; neither parses as a record, and both are dropped.
   """
   records, dropped = [], 0
-  for line in text.replace('\0', '\n').splitlines():
+  for line in text.splitlines():
     if not line.strip():
       continue
     try:

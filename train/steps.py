@@ -215,7 +215,9 @@ def _to_host(tree: Any) -> Any:
 
 
 def summarize(records: Sequence[dict[str, jax.Array]], first_step: int,
-              grad_norm_logged: bool) -> tuple[dict[str, float], int | None]:
+              grad_norm_logged: bool,
+              carried: Sequence[Sequence[float]] = ()
+              ) -> tuple[dict[str, float], int | None, list[list[float]]]:
   """Interval means of per-step metrics, and the first non-finite step.
 
   Args:
@@ -223,18 +225,28 @@ def summarize(records: Sequence[dict[str, jax.Array]], first_step: int,
     first_step: the step number (state.step before the update) of records[0].
     grad_norm_logged: whether the last record is a logging step, which
       holds the gradient norm.
+    carried: [loss, accuracy] means of the interval's earlier steps, as
+      this function returned them (a checkpoint keeps them, so that the
+      interval's means after a resume equal an uninterrupted run's).
 
   Returns:
-    `train_loss` and `train_accuracy` averaged over the finite steps;
-    `grad_norm` when logged; the other metrics (the method's diagnostics)
-    as of the last step; and the first step whose loss is non-finite, or
-    None.
+    `train_loss` and `train_accuracy` averaged over the finite steps
+    (carried ones included); `grad_norm` when logged; the other metrics
+    (the method's diagnostics) as of the last step; the first step of
+    `records` whose loss is non-finite, or None; and [loss, accuracy] of
+    each record, for `carried`.
   """
   host = _to_host(list(records))
-  step_loss = np.array([np.mean(r['loss']) for r in host])
-  step_acc = np.array([np.mean(r['correct']) for r in host])
+  fresh_loss = np.array([np.mean(r['loss']) for r in host])
+  fresh_acc = np.array([np.mean(r['correct']) for r in host])
+  # Carried values are exact (float32 and float64 both survive JSON), and
+  # rebuilt in the dtypes of the fresh ones: the same means, bit for bit.
+  step_loss = np.concatenate([np.array([c[0] for c in carried],
+                                       fresh_loss.dtype), fresh_loss])
+  step_acc = np.concatenate([np.array([c[1] for c in carried],
+                                      fresh_acc.dtype), fresh_acc])
   finite = np.isfinite(step_loss)
-  bad = np.flatnonzero(~finite)
+  bad = np.flatnonzero(~np.isfinite(fresh_loss))
   first_bad = first_step + int(bad[0]) if bad.size else None
   scalars = {}
   if finite.any():
@@ -244,7 +256,8 @@ def summarize(records: Sequence[dict[str, jax.Array]], first_step: int,
     scalars['grad_norm'] = float(host[-1]['grad_norm'])
   scalars.update({k: float(v) for k, v in host[-1].items()
                   if k not in ('loss', 'correct', 'grad_norm')})
-  return scalars, first_bad
+  means = [[float(l), float(a)] for l, a in zip(fresh_loss, fresh_acc)]
+  return scalars, first_bad, means
 
 
 def state_is_finite(state: TrainState) -> jax.Array:
