@@ -240,7 +240,7 @@ def summarize(records: Sequence[dict[str, jax.Array]], first_step: int,
   fresh_loss = np.array([np.mean(r['loss']) for r in host])
   fresh_acc = np.array([np.mean(r['correct']) for r in host])
   # Carried values are exact (float32 and float64 both survive JSON), and
-  # rebuilt in the dtypes of the fresh ones: the same means, bit for bit.
+  # rebuilt in the dtypes of the fresh ones: identical means, bit for bit.
   step_loss = np.concatenate([np.array([c[0] for c in carried],
                                        fresh_loss.dtype), fresh_loss])
   step_acc = np.concatenate([np.array([c[1] for c in carried],

@@ -24,6 +24,8 @@ import os
 import socket
 
 import jax
+from jax.experimental import multihost_utils
+import numpy as np
 
 from train import fileio
 from train.errors import UsageError
@@ -90,18 +92,23 @@ def holder(workdir: str) -> dict[str, str] | None:
 
 @contextlib.contextmanager
 def hold(workdir: str) -> Iterator[None]:
-  """Holds the lock of `workdir` (process 0 only) for the block.
+  """Holds the lock of `workdir` (process 0, for all processes) for the block.
 
   Raises:
-    WorkdirBusy: another live process holds it.
+    WorkdirBusy: another live process holds it (on every process of the
+      run, so that none waits for the others at a collective).
   """
-  if jax.process_index() != 0:
+  f = info = None
+  if jax.process_index() == 0:
+    f, info = _try_lock(lock_path(workdir))
+  held = f is not None
+  if jax.process_count() > 1:
+    held = bool(multihost_utils.broadcast_one_to_all(np.int32(held)))
+  if not held:
+    raise WorkdirBusy(workdir, info or {})
+  if f is None:  # Another process of the run holds it.
     yield
     return
-  path = lock_path(workdir)
-  f, info = _try_lock(path)
-  if f is None:
-    raise WorkdirBusy(workdir, info)
   try:
     f.seek(0)
     f.truncate()
