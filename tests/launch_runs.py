@@ -23,3 +23,19 @@ def run(workdir: str, *overrides: str, timeout: float = 300,
         **kw) -> subprocess.CompletedProcess:
   return subprocess.run(command(workdir, *overrides, **kw), cwd=REPO_ROOT,
                         capture_output=True, text=True, timeout=timeout)
+
+
+_HOLD = ('import sys, time\n'
+         'from train import workdir_lock\n'
+         'with workdir_lock.hold(sys.argv[1]):\n'
+         '  print("held", flush=True)\n'
+         '  time.sleep(600)\n')
+
+
+def hold_workdir(workdir: str) -> subprocess.Popen:
+  """Another process holding `workdir`'s lock (as a live run would), once
+  it says so; kill it to release the lock."""
+  proc = subprocess.Popen([sys.executable, '-c', _HOLD, workdir],
+                          cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+  assert proc.stdout.readline().strip() == 'held'
+  return proc

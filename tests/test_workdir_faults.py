@@ -100,25 +100,10 @@ def _read_json(path):
 
 # --- One run per workdir -----------------------------------------------------
 
-_HOLD = ('import sys, time\n'
-         'from train import workdir_lock\n'
-         'with workdir_lock.hold(sys.argv[1]):\n'
-         '  print("held", flush=True)\n'
-         '  time.sleep(600)\n')
-
-
-def _holder(workdir):
-  proc = subprocess.Popen([sys.executable, '-c', _HOLD, workdir],
-                          cwd=launch_runs.REPO_ROOT, stdout=subprocess.PIPE,
-                          text=True)
-  assert proc.stdout.readline().strip() == 'held'
-  return proc
-
-
 def test_a_second_run_on_a_held_workdir_names_the_holder_and_changes_nothing(
     reference, tmp_path):
   workdir = _copy(reference[0], tmp_path / 'run', final=False)
-  holder = _holder(workdir)
+  holder = launch_runs.hold_workdir(workdir)
   try:
     before = _snapshot(workdir)
     result = launch_runs.run(workdir, '--config.seed=1', timeout=120)
@@ -647,7 +632,7 @@ def test_runs_die_with_a_killed_sweep_after_saving(tmp_path):
 def test_a_relaunched_sweep_waits_for_a_held_run(tmp_path):
   run = os.path.join(tmp_path, 'sweep', 'seed=0')
   os.makedirs(run)
-  holder = _holder(run)
+  holder = launch_runs.hold_workdir(run)
   proc, _ = _sweep(tmp_path, num_steps=40)
   try:
     line = proc.stdout.readline()
