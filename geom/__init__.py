@@ -19,6 +19,7 @@ Modules:
   steering       spherical steering and addition baselines.
   landscapes     2-D objectives on which SAM's behaviour can be seen.
   method_hooks   what a method needs from a training loop (`MethodHooks`).
+  tree_norm      a pytree's L2 norm in float32, safe from over/underflow.
   validation     argument checks; `ArgumentError`.
 
 Planned (not yet here): `conga` (a learning-rate schedule for test-time
@@ -31,6 +32,7 @@ from geom import landscapes
 from geom import method_hooks
 from geom import sam
 from geom import steering
+from geom import tree_norm
 from geom import validation
 from geom.hallucination import DetectorConfig
 from geom.hallucination import DetectorState
@@ -47,5 +49,5 @@ __all__ = [
     'ArgumentError', 'BlockSizes', 'DetectorConfig', 'DetectorState',
     'MethodHooks', 'SAMOptions', 'SAMState', 'StepVariants', 'SteerStats',
     'Steering', 'hallucination', 'kernels', 'landscapes', 'method_hooks',
-    'sam', 'steering', 'validation',
+    'sam', 'steering', 'tree_norm', 'validation',
 ]

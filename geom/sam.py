@@ -108,6 +108,7 @@ import optax
 
 from geom import hallucination
 from geom import method_hooks
+from geom import tree_norm
 from geom import validation
 from geom.kernels import sam_perturb as fused_kernels
 
@@ -292,13 +293,9 @@ def _effective_rho(options, count, cooldown, rho_scale):
                    0.0).astype(jnp.float32)
 
 
-def _tree_norm_f32(tree: Any) -> jax.Array:
-  """Global L2 norm, accumulated in float32 (also for bfloat16 leaves)."""
-  leaves = jax.tree.leaves(tree)
-  if not leaves:
-    return jnp.zeros((), jnp.float32)
-  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
-                      for x in leaves))
+# Global L2 norms: float32, and finite at |g| = 1e20 and non-zero at 1e-25
+# (as the fused kernel's), so the ascent step keeps its length rho there.
+_tree_norm_f32 = tree_norm.tree_norm_f32
 
 
 def _tree_vdot_f32(a: Any, b: Any) -> jax.Array:

@@ -4,6 +4,8 @@ As in jax's Pallas ops tests, one class holds the tests and a subclass
 runs them in interpret mode; the compiled class runs on GPU or TPU only.
 """
 
+import functools
+
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jax.numpy as jnp
@@ -94,11 +96,29 @@ class TestSamPerturb:
     norm64 = np.sqrt(sum(np.sum(x * x) for x in jax.tree.leaves(exact)))
     np.testing.assert_allclose(float(norm), norm64, rtol=1e-5)
     # A plain float32 sum of squares would give inf or 0 here.
-    naive = float(k.sam_perturb_reference(w, g, 0.3)[1])
+    with np.errstate(over='ignore'):
+      naive = np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float32)))
+                          for x in jax.tree.leaves(g)))
     assert naive in (0.0, float('inf'))
+    # The plain-jnp reference is scale-safe too, and agrees with the kernel.
+    want, want_norm = k.sam_perturb_reference(w, g, 0.3, eps=0.0)
+    np.testing.assert_allclose(float(want_norm), norm64, rtol=1e-5)
+    _assert_tree_close(got, want, rtol=1e-5, atol=0)
     e = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, got, w)
     e_norm = np.sqrt(sum(np.sum(x * x) for x in jax.tree.leaves(e)))
     np.testing.assert_allclose(e_norm, 0.3, rtol=1e-3)
+
+  @pytest.mark.parametrize('adaptive', [False, True])
+  @pytest.mark.parametrize('scale', [1.0, 1e20, 1e-25])
+  def test_equals_geom_sams_unfused_perturbation_at_every_scale(
+      self, adaptive, scale):
+    w, g = _tree(scale=scale)
+    got, norm = self.perturb(w, g, 0.3, adaptive=adaptive, eps=0.0)
+    e, unfused_norm = jax.jit(functools.partial(
+        sam.perturbation, adaptive=adaptive, eps=0.0))(g, w, 0.3)
+    assert np.isfinite(float(unfused_norm)) and float(unfused_norm) > 0
+    np.testing.assert_allclose(float(norm), float(unfused_norm), rtol=1e-5)
+    _assert_tree_close(got, sam.perturbed_params(w, e), rtol=1e-5, atol=1e-7)
 
   def test_equals_unfused_geom_sam_inside_jit(self):
     w, g = _tree()

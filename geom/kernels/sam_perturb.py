@@ -38,6 +38,7 @@ import jax
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
+from geom import tree_norm
 from geom import validation
 
 __all__ = ['BlockSizes', 'interprets_by_default', 'sam_perturb',
@@ -275,7 +276,8 @@ def sam_perturb(params: Params, grads: Params, rho: float | jax.Array, *,
 def sam_perturb_reference(params: Params, grads: Params, rho, *,
                           adaptive: bool = False, eta: float = 0.01,
                           eps: float = 1e-12) -> tuple[Params, jax.Array]:
-  """`sam_perturb` in plain jnp (float32 arithmetic, naive sum of squares)."""
+  """`sam_perturb` in plain jnp (float32 arithmetic; the scale-safe norm of
+  `geom.tree_norm`, as the kernel's blockwise one)."""
   f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)
   w, g = f32(params), f32(grads)
   if adaptive:
@@ -284,7 +286,7 @@ def sam_perturb_reference(params: Params, grads: Params, rho, *,
     d = jax.tree.map(lambda ti, gi: ti * ti * gi, t, g)
   else:
     x, d = g, g
-  norm = jnp.sqrt(sum(jnp.sum(jnp.square(v)) for v in jax.tree.leaves(x)))
+  norm = tree_norm.tree_norm_f32(x)
   scale = jnp.asarray(rho, jnp.float32) / (norm + eps)
   perturbed = jax.tree.map(lambda p, wi, di: (wi + scale * di).astype(p.dtype),
                            params, w, d)
