@@ -13,7 +13,8 @@ Each run gets `--workdir/<its overrides>`. `--target=local` runs
 skipped, an interrupted one resumes from its checkpoint, so relaunching the
 same command finishes a sweep. Runs die with the sweep (they get SIGTERM
 and save a checkpoint), and a run whose workdir is still held by another
-process (its lock, `train.workdir_lock`) waits for it instead of racing it; logs go to `--workdir/logs/`, and
+process (its lock, `train.workdir_lock`) waits for it instead of racing
+it; logs go to `--workdir/logs/`, and
 `--workdir/sweep.json` lists the runs for `launch.report`. The TPU and xpk
 targets print their commands (a dry run) unless `--execute`; on TPU every
 run goes to all workers with `--multihost`, one run after another.
@@ -104,8 +105,7 @@ def _latest_checkpoint(workdir: str) -> int | None:
   return steps[-1] if steps else None
 
 
-def run_local(runs: list[sweep_plan.Run], root: str, parallel: int,
-              poll_seconds: float = 0.2) -> int:
+def run_local(runs: list[sweep_plan.Run], root: str, parallel: int) -> int:
   """Runs what is not finished, `parallel` at a time; returns the failures.
 
   A run whose workdir another process holds (e.g. the trainer of an
@@ -117,9 +117,6 @@ def run_local(runs: list[sweep_plan.Run], root: str, parallel: int,
   os.makedirs(logs, exist_ok=True)
   pending, waiting = list(runs), set()
   active, failed, done = {}, [], 0
-
-  def finished(run):
-    return os.path.exists(os.path.join(run.workdir, 'final_metrics.json'))
 
   try:
     while pending or active:
@@ -134,7 +131,7 @@ def run_local(runs: list[sweep_plan.Run], root: str, parallel: int,
                   f'{holder.get("pid", "?")} on {holder.get("host", "?")}')
           continue
         pending.remove(run)
-        if finished(run):
+        if os.path.exists(os.path.join(run.workdir, 'final_metrics.json')):
           print(f'[skip] {run.name}: finished')
           done += 1
           continue
@@ -146,7 +143,7 @@ def run_local(runs: list[sweep_plan.Run], root: str, parallel: int,
         active[run.name] = (subprocess.Popen(
             sweep_plan.local_argv(run), stdout=log, stderr=subprocess.STDOUT,
             cwd=os.getcwd(), preexec_fn=_die_with_parent), log, run)
-      time.sleep(poll_seconds)
+      time.sleep(0.2)
       for name, (proc, log, run) in list(active.items()):
         if proc.poll() is None:
           continue

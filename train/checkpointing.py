@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 from train import checksums
 from train import disk_space
 from train import fileio
-from train.errors import RunError
+from train.errors import RunError, cause_line
 
 CHECKPOINTS = 'checkpoints'
 CHECKSUMS = 'checksums'
@@ -52,17 +52,6 @@ class NoGoodCheckpoint(RunError):
     super().__init__(
         f'no usable checkpoint in {directory} ({listed}). Nothing was '
         'changed; to start the run over, move that directory aside.')
-
-
-def _first_line(error: BaseException) -> str:
-  """The root cause's type and first line (orbax wraps tensorstore's
-  precise message, e.g. which file and byte range, in a vaguer one)."""
-  seen = set()
-  while id(error) not in seen and (error.__cause__ or error.__context__):
-    seen.add(id(error))
-    error = error.__cause__ or error.__context__
-  text = str(error).strip().splitlines()
-  return f'{type(error).__name__}: {text[0][:300] if text else ""}'
 
 
 class Checkpoints:
@@ -136,7 +125,7 @@ class Checkpoints:
                                   meta=ocp.args.JsonRestore()))
     except Exception as e:  # pylint: disable=broad-except
       # Orbax and tensorstore raise many types for unreadable files.
-      raise DamagedCheckpoint(step, f'does not load ({_first_line(e)})'
+      raise DamagedCheckpoint(step, f'does not load ({cause_line(e)})'
                               ) from e
     state, meta = restored.state, restored.meta
     saved = meta.get(CHECKSUMS) if isinstance(meta, dict) else None
@@ -163,7 +152,7 @@ class Checkpoints:
           step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     except Exception as e:  # pylint: disable=broad-except
       raise DamagedCheckpoint(step, f'metadata does not load '
-                              f'({_first_line(e)})') from e
+                              f'({cause_line(e)})') from e
     if not isinstance(meta, dict):
       raise DamagedCheckpoint(step, 'metadata is not a JSON object')
     return meta

@@ -7,6 +7,17 @@ from collections.abc import Iterable
 from typing import Any
 
 
+def cause_line(error: BaseException) -> str:
+  """The root cause's type and first line: libraries wrap a precise message
+  (which file, which byte range) in vaguer ones."""
+  seen = set()
+  while id(error) not in seen and (error.__cause__ or error.__context__):
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+  text = str(error).strip().splitlines()
+  return f'{type(error).__name__}: {text[0][:300] if text else ""}'
+
+
 class UsageError(ValueError):
   """A setting (a config field or a flag) holds a value the run cannot use.
 
@@ -86,11 +97,9 @@ class DamagedDataFile(RunError):
   exit_code = 6
 
   def __init__(self, what: str, files: list[str], error: BaseException):
-    text = str(error).strip().splitlines()
     super().__init__(
         f'cannot read {what}: damaged data file(s) {", ".join(files)} '
-        f'({type(error).__name__}: {text[0][:200] if text else ""}). '
-        'Prepare the data set again.')
+        f'({cause_line(error)}). Prepare the data set again.')
 
 
 class Preempted(Exception):
