@@ -2,32 +2,59 @@
 
 Two passes over the parameters, as in apex's multi-tensor L2-norm-and-scale:
 
-1. `_norm_kernel`: per block of `BlockSizes.block` elements, the largest
-   magnitude m and the sum of (x / m)^2, in float32 whatever the input
-   dtype (x = g, or T g with T = |w| + eta for ASAM). Out-of-range elements
-   of a ragged last block are masked. Combining the blocks as
-   M sqrt(sum_b s_b (m_b / M)^2), M = max_b m_b, cannot overflow or
-   underflow where a plain sum of squares would (|g| near 1e20 or 1e-25 in
-   float32).
-2. `_update_kernel`: w' = w + scale * g (ASAM: + scale * T^2 g) with
+1. The norm pass: per block of `BlockSizes.block_rows` rows of 128 lanes,
+   for each lane the largest magnitude m and the sum of (x / m)^2, in
+   float32 whatever the input dtype (x = g, or T g with T = |w| + eta for
+   ASAM). Rows past the end of a ragged last block are masked. Combining
+   the per-lane results of all blocks as M sqrt(sum s (m / M)^2),
+   M = max m, cannot overflow or underflow where a plain sum of squares
+   would (|g| near 1e20 or 1e-25 in float32).
+2. The update pass: w' = w + scale * g (ASAM: + scale * T^2 g) with
    scale = rho / (norm + eps), computed in float32 and cast to w's dtype.
 
-Leaves are handled in few launches: each leaf of at least
-`BlockSizes.pack_below` elements is one launch per pass, on its own buffer
-(no copy); the smaller leaves of each dtype pair are packed into one
-buffer. `sam_perturb_reference` is the same computation in plain jnp.
+Layout. Every buffer is (rows, 128): 128 lanes is the TPU vector width
+and a whole number of 128-byte GPU memory transactions, and a block of
+whole rows is a tile both backends accept. A leaf of at least
+`BlockSizes.pack_below` elements whose size is a multiple of 128 is its
+own buffer (a reshape, no copy); every other leaf is packed with the
+others of its dtype pair into one zero-padded buffer (one copy, and one
+launch per pass for any number of small leaves). The zeros add nothing
+to the norm and their update is dropped. The per-block results are
+written as (1, 128) vectors, not scalars (TPU cannot store scalars to
+vector memory), and combined in jnp.
+
+Backends. Each pass has two bodies, chosen where the call is lowered
+(`jax.lax.platform_dependent`), so one jitted or exported function
+carries the right kernel for the platform it runs on:
+- TPU (Mosaic): blocks of `block_rows` rows, a multiple of the sublane
+  tiling (8 rows for 32-bit, 16 for 16-bit dtypes) or the whole buffer;
+  the grid axis is 'parallel' (megacore chips split it); eta and the
+  scale are read from scalar memory. Rows read past a ragged last block
+  are masked before the reduction; writes there are dropped by Pallas.
+- GPU (Triton, through `pallas.triton.CompilerParams`): power-of-two
+  blocks, masked loads and stores. Our choice over Pallas's default GPU
+  lowering in jax 0.10.2, Mosaic GPU, whose `pallas_call` path is
+  deprecated there ("migrate to plgpu.kernel") and, lowered from this
+  repository's CPU host, refuses these kernels: "No support for axes
+  yet" for the per-lane reductions, copies of at most 256 elements per
+  dimension, and a 64K-element float32 block over its shared memory
+  (measured with jax 0.10.2). Passing Triton's compiler parameters also makes
+  the choice independent of the `jax_pallas_use_mosaic_gpu` flag.
+- CPU: the TPU bodies in Pallas's interpreter (`interpret=None` or
+  True); `target='gpu'` with `interpret=True` interprets the Triton
+  bodies, so tests check both bodies' arithmetic on CPU.
+Lowering enforces block shape, alignment and memory-space rules, and
+`tests/test_kernels_sam_perturb_lowering.py` lowers every pass for 'cuda'
+and 'tpu' (v5e, v6e, v5p) from a CPU host with `jax.export`. Register
+pressure, VMEM and occupancy are only known on the hardware: the GPU
+defaults in `BlockSizes.for_target` are a first choice, untuned until
+`bench.sam_perturb` runs on a GPU (see BENCHMARKS.md).
 
 Inside `jax.jit` with sharded arrays XLA gathers the kernel's operands, so
 the norm is the global one; inside `shard_map` each device gets its own
 (what m-sharpness wants). The kernels are not differentiable: SAM never
 differentiates through its perturbation, and `jax.grad` through
 `sam_perturb` raises a clear error instead of failing to linearize.
-
-`interpret=None` runs the kernels in Pallas's interpreter on a CPU backend
-and compiles them elsewhere. Compiling them does not work yet: lowered for
-GPU with `jax.export`, the default 64K-element block exceeds shared memory
-and small leaves break the copy alignment; for TPU, rank-1 blocks must be
-multiples of 1024 and the per-block scalars cannot be stored to VMEM.
 """
 
 import dataclasses
@@ -36,91 +63,167 @@ from typing import Any
 
 import jax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
 from geom import tree_norm
 from geom import validation
 
-__all__ = ['BlockSizes', 'interprets_by_default', 'sam_perturb',
-           'sam_perturb_reference']
+__all__ = ['BlockSizes', 'LANES', 'TARGETS', 'interprets_by_default',
+           'sam_perturb', 'sam_perturb_reference']
 
 Params = Any
+
+LANES = 128
+TARGETS = ('tpu', 'gpu')
+_OWNER = 'geom.kernels.sam_perturb'
+# VMEM a step may use: the scoped-VMEM default Mosaic kernels get on the
+# older chips (v5e; v6e gets more). Lowering from a host does not see the
+# chip's memory, so a block that needs more would fail only when compiled
+# on the TPU: it is refused before any compute instead.
+_TPU_SCOPED_VMEM_BYTES = 16 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes.
+  """Tile sizes of the kernels; `BlockSizes.for_target` gives each
+  backend's defaults (the field defaults are TPU's).
 
   Attributes:
-    block: elements per grid step (a power of two suits GPU and TPU).
-    pack_below: leaves smaller than this are packed into one buffer per
-      dtype pair, so that many small leaves cost one launch.
+    block_rows: rows of 128 lanes per grid step. TPU: a multiple of the
+      sublane tiling (8 rows for 32-bit dtypes, 16 for 16-bit ones), or at
+      least a buffer's rows (the block is then the whole buffer); the
+      update's operands, double-buffered, must fit 16 MiB of VMEM. GPU
+      (Triton): a power of two.
+    pack_below: leaves with fewer elements, and larger ones whose size is
+      not a multiple of 128, are packed into one buffer per dtype pair.
+    num_warps: warps per Triton program (GPU only; None: Triton's choice).
   """
-  block: int = 64 * 1024
+  block_rows: int = 1024
   pack_below: int = 64 * 1024
+  num_warps: int | None = None
 
   def __post_init__(self):
-    owner = 'geom.kernels.sam_perturb.BlockSizes'
-    validation.check(owner, 'block', self.block, lambda v: v >= 1, '>= 1')
+    owner = f'{_OWNER}.BlockSizes'
+    validation.check(owner, 'block_rows', self.block_rows,
+                     lambda v: v >= 1, '>= 1')
     validation.check(owner, 'pack_below', self.pack_below, lambda v: v >= 0,
                      '>= 0')
+    if self.num_warps is not None:
+      validation.check(owner, 'num_warps', self.num_warps,
+                       lambda v: v in (1, 2, 4, 8, 16, 32),
+                       'a power of two from 1 to 32, or None')
+
+  @classmethod
+  def for_target(cls, target: str) -> 'BlockSizes':
+    """The defaults for 'tpu', 'gpu' or 'interpret' (Pallas's interpreter)."""
+    validation.check_choice(f'{_OWNER}.BlockSizes.for_target', 'target',
+                            target, (*TARGETS, 'interpret'))
+    return _DEFAULTS[target]
+
+
+_DEFAULTS = {
+    # 512 KiB of float32 per operand: the update's three operands,
+    # double-buffered, take 3 MiB of VMEM, and a block's transfer is long
+    # against the fixed cost of a grid step (about 0.35 us in Pallas's TPU
+    # documentation).
+    'tpu': BlockSizes(block_rows=1024),
+    # 8192 elements per program, 32 per thread and operand with 8 warps:
+    # eight 16-byte loads per thread and operand, few enough registers to
+    # avoid spills in principle. A first choice, not yet tuned on a GPU.
+    'gpu': BlockSizes(block_rows=64, num_warps=8),
+    # Each interpreted grid step costs about 0.2 ms on CPU: few, large steps.
+    'interpret': BlockSizes(block_rows=2048),
+}
 
 
 def interprets_by_default() -> bool:
-  """Whether `sam_perturb(interpret=None)` runs in Pallas's interpreter
-  (on a CPU backend) rather than compiled."""
+  """Whether `sam_perturb(interpret=None)` runs in Pallas's interpreter here
+  (a CPU default backend) rather than compiled."""
   return jax.default_backend() == 'cpu'
 
 
-def _scaled_sum_stats(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(max |x|, sum (x / max)^2) of a float32 vector; (0, 0) for zeros."""
-  a = jnp.abs(x)
-  m = jnp.max(a)
-  safe = jnp.where(m > 0, m, 1.0)
-  return m, jnp.sum(jnp.square(a / safe))
+def _sublane_tile(dtypes) -> int:
+  """Rows of the smallest TPU tile of these dtypes (8 for 32-bit)."""
+  return 8 * (4 // min(jnp.dtype(d).itemsize for d in dtypes))
 
 
-def _combine(m: jax.Array, s: jax.Array) -> jax.Array:
-  """Norm from per-block (max, scaled sum of squares)."""
-  big = jnp.max(m)
-  safe = jnp.where(big > 0, big, 1.0)
-  return jnp.where(big > 0, big * jnp.sqrt(jnp.sum(s * jnp.square(m / safe))),
-                   0.0)
+def _block_rows(rows: int, w, g, block_sizes: BlockSizes, target: str) -> int:
+  """The rows of one block of a (rows, 128) buffer, checked for `target`."""
+  b = block_sizes.block_rows
+  owner = f'{_OWNER}.BlockSizes'
+  if target == 'gpu':
+    if b & (b - 1):
+      raise validation.ArgumentError(
+          owner, 'block_rows', 'the GPU (Triton) kernels need a power of two',
+          value=b)
+    return min(b, pl.next_power_of_2(rows))
+  if rows > b and b % _sublane_tile((w.dtype, g.dtype)):
+    raise validation.ArgumentError(
+        owner, 'block_rows',
+        f'the TPU kernels need a multiple of {_sublane_tile((w.dtype, g.dtype))}'
+        f' (the sublane tiling of {w.dtype}/{g.dtype}) for a buffer of '
+        f'{rows} rows', value=b)
+  b = min(b, rows)
+  vmem = 2 * b * LANES * (2 * w.dtype.itemsize + g.dtype.itemsize)
+  if vmem > _TPU_SCOPED_VMEM_BYTES:
+    raise validation.ArgumentError(
+        owner, 'block_rows',
+        f'the TPU update would need {vmem / 2**20:.1f} MiB of VMEM per step '
+        f'(three {w.dtype}/{g.dtype} operands, double-buffered); at most '
+        f'{_TPU_SCOPED_VMEM_BYTES // 2**20} MiB', value=block_sizes.block_rows)
+  return b
 
 
-def _ascent_direction(w, g, adaptive: bool, eta: float):
-  if adaptive:
-    t = jnp.abs(w) + eta
-    return t, g * t
-  return None, g
+def _rows_valid(rows: int, block_rows: int) -> jax.Array:
+  row = (pl.program_id(0) * block_rows
+         + jax.lax.broadcasted_iota(jnp.int32, (block_rows, LANES), 0))
+  return row < rows
 
 
-def _norm_kernel(*refs, n: int, block: int, adaptive: bool):
+def _read(ref, valid, masked: bool) -> jax.Array:
+  if masked:  # Triton: reads past the end would touch other memory.
+    return pltriton.load(ref, mask=valid, other=0).astype(jnp.float32)
+  return ref[...].astype(jnp.float32)
+
+
+def _norm_kernel(*refs, rows: int, block_rows: int, adaptive: bool,
+                 masked: bool):
   if adaptive:
     eta_ref, w_ref, g_ref, m_ref, s_ref = refs
   else:
     g_ref, m_ref, s_ref = refs
-  g = g_ref[...].astype(jnp.float32)
-  w = w_ref[...].astype(jnp.float32) if adaptive else None
-  _, x = _ascent_direction(w, g, adaptive, eta_ref[0] if adaptive else None)
-  index = (pl.program_id(0) * block
-           + jax.lax.broadcasted_iota(jnp.int32, (block,), 0))
-  # Elements past the end of a ragged last block are undefined (NaN in the
-  # interpreter): mask them before reducing.
-  x = jnp.where(index < n, x, 0.0)
-  m, s = _scaled_sum_stats(x)
-  m_ref[0] = m
-  s_ref[0] = s
+  valid = _rows_valid(rows, block_rows)
+  x = _read(g_ref, valid, masked)
+  if adaptive:
+    x = (jnp.abs(_read(w_ref, valid, masked)) + eta_ref[0]) * x
+  if masked:  # Triton's masked loads read 0 past the end.
+    a = jnp.abs(x)
+  else:  # TPU: rows past a ragged last block are undefined (NaN in the
+    # interpreter): mask them before reducing.
+    a = jnp.where(valid, jnp.abs(x), 0.0)
+  m = jnp.max(a, axis=0, keepdims=True)
+  s = jnp.sum(jnp.square(a / jnp.where(m > 0, m, 1.0)), axis=0,
+              keepdims=True)
+  m_ref[...] = m
+  s_ref[...] = s
 
 
-def _update_kernel(scalars_ref, w_ref, g_ref, o_ref, *, adaptive: bool):
+def _update_kernel(scalars_ref, w_ref, g_ref, o_ref, *, rows: int,
+                   block_rows: int, adaptive: bool, masked: bool):
   # scalars: (scale, eta).
-  w = w_ref[...].astype(jnp.float32)
-  g = g_ref[...].astype(jnp.float32)
-  t, _ = _ascent_direction(w, g, adaptive, scalars_ref[1])
-  d = t * t * g if adaptive else g
-  # Writes past the end of a ragged last block are dropped by Pallas.
-  o_ref[...] = (w + scalars_ref[0] * d).astype(o_ref.dtype)
+  valid = _rows_valid(rows, block_rows) if masked else None
+  w = _read(w_ref, valid, masked)
+  g = _read(g_ref, valid, masked)
+  if adaptive:
+    t = jnp.abs(w) + scalars_ref[1]
+    g = t * t * g
+  out = (w + scalars_ref[0] * g).astype(o_ref.dtype)
+  if masked:
+    pltriton.store(o_ref, out, mask=valid)
+  else:  # Pallas drops the writes past the end of a ragged last block.
+    o_ref[...] = out
 
 
 def _out_like(x: jax.Array, shape, dtype) -> jax.ShapeDtypeStruct:
@@ -129,39 +232,62 @@ def _out_like(x: jax.Array, shape, dtype) -> jax.ShapeDtypeStruct:
                               manual_axis_type=jax.typeof(x).mat)
 
 
-def _norm_stats(eta, w, g, *, adaptive, block, interpret):
-  n = g.shape[0]
-  block = min(block, n)
-  grid = pl.cdiv(n, block)
-  vec = pl.BlockSpec((block,), lambda i: (i,))
-  one = pl.BlockSpec((1,), lambda i: (i,))
-  stats = _out_like(g, (grid,), jnp.float32)
-  kernel = functools.partial(_norm_kernel, n=n, block=block,
-                             adaptive=adaptive)
-  if adaptive:
-    operands = (eta.reshape(1), w, g)
-    in_specs = [pl.BlockSpec((1,), lambda i: (0,)), vec, vec]
-  else:
-    operands, in_specs = (g,), [vec]
-  return pl.pallas_call(
-      kernel, out_shape=(stats, stats), grid=(grid,), in_specs=in_specs,
-      out_specs=(one, one), interpret=interpret)(*operands)
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+  """How the two passes launch on one (rows, 128) buffer."""
+  target: str
+  interpret: bool
+  block_sizes: BlockSizes
 
+  def layout(self, w, g):
+    rows = w.shape[0]
+    block_rows = _block_rows(rows, w, g, self.block_sizes, self.target)
+    return rows, block_rows, pl.cdiv(rows, block_rows)
 
-def _update(scale, eta, w, g, *, adaptive, block, interpret):
-  n = w.shape[0]
-  block = min(block, n)
-  vec = pl.BlockSpec((block,), lambda i: (i,))
-  return pl.pallas_call(
-      functools.partial(_update_kernel, adaptive=adaptive),
-      out_shape=_out_like(g, w.shape, w.dtype),
-      grid=(pl.cdiv(n, block),),
-      in_specs=[pl.BlockSpec((2,), lambda i: (0,)), vec, vec],
-      out_specs=vec, interpret=interpret)(jnp.stack([scale, eta]), w, g)
+  def scalars_spec(self, n: int) -> pl.BlockSpec:
+    if self.target == 'tpu':
+      return pl.BlockSpec(memory_space=pltpu.SMEM)
+    return pl.BlockSpec((n,), lambda i: (0,))
+
+  def compiler_params(self):
+    if self.target == 'tpu':
+      return pltpu.CompilerParams(dimension_semantics=('parallel',))
+    return pltriton.CompilerParams(num_warps=self.block_sizes.num_warps)
+
+  def norm_stats(self, eta, w, g, adaptive: bool):
+    """Per-lane (max |x|, sum (x / max)^2) of each block: (grid, 1, 128)."""
+    rows, block_rows, grid = self.layout(w, g)
+    tile = pl.BlockSpec((block_rows, LANES), lambda i: (i, 0))
+    per_block = pl.BlockSpec((None, 1, LANES), lambda i: (i, 0, 0))
+    stats = _out_like(g, (grid, 1, LANES), jnp.float32)
+    if adaptive:
+      operands = (eta.reshape(1), w, g)
+      in_specs = [self.scalars_spec(1), tile, tile]
+    else:
+      operands, in_specs = (g,), [tile]
+    return pl.pallas_call(
+        functools.partial(_norm_kernel, rows=rows, block_rows=block_rows,
+                          adaptive=adaptive, masked=self.target == 'gpu'),
+        out_shape=(stats, stats), grid=(grid,), in_specs=in_specs,
+        out_specs=(per_block, per_block), interpret=self.interpret,
+        compiler_params=self.compiler_params(),
+        name='sam_perturb_norm')(*operands)
+
+  def update(self, scale, eta, w, g, adaptive: bool):
+    rows, block_rows, grid = self.layout(w, g)
+    tile = pl.BlockSpec((block_rows, LANES), lambda i: (i, 0))
+    return pl.pallas_call(
+        functools.partial(_update_kernel, rows=rows, block_rows=block_rows,
+                          adaptive=adaptive, masked=self.target == 'gpu'),
+        out_shape=_out_like(g, w.shape, w.dtype), grid=(grid,),
+        in_specs=[self.scalars_spec(2), tile, tile], out_specs=tile,
+        interpret=self.interpret, compiler_params=self.compiler_params(),
+        name='sam_perturb_update')(jnp.stack([scale, eta]), w, g)
 
 
 def _buffers(params, grads, pack_below: int):
-  """Flat (w, g) buffers: one per large leaf, one per dtype pair of small ones.
+  """(rows, 128) (w, g) buffers: one per large aligned leaf, one per dtype
+  pair of the others (zero-padded).
 
   Returns the buffers and a function that maps the perturbed buffers back
   to the tree of `params`.
@@ -171,9 +297,13 @@ def _buffers(params, grads, pack_below: int):
   buffers, slots = [], []  # slots[leaf] = (buffer index, offset) or None.
   packs = {}
   for i, (w, g) in enumerate(zip(leaves_w, leaves_g)):
-    if w.size >= pack_below:
+    if w.shape != g.shape:
+      raise validation.ArgumentError(
+          f'{_OWNER}.sam_perturb', 'grads',
+          f'leaf {i} has shape {g.shape}, its parameter {w.shape}')
+    if w.size >= max(pack_below, 1) and w.size % LANES == 0:
       slots.append((len(buffers), None))
-      buffers.append((w.reshape(-1), g.reshape(-1)))
+      buffers.append((w.reshape(-1, LANES), g.reshape(-1, LANES)))
     else:
       packs.setdefault((w.dtype, g.dtype), []).append(i)
       slots.append(None)
@@ -182,45 +312,79 @@ def _buffers(params, grads, pack_below: int):
     for i in members:
       slots[i] = (len(buffers), offset)
       offset += leaves_w[i].size
-    buffers.append((
-        jnp.concatenate([leaves_w[i].reshape(-1) for i in members]),
-        jnp.concatenate([leaves_g[i].reshape(-1) for i in members])))
+    pad = -offset % LANES
+
+    def packed(leaves, members=members, pad=pad):
+      flat = jnp.concatenate([leaves[i].reshape(-1) for i in members])
+      return jnp.pad(flat, (0, pad)).reshape(-1, LANES)
+
+    buffers.append((packed(leaves_w), packed(leaves_g)))
 
   def unflatten(outs):
     leaves = []
     for w, (b, offset) in zip(leaves_w, slots):
-      flat = outs[b] if offset is None else outs[b][offset:offset + w.size]
+      flat = outs[b].reshape(-1)
+      if offset is not None:
+        flat = flat[offset:offset + w.size]
       leaves.append(flat.reshape(w.shape))
     return jax.tree.unflatten(treedef, leaves)
 
   return buffers, unflatten
 
 
-def _fused(params, grads, rho, eta, eps, *, adaptive, block_sizes,
-           interpret):
+def _combine(m: jax.Array, s: jax.Array) -> jax.Array:
+  """Norm from per-lane (max, scaled sum of squares) pairs."""
+  big = jnp.max(m)
+  safe = jnp.where(big > 0, big, 1.0)
+  return jnp.where(big > 0, big * jnp.sqrt(jnp.sum(s * jnp.square(m / safe))),
+                   0.0)
+
+
+def _fused(params, grads, rho, eta, eps, *, adaptive: bool,
+           launch: _Launch):
   eta = jnp.asarray(eta, jnp.float32)
-  buffers, unflatten = _buffers(params, grads, block_sizes.pack_below)
-  stats = [_norm_stats(eta, w, g, adaptive=adaptive, block=block_sizes.block,
-                       interpret=interpret)
-           for w, g in buffers if w.size]
-  if stats:
-    norm = _combine(jnp.concatenate([m for m, _ in stats]),
-                    jnp.concatenate([s for _, s in stats]))
+  buffers, unflatten = _buffers(params, grads, launch.block_sizes.pack_below)
+  live = [(w, g) for w, g in buffers if w.size]
+  if live:
+    stats = [launch.norm_stats(eta, w, g, adaptive) for w, g in live]
+    norm = _combine(jnp.concatenate([m.reshape(-1) for m, _ in stats]),
+                    jnp.concatenate([s.reshape(-1) for _, s in stats]))
   else:
     norm = jnp.zeros((), jnp.float32)
   scale = (jnp.asarray(rho, jnp.float32) / (norm + eps)).astype(jnp.float32)
-  outs = [_update(scale, eta, w, g, adaptive=adaptive,
-                  block=block_sizes.block, interpret=interpret)
-          if w.size else w
+  outs = [launch.update(scale, eta, w, g, adaptive) if w.size else w
           for w, g in buffers]
   return unflatten(outs), norm
 
 
+# The platforms `platform_dependent` names, and the bodies each one gets
+# when `target` is None.
+_PLATFORM_TARGETS = {'cpu': 'tpu', 'tpu': 'tpu', 'cuda': 'gpu', 'rocm': 'gpu'}
+
+
+def _per_platform(adaptive: bool, block_sizes: BlockSizes | None,
+                  target: str | None, interpret: bool | None):
+  """`_fused` for each platform, keyed by (body, interpreted)."""
+  choices = {}
+  for platform, default_target in _PLATFORM_TARGETS.items():
+    t = target or default_target
+    interp = platform == 'cpu' if interpret is None else interpret
+    sizes = block_sizes or BlockSizes.for_target('interpret' if interp else t)
+    choices[platform] = functools.partial(
+        _fused, adaptive=adaptive, launch=_Launch(t, interp, sizes))
+  return choices
+
+
 @functools.lru_cache(maxsize=None)
-def _differentiation_guarded(adaptive, block_sizes, interpret):
-  """`_fused` for these static options, with a VJP that explains itself."""
-  fn = functools.partial(_fused, adaptive=adaptive, block_sizes=block_sizes,
-                         interpret=interpret)
+def _differentiation_guarded(adaptive, block_sizes, target, interpret):
+  """The kernels for these static options, picked where they are lowered,
+  with a VJP that explains itself."""
+  choices = _per_platform(adaptive, block_sizes, target, interpret)
+  distinct = {(f.keywords['launch']): f for f in choices.values()}
+  if len(distinct) == 1:
+    fn = next(iter(distinct.values()))
+  else:
+    fn = lambda *args: jax.lax.platform_dependent(*args, **choices)
   guarded = jax.custom_vjp(fn)
 
   def fwd(*args):
@@ -239,23 +403,34 @@ def _differentiation_guarded(adaptive, block_sizes, interpret):
 
 
 def sam_perturb(params: Params, grads: Params, rho: float | jax.Array, *,
-                adaptive: bool = False, eta: float = 0.01,
-                eps: float = 1e-12, block_sizes: BlockSizes | None = None,
+                adaptive: bool = False, eta: float | jax.Array = 0.01,
+                eps: float | jax.Array = 1e-12,
+                block_sizes: BlockSizes | None = None,
+                target: str | None = None,
                 interpret: bool | None = None) -> tuple[Params, jax.Array]:
   """w + rho g / (|g| + eps) (ASAM: w + rho T^2 g / (|T g| + eps)), fused.
 
   Args:
     params: w (any float dtypes; each leaf keeps its dtype).
-    grads: g, a tree like `params`.
+    grads: g, a tree like `params` with leaves of the same shapes.
     rho: the radius (a scalar; rho, eta and eps may be traced).
     adaptive: ASAM, with T = |w| + eta elementwise.
     eta: ASAM's offset.
     eps: added to the norm (g = 0 gives w back, not NaN).
-    block_sizes: tile sizes; None for the defaults.
+    block_sizes: tile sizes; None: `BlockSizes.for_target` of each
+      platform's kernels ('interpret' for interpreted ones).
+    target: the kernel bodies: 'tpu' (Mosaic) or 'gpu' (Triton); None:
+      chosen where the call is lowered (TPU bodies on TPU and, interpreted,
+      on CPU; Triton bodies on CUDA and ROCm GPUs).
     interpret: run in Pallas's interpreter; None: on CPU only.
 
   Returns:
     (the perturbed params, the global norm |g| or |T g| in float32).
+
+  Raises:
+    ArgumentError: `target` is not a valid choice, a leaf of `grads` has
+      another shape than its parameter, or `block_sizes` does not suit
+      the kernels (named, before any compute).
 
   Example:
 
@@ -266,10 +441,12 @@ def sam_perturb(params: Params, grads: Params, rho: float | jax.Array, *,
     >>> round(float(norm), 4), round(float(perturbed['a'][0]), 4)
     (4.4721, 1.2236)
   """
-  if interpret is None:
-    interpret = interprets_by_default()
-  fn = _differentiation_guarded(bool(adaptive), block_sizes or BlockSizes(),
-                                bool(interpret))
+  if target is not None:
+    validation.check_choice(f'{_OWNER}.sam_perturb', 'target', target,
+                            TARGETS)
+  fn = _differentiation_guarded(
+      bool(adaptive), block_sizes, target,
+      None if interpret is None else bool(interpret))
   return fn(params, grads, rho, eta, eps)
 
 
