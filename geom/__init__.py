@@ -14,6 +14,7 @@ method's factory shares its module's name:
 
 Modules:
   sam            SAM, ASAM, m-sharpness, warm-start, step windows.
+  conga          CONGA, a learning rate for test-time adaptation.
   hallucination  the detector of SAM's hallucinated minimizers.
   kernels        Pallas kernels (the fused SAM perturbation).
   steering       spherical steering and addition baselines.
@@ -22,10 +23,10 @@ Modules:
   tree_norm      a pytree's L2 norm in float32, safe from over/underflow.
   validation     argument checks; `ArgumentError`.
 
-Planned (not yet here): `conga` (a learning-rate schedule for test-time
-adaptation) and `gas` (staleness budgets for asynchronous RL).
+Planned (not yet here): `gas` (staleness budgets for asynchronous RL).
 """
 
+from geom import conga
 from geom import hallucination
 from geom import kernels
 from geom import landscapes
@@ -34,6 +35,7 @@ from geom import sam
 from geom import steering
 from geom import tree_norm
 from geom import validation
+from geom.conga import CongaState
 from geom.hallucination import DetectorConfig
 from geom.hallucination import DetectorState
 from geom.kernels.sam_perturb import BlockSizes
@@ -46,8 +48,9 @@ from geom.steering import SteerStats
 from geom.validation import ArgumentError
 
 __all__ = [
-    'ArgumentError', 'BlockSizes', 'DetectorConfig', 'DetectorState',
-    'MethodHooks', 'SAMOptions', 'SAMState', 'StepVariants', 'SteerStats',
-    'Steering', 'hallucination', 'kernels', 'landscapes', 'method_hooks',
-    'sam', 'steering', 'tree_norm', 'validation',
+    'ArgumentError', 'BlockSizes', 'CongaState', 'DetectorConfig',
+    'DetectorState', 'MethodHooks', 'SAMOptions', 'SAMState', 'StepVariants',
+    'SteerStats', 'Steering', 'conga', 'hallucination', 'kernels',
+    'landscapes', 'method_hooks', 'sam', 'steering', 'tree_norm',
+    'validation',
 ]

@@ -50,6 +50,8 @@ __all__ = ['UPDATE_ARGUMENTS', 'MethodHooks', 'StepVariants', 'combine']
 UPDATE_ARGUMENTS: Mapping[str, str] = {
     'grad_fn': '`grad_fn(params) -> grads`: the gradient of the same loss on '
                'the same batch, at other weights',
+    'entropies': 'per-sample prediction entropies (nats, float32) of the '
+                 'batch the gradient comes from, shape (batch,)',
 }
 
 Diagnostics = Callable[[optax.OptState], Mapping[str, jax.Array]]

@@ -14,14 +14,18 @@ CASES = {c.name: c for c in battery.CASES}
 NAMES = sorted(CASES)
 
 
-def _run(tx, params, loss, batch, steps, needs_grad_fn, jit=True,
-         state=None):
+# tx, loss, needs_grad_fn and extra_arguments are static.
+STATIC = (0, 3, 5, 6)
+
+
+def _run(tx, params, loss, batch, steps, case, jit=True, state=None):
   state = tx.init(params) if state is None else state
   fn = battery.step
   if jit:
-    fn = jax.jit(battery.step, static_argnums=(0, 3, 5))
+    fn = jax.jit(battery.step, static_argnums=STATIC)
   for _ in range(steps):
-    params, state = fn(tx, params, state, loss, batch, needs_grad_fn)
+    params, state = fn(tx, params, state, loss, batch, case.needs_grad_fn,
+                       case.extra_arguments)
   return params, state
 
 
@@ -34,7 +38,7 @@ def _close(a, b, **kw):
 def test_optimises_the_toy_problem(name):
   case = CASES[name]
   params, loss, batch = battery.problem()
-  final, _ = _run(case.make(), params, loss, batch, 60, case.needs_grad_fn)
+  final, _ = _run(case.make(), params, loss, batch, 60, case)
   assert loss(final, batch) < 0.7 * loss(params, batch)
 
 
@@ -42,9 +46,8 @@ def test_optimises_the_toy_problem(name):
 def test_jit_gives_the_same_result(name):
   case = CASES[name]
   params, loss, batch = battery.problem()
-  eager, _ = _run(case.make(), params, loss, batch, 4, case.needs_grad_fn,
-                  jit=False)
-  jitted, _ = _run(case.make(), params, loss, batch, 4, case.needs_grad_fn)
+  eager, _ = _run(case.make(), params, loss, batch, 4, case, jit=False)
+  jitted, _ = _run(case.make(), params, loss, batch, 4, case)
   _close(eager, jitted, rtol=1e-5, atol=1e-6)
 
 
@@ -56,8 +59,9 @@ def test_dtypes_are_preserved(name, dtype):
   tx = case.make()
   state = tx.init(params)
   dtypes = jax.tree.map(lambda x: x.dtype, state)
-  new_params, new_state = jax.jit(battery.step, static_argnums=(0, 3, 5))(
-      tx, params, state, loss, batch, case.needs_grad_fn)
+  new_params, new_state = jax.jit(battery.step, static_argnums=STATIC)(
+      tx, params, state, loss, batch, case.needs_grad_fn,
+      case.extra_arguments)
   assert jax.tree.map(lambda x: x.dtype, new_params) == jax.tree.map(
       lambda x: x.dtype, params)
   assert jax.tree.map(lambda x: x.dtype, new_state) == dtypes
@@ -82,10 +86,10 @@ def test_state_stays_sharded_on_the_mesh(name):
       transform_non_params=lambda _: repl)
   params = jax.device_put(params, param_shardings)
   state = jax.jit(tx.init, out_shardings=state_shardings)(params)
-  step = jax.jit(battery.step, static_argnums=(0, 3, 5),
+  step = jax.jit(battery.step, static_argnums=STATIC,
                  out_shardings=(param_shardings, state_shardings))
   new_params, new_state = step(tx, params, state, loss, batch,
-                               case.needs_grad_fn)
+                               case.needs_grad_fn, case.extra_arguments)
   specs = lambda t: jax.tree.map(lambda x: x.sharding.spec, t)
   assert specs(new_state) == specs(state)
   assert specs(new_params) == specs(params)
@@ -101,9 +105,9 @@ def test_gradient_accumulation_over_identical_microbatches(name):
   if not case.accumulates:
     pytest.skip(f'{name}: one update spans several calls')
   params, loss, batch = battery.problem()
-  single, _ = _run(case.make(), params, loss, batch, 3, case.needs_grad_fn)
+  single, _ = _run(case.make(), params, loss, batch, 3, case)
   accumulated, _ = _run(optax.MultiSteps(case.make(), every_k_schedule=2),
-                        params, loss, batch, 6, case.needs_grad_fn)
+                        params, loss, batch, 6, case)
   _close(single, accumulated, rtol=1e-5, atol=1e-6)
 
 
@@ -111,9 +115,9 @@ def test_gradient_accumulation_over_identical_microbatches(name):
 def test_inside_chain(name):
   case = CASES[name]
   params, loss, batch = battery.problem()
-  plain, _ = _run(case.make(), params, loss, batch, 3, case.needs_grad_fn)
+  plain, _ = _run(case.make(), params, loss, batch, 3, case)
   chained, _ = _run(optax.chain(case.make(), optax.scale(1.0)), params, loss,
-                    batch, 3, case.needs_grad_fn)
+                    batch, 3, case)
   _close(plain, chained, rtol=1e-6, atol=1e-7)
 
 
@@ -134,8 +138,7 @@ def test_a_hyperparameter_changed_under_inject_hyperparams_takes_effect(name):
   field, value = case.changed
   assert value != case.kwargs[field]
   params, loss, batch = battery.problem()
-  steps = lambda tx, p, state: _run(tx, p, loss, batch, 2, case.needs_grad_fn,
-                                    state=state)
+  steps = lambda tx, p, state: _run(tx, p, loss, batch, 2, case, state=state)
   injected_tx = optax.inject_hyperparams(case.factory)(**case.kwargs)
   plain_tx = case.make()  # One object: one compilation for both runs.
   mid, state = steps(injected_tx, params, None)
@@ -157,8 +160,7 @@ def test_state_survives_a_checkpoint(name, tmp_path):
   case = CASES[name]
   params, loss, batch = battery.problem()
   tx = case.make()
-  mid_params, mid_state = _run(tx, params, loss, batch, 3,
-                               case.needs_grad_fn)
+  mid_params, mid_state = _run(tx, params, loss, batch, 3, case)
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(tmp_path / 'ckpt', {'params': mid_params, 'state': mid_state})
   with ocp.StandardCheckpointer() as ckptr:
@@ -170,8 +172,10 @@ def test_state_survives_a_checkpoint(name, tmp_path):
       mid_state)
   ref_p, ref_s = mid_params, mid_state
   got_p, got_s = restored['params'], restored['state']
-  step = jax.jit(battery.step, static_argnums=(0, 3, 5))
+  step = jax.jit(battery.step, static_argnums=STATIC)
   for _ in range(2):
-    ref_p, ref_s = step(tx, ref_p, ref_s, loss, batch, case.needs_grad_fn)
-    got_p, got_s = step(tx, got_p, got_s, loss, batch, case.needs_grad_fn)
+    ref_p, ref_s = step(tx, ref_p, ref_s, loss, batch, case.needs_grad_fn,
+                        case.extra_arguments)
+    got_p, got_s = step(tx, got_p, got_s, loss, batch, case.needs_grad_fn,
+                        case.extra_arguments)
   jax.tree.map(np.testing.assert_array_equal, got_p, ref_p)

@@ -7,7 +7,10 @@ bfloat16) and state dtypes, keeps its state sharded on a mesh, works under
 `optax.inject_hyperparams`, `optax.MultiSteps` (gradient accumulation) and
 `optax.chain`, and its state survives an Orbax checkpoint. A new method
 joins by adding a `Case`, naming a numeric hyperparameter and a new value
-for it (`changed`) that the inject_hyperparams check sets mid-run.
+for it (`changed`) that the inject_hyperparams check sets mid-run, and the
+extra `update` arguments it needs: `grad_fn` (`needs_grad_fn`) and those of
+`EXTRA_ARGUMENTS` (`extra_arguments`), which `step` computes from the toy
+problem.
 """
 
 import dataclasses
@@ -17,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from geom import conga
 from geom import hallucination
 from geom import sam
 
@@ -37,12 +41,42 @@ class Case:
   # `optax.inject_hyperparams(factory)` mid-run; the value must change
   # the update.
   changed: tuple[str, float] | None = None
+  # Extra update arguments besides grad_fn, from `EXTRA_ARGUMENTS`.
+  extra_arguments: tuple[str, ...] = ()
+
+
+NUM_OUTPUTS = 4
+# The toy model's outputs times this are the logits whose entropies CONGA
+# reads: about half of the samples are confident (H < 0.4 ln 4) at first.
+LOGIT_SCALE = 2.0
 
 
 def _sam_case(name, **kw):
   kwargs = dict(base_optimizer=optax.sgd(0.05, momentum=0.9), rho=0.05, **kw)
   return Case(name, lambda: sam.sam(**kwargs), factory=sam.sam, kwargs=kwargs,
               changed=('rho', 0.2))
+
+
+# Factories with explicit arguments: inject_hyperparams injects each one.
+def _adam_conga(learning_rate, num_classes, max_update_rms=1e-2,
+                total_steps=None):
+  return optax.chain(optax.scale_by_adam(), conga.conga(
+      learning_rate, num_classes=num_classes, max_update_rms=max_update_rms,
+      total_steps=total_steps))
+
+
+def _momentum_conga(learning_rate, num_classes, max_update_rms=1e-2,
+                    total_steps=None):
+  return optax.chain(optax.trace(0.9), conga.conga(
+      learning_rate, num_classes=num_classes, max_update_rms=max_update_rms,
+      total_steps=total_steps))
+
+
+def _conga_case(name, factory, **kwargs):
+  return Case(name, lambda: factory(**kwargs), needs_grad_fn=False,
+              factory=factory, kwargs=kwargs,
+              changed=('learning_rate', 3 * kwargs['learning_rate']),
+              extra_arguments=('entropies',))
 
 
 CASES = [
@@ -75,7 +109,37 @@ CASES = [
          kwargs=dict(base_optimizer=optax.adamw(1e-2, weight_decay=1e-4),
                      rho=0.05),
          changed=('rho', 0.2)),
+    # CONGA as the learning rate of Adam (progress from the entropies) and
+    # of SGD with momentum (progress t / T, the step cap binding at first),
+    # and as the base optimizer's rate under SAM (SAR with CONGA).
+    _conga_case('conga_adam', _adam_conga, learning_rate=0.01,
+                num_classes=NUM_OUTPUTS, max_update_rms=0.1),
+    _conga_case('conga_momentum', _momentum_conga, learning_rate=0.02,
+                num_classes=NUM_OUTPUTS, total_steps=60),
+    Case('sam_conga_base',
+         lambda: sam.sam(_adam_conga(0.01, NUM_OUTPUTS, max_update_rms=0.1),
+                         rho=0.05),
+         factory=sam.sam,
+         kwargs=dict(base_optimizer=_adam_conga(0.01, NUM_OUTPUTS,
+                                                max_update_rms=0.1),
+                     rho=0.05),
+         changed=('rho', 0.2), extra_arguments=('entropies',)),
 ]
+
+
+def forward(params, x):
+  """The toy MLP: (batch, 8) -> (batch, NUM_OUTPUTS)."""
+  return jnp.tanh(x @ params['w1'] + params['b1']) @ params['w2']
+
+
+def entropies(params, batch):
+  """Entropies (nats, float32) of softmax(LOGIT_SCALE * outputs): (batch,)."""
+  logits = LOGIT_SCALE * forward(params, batch['x']).astype(jnp.float32)
+  return -jnp.sum(jax.nn.softmax(logits) * jax.nn.log_softmax(logits), -1)
+
+
+# name -> (params, batch) -> the extra update argument of that name.
+EXTRA_ARGUMENTS = {'entropies': entropies}
 
 
 def problem(dtype=jnp.float32):
@@ -84,22 +148,29 @@ def problem(dtype=jnp.float32):
   params = {
       'w1': jax.random.normal(k[0], (8, 16)) * 0.5,
       'b1': jnp.zeros((16,)),
-      'w2': jax.random.normal(k[1], (16, 4)) * 0.5,
+      'w2': jax.random.normal(k[1], (16, NUM_OUTPUTS)) * 0.5,
   }
   params = jax.tree.map(lambda x: x.astype(dtype), params)
   batch = {'x': jax.random.normal(k[2], (64, 8)).astype(dtype),
-           'y': jax.random.normal(k[3], (64, 4)).astype(dtype)}
+           'y': jax.random.normal(k[3], (64, NUM_OUTPUTS)).astype(dtype)}
 
   def loss(p, b):
-    h = jnp.tanh(b['x'] @ p['w1'] + p['b1'])
-    return jnp.mean(jnp.square(h @ p['w2'] - b['y']).astype(jnp.float32))
+    return jnp.mean(jnp.square(forward(p, b['x']) - b['y']).astype(
+        jnp.float32))
 
   return params, loss, batch
 
 
-def step(tx, params, state, loss, batch, needs_grad_fn=True):
-  """One update of `tx` on `batch`; returns (new params, new state)."""
+def step(tx, params, state, loss, batch, needs_grad_fn=True,
+         extra_arguments=()):
+  """One update of `tx` on `batch`; returns (new params, new state).
+
+  `extra_arguments` names the update arguments of `EXTRA_ARGUMENTS` to
+  pass besides `grad_fn`, computed at `params` on `batch`.
+  """
   grad_fn = lambda p: jax.grad(loss)(p, batch)
   extra = {'grad_fn': grad_fn} if needs_grad_fn else {}
+  extra.update({name: EXTRA_ARGUMENTS[name](params, batch)
+                for name in extra_arguments})
   updates, state = tx.update(grad_fn(params), state, params, **extra)
   return optax.apply_updates(params, updates), state
