@@ -8,10 +8,14 @@ Variants through the config argument (comma-separated, combinable):
 
   python -m launch.train --config=configs/digits.py:runlocal --workdir=/tmp/d
   python -m launch.train --config=configs/digits.py:model=mlp --workdir=/tmp/m
+  python -m launch.train --config=configs/digits.py:dataset=mnist5k,norm=group \
+    --workdir=/tmp/mnist_gn
   python -m launch.train --config=configs/digits.py --workdir=/tmp/sam \
     --config.optimizer.sam.enabled=True --config.optimizer.sam.rho=0.1
 
-`runlocal` shrinks the run for tests and laptops. Sweeps (`get_sweep`):
+`runlocal` shrinks the run for tests and laptops. `dataset=mnist5k` trains
+on 5,000 real 28x28 MNIST images (offline; the source model of
+configs/tta.py); `norm=` picks the CNN's normalisation. Sweeps (`get_sweep`):
 
   python -m launch.sweep --config=configs/digits.py --sweep=sam_rho \
     --workdir=workdirs/sam_rho --parallel=2
@@ -35,10 +39,11 @@ from configs import sweeps
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The digits experiment; `arg` selects variants (see module docstring)."""
   args = config_args.parse(arg, 'configs/digits.py', {
-      'runlocal': 'runlocal', 'model': 'model=cnn|mlp'})
+      'runlocal': 'runlocal', 'model': 'model=cnn|mlp',
+      'dataset': 'dataset=NAME', 'norm': 'norm=batch|group|layer'})
   config = ml_collections.ConfigDict()
   config.seed = 0
-  config.dataset = 'digits'
+  config.dataset = args.get('dataset', 'digits')
   # None: $TFDS_DATA_DIR or ~/tensorflow_datasets. digits is built there
   # from scikit-learn on first use; other names must already be there.
   config.data_dir = ml_collections.config_dict.placeholder(str)
@@ -49,6 +54,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if model == 'cnn':
     config.model = ml_collections.ConfigDict(
         dict(name='cnn', features=(32, 64), hidden=128))
+    if 'norm' in args:  # Absent by default: older runs' configs stay equal.
+      config.model.norm = args['norm']
   elif model == 'mlp':
     config.model = ml_collections.ConfigDict(
         dict(name='mlp', widths=(256, 256)))

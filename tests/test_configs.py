@@ -25,6 +25,9 @@ def test_config_documents_its_command_and_has_a_small_mode(name):
   if 'num_steps' in full:  # Training configs.
     assert small.num_steps < full.num_steps
     assert small.batch_size <= full.batch_size
+  elif 'corruptions' in full:  # Test-time adaptation: a shorter stream.
+    assert full.corruptions == 'all'
+    assert 0 < len(small.corruptions.split(',')) < 15
   else:  # Evaluation configs: fewer items and settings.
     assert sum(small.tasks.values()) < sum(full.tasks.values())
     assert len(small.alphas) < len(full.alphas)

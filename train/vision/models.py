@@ -33,12 +33,42 @@ def _batch_norm(axis: str, train: bool, name: str) -> nn.BatchNorm:
       bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (axis,)))
 
 
+def _group_norm(axis: str, name: str, num_groups: int | None) -> nn.Module:
+  scale = nn.with_logical_partitioning(nn.initializers.ones, (axis,))
+  bias = nn.with_logical_partitioning(nn.initializers.zeros, (axis,))
+  if num_groups is None:  # LayerNorm over the features.
+    return nn.LayerNorm(name=name, scale_init=scale, bias_init=bias)
+  return nn.GroupNorm(num_groups=num_groups, name=name, scale_init=scale,
+                      bias_init=bias)
+
+
+NORMS = ('batch', 'group', 'layer')
+
+
 class CNN(nn.Module):
-  """Conv-BN-ReLU blocks, 2x2 average pooling, then a BN-ReLU hidden layer."""
+  """Conv-norm-ReLU blocks, 2x2 average pooling, then a norm-ReLU hidden layer.
+
+  `norm` 'batch' (the default) normalises with batch statistics in training
+  and running averages in evaluation; 'group' (8 groups, or fewer when the
+  features do not split into 8) and 'layer' use each example alone, so
+  their output does not depend on the batch: the variant test-time
+  adaptation needs to show the batch-size and label-shift failure modes of
+  batch statistics. All keep their affine parameters in `bn*` modules
+  (`scale`, `bias`), the parameters test-time adaptation adapts.
+  """
   num_classes: int
   features: Sequence[int] = (32, 64)
   hidden: int = 128
   pixel_max: float = 255.0
+  norm: str = 'batch'
+
+  def _norm(self, axis: str, width: int, train: bool, name: str):
+    if self.norm == 'batch':
+      return _batch_norm(axis, train, name)
+    if self.norm == 'layer':
+      return _group_norm(axis, name, None)
+    groups = next(g for g in (8, 4, 2, 1) if width % g == 0)
+    return _group_norm(axis, name, groups)
 
   @nn.compact
   def __call__(self, images, *, train: bool):
@@ -49,11 +79,11 @@ class CNN(nn.Module):
           kernel_init=nn.with_logical_partitioning(
               nn.initializers.lecun_normal(),
               (None, None, 'conv_in', 'conv_out')))(x)
-      x = nn.relu(_batch_norm('conv_out', train, f'bn{i}')(x))
+      x = nn.relu(self._norm('conv_out', f, train, f'bn{i}')(x))
     x = nn.avg_pool(x, (2, 2), strides=(2, 2), padding='SAME')
     x = x.reshape((x.shape[0], -1))
     x = _dense(self.hidden, ('flat', 'hidden'), 'hidden')(x)
-    x = nn.relu(_batch_norm('hidden', train, 'bn_hidden')(x))
+    x = nn.relu(self._norm('hidden', self.hidden, train, 'bn_hidden')(x))
     return _dense(self.num_classes, ('hidden', 'classes'), 'head')(x)
 
 
@@ -98,4 +128,7 @@ def create_model(model_config: Any, num_classes: int,
     raise ConfigError(f'model.{unknown[0]}', kwargs[unknown[0]],
                       f'not a field of model {name!r}',
                       sorted(fields - {'num_classes', 'pixel_max'}))
+  if 'norm' in kwargs and kwargs['norm'] not in NORMS:
+    raise ConfigError('model.norm', kwargs['norm'], 'unknown normalisation',
+                      NORMS)
   return _MODELS[name](num_classes=num_classes, pixel_max=pixel_max, **kwargs)

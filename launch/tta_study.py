@@ -1,0 +1,202 @@
+r"""Test-time adaptation studies on mnist5k's corrupted test sets, over seeds.
+
+  python -m launch.tta_study --study=table --workdir=workdirs/tta_study
+  python -m launch.tta_study --study=rates --workdir=workdirs/tta_study
+
+Each seed trains its own source CNN (`configs/digits.py:dataset=mnist5k`,
+that seed) into `<workdir>/source_<seed>`; the stream's shuffling uses the
+same seed. Every adaptation run has its own workdir below `--workdir` (a
+finished run is read back, an interrupted one resumes), and the study
+writes `<study>.md` and `<study>.json` there (and `rates.png`).
+
+- `table`: error % of source, BN statistics, TENT, EATA and SAR, each with
+  a fixed rate and with CONGA, on the episodic, continual and mixed
+  streams at severity 5, and on the episodic stream averaged over
+  severities 1-5 (`--mean_protocols`).
+- `rates`: error % against the base learning rate (`--rates`, two decades
+  or more), fixed vs CONGA, for TENT, EATA and SAR on one stream
+  (`--protocol`, severity 5), with the spread over the grid (worst minus
+  best) per method and schedule.
+"""
+
+import json
+import os
+import statistics
+
+from absl import app
+from absl import flags
+from absl import logging
+
+_WORKDIR = flags.DEFINE_string('workdir', 'workdirs/tta_study', 'Root dir.')
+_STUDY = flags.DEFINE_enum('study', 'table', ['table', 'rates'], 'Which study.')
+_SEEDS = flags.DEFINE_integer('seeds', 3, 'Seeds (source model and stream).')
+_SEVERITIES = flags.DEFINE_list('severities', ['1', '2', '3', '4', '5'],
+                                'Severities (table).')
+_PROTOCOLS = flags.DEFINE_list('protocols', ['episodic', 'continual', 'mixed'],
+                               'Streams (table).')
+_MEAN_PROTOCOLS = flags.DEFINE_list(
+    'mean_protocols', ['episodic'],
+    'Streams (table) also run at every severity for the mean over them.')
+_PROTOCOL = flags.DEFINE_string('protocol', 'continual', 'Stream (rates).')
+_RATES = flags.DEFINE_list(
+    'rates', ['1e-4', '3e-4', '1e-3', '3e-3', '1e-2', '3e-2', '1e-1'],
+    'Base learning rates (rates).')
+_METHODS = flags.DEFINE_list('methods', ['tent', 'eata', 'sar'],
+                             'Adapting methods (rates).')
+_BATCH = flags.DEFINE_integer('batch_size', 64, 'config.batch_size')
+_SOURCE_ARG = flags.DEFINE_string('source_arg', 'dataset=mnist5k',
+                                  'Argument of configs/digits.py.')
+_FEATURES = flags.DEFINE_list(
+    'features', ['16', '32'],
+    "The source CNN's conv widths (half the digits default: XLA:CPU "
+    'convolution gradients dominate the study\'s time).')
+
+# (label, method, schedule) of the table.
+TABLE_ROWS = [
+    ('source', 'source', 'fixed'), ('BN stats', 'bn_stats', 'fixed'),
+    ('TENT', 'tent', 'fixed'), ('TENT+CONGA', 'tent', 'conga'),
+    ('EATA', 'eata', 'fixed'), ('EATA+CONGA', 'eata', 'conga'),
+    ('SAR', 'sar', 'fixed'), ('SAR+CONGA', 'sar', 'conga'),
+]
+
+
+def _source(seed: int) -> str:
+  from configs import digits  # pylint: disable=g-import-not-at-top
+  from train.vision import trainer  # pylint: disable=g-import-not-at-top
+  workdir = os.path.join(_WORKDIR.value, f'source_{seed}')
+  config = digits.get_config(_SOURCE_ARG.value)
+  config.seed = seed
+  config.model.features = tuple(int(f) for f in _FEATURES.value)
+  final = trainer.train_and_evaluate(config, workdir)
+  logging.info('source %d: test accuracy %.4f', seed, final['test_accuracy'])
+  return workdir
+
+
+def _adapt(seed: int, method: str, schedule: str, protocol: str,
+           severity: int, rate: float | None = None) -> dict:
+  from configs import tta  # pylint: disable=g-import-not-at-top
+  from train.tta import adapt  # pylint: disable=g-import-not-at-top
+  config = tta.get_config(f'method={method},schedule={schedule},'
+                          f'protocol={protocol}')
+  config.seed = seed
+  config.severity = severity
+  config.batch_size = _BATCH.value
+  config.source_workdir = os.path.join(_WORKDIR.value, f'source_{seed}')
+  config.checkpoint_every = 1000
+  if rate is not None:
+    config.method.learning_rate = rate
+  name = (f'{method}_{schedule}_{protocol}_s{severity}_seed{seed}'
+          + ('' if rate is None else f'_lr{rate:g}'))
+  return adapt.adapt_and_evaluate(config, os.path.join(_WORKDIR.value, name))
+
+
+def _mean_std(values: list[float]) -> str:
+  if len(values) < 2:
+    return f'{values[0]:.1f}' if values else '-'
+  return f'{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}'
+
+
+def table() -> tuple[str, dict]:
+  seeds = range(_SEEDS.value)
+  severities = [int(s) for s in _SEVERITIES.value]
+  raw = {}
+  for seed in seeds:
+    _source(seed)
+    for label, method, schedule in TABLE_ROWS:
+      for protocol in _PROTOCOLS.value:
+        for severity in (severities if protocol in _MEAN_PROTOCOLS.value
+                         else [5]):
+          result = _adapt(seed, method, schedule, protocol, severity)
+          raw[f'{label}|{protocol}|{severity}|{seed}'] = result['mean_error']
+  averaged = [p for p in _PROTOCOLS.value if p in _MEAN_PROTOCOLS.value]
+  head = ['method'] + [f'{p} sev 5' for p in _PROTOCOLS.value] + [
+      f'{p} sev {severities[0]}-{severities[-1]}' for p in averaged]
+  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  for label, _, _ in TABLE_ROWS:
+    cells = []
+    for protocol in _PROTOCOLS.value:
+      cells.append(_mean_std([raw[f'{label}|{protocol}|5|{s}']
+                              for s in seeds]))
+    for protocol in averaged:
+      cells.append(_mean_std([
+          statistics.mean(raw[f'{label}|{protocol}|{v}|{s}']
+                          for v in severities) for s in seeds]))
+    lines.append(f'| {label} | ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines), raw
+
+
+def rates() -> tuple[str, dict]:
+  seeds = range(_SEEDS.value)
+  grid = [float(r) for r in _RATES.value]
+  raw = {}
+  for seed in seeds:
+    _source(seed)
+    for method in _METHODS.value:
+      for schedule in ('fixed', 'conga'):
+        for rate in grid:
+          result = _adapt(seed, method, schedule, _PROTOCOL.value, 5, rate)
+          raw[f'{method}|{schedule}|{rate:g}|{seed}'] = result['mean_error']
+  head = ['method', 'schedule'] + [f'{r:g}' for r in grid] + [
+      'best', 'worst - best']
+  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  summary = {}
+  for method in _METHODS.value:
+    for schedule in ('fixed', 'conga'):
+      means = [statistics.mean(raw[f'{method}|{schedule}|{r:g}|{s}']
+                               for s in seeds) for r in grid]
+      cells = [_mean_std([raw[f'{method}|{schedule}|{r:g}|{s}']
+                          for s in seeds]) for r in grid]
+      # The spread per seed, then its mean and deviation over seeds.
+      spreads = [max(raw[f'{method}|{schedule}|{r:g}|{s}'] for r in grid)
+                 - min(raw[f'{method}|{schedule}|{r:g}|{s}'] for r in grid)
+                 for s in seeds]
+      bests = [min(raw[f'{method}|{schedule}|{r:g}|{s}'] for r in grid)
+               for s in seeds]
+      summary[f'{method}|{schedule}'] = {'means': means, 'spreads': spreads,
+                                         'bests': bests}
+      lines.append(f'| {method} | {schedule} | ' + ' | '.join(cells)
+                   + f' | {_mean_std(bests)} | {_mean_std(spreads)} |')
+  _plot_rates(grid, summary)
+  return '\n'.join(lines), raw
+
+
+def _plot_rates(grid, summary) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from train import plots  # pylint: disable=g-import-not-at-top
+  methods = _METHODS.value
+  fig, axes = plt.subplots(1, len(methods), figsize=(4.5 * len(methods), 3.8),
+                           sharey=True)
+  for ax, method in zip(list(axes) if len(methods) > 1 else [axes], methods):
+    for schedule, style in (('fixed', 'o-'), ('conga', 's-')):
+      ax.plot(grid, summary[f'{method}|{schedule}']['means'], style,
+              label=schedule)
+    ax.set_xscale('log')
+    ax.set_xlabel('base learning rate')
+    ax.set_title(f'{method}, {_PROTOCOL.value}, severity 5')
+    ax.grid(alpha=0.3)
+    ax.legend()
+  axes_list = list(axes) if len(methods) > 1 else [axes]
+  axes_list[0].set_ylabel(f'error % (mean of {_SEEDS.value} seeds)')
+  plots.save_png(fig, os.path.join(_WORKDIR.value, 'rates.png'))
+
+
+def main(argv):
+  del argv
+  from launch import entry  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  entry.quiet_libraries()
+  entry.configure_devices(ml_collections.ConfigDict({'cpu_devices': 8}))
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  text, raw = table() if _STUDY.value == 'table' else rates()
+  base = os.path.join(_WORKDIR.value, _STUDY.value)
+  with open(base + '.md', 'w') as f:
+    f.write(text + '\n')
+  with open(base + '.json', 'w') as f:
+    json.dump(raw, f, indent=1, sort_keys=True)
+  print(text)
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,198 @@
+"""launch.tta / train.tta.adapt: results, bit-exact resume after kill -9, one-line errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from configs import digits as digits_config
+from configs import tta as tta_config
+from tests import launch_runs
+from train.tta import adapt
+from train.vision import trainer
+
+REPO_ROOT = launch_runs.REPO_ROOT
+
+
+@pytest.fixture(scope='module')
+def source_workdir(tmp_path_factory):
+  """A CNN trained briefly on mnist5k (the streams' clean data set)."""
+  workdir = str(tmp_path_factory.mktemp('source'))
+  trainer.train_and_evaluate(digits_config.get_config('runlocal,dataset=mnist5k'),
+                             workdir)
+  return workdir
+
+
+def _config(source, arg='runlocal', **fields):
+  config = tta_config.get_config(arg)
+  config.source_workdir = source
+  for key, value in fields.items():
+    node = config
+    *path, last = key.split('.')
+    for p in path:
+      node = node[p]
+    node[last] = value
+  return config
+
+
+def _command(workdir, source, *overrides, arg='runlocal'):
+  return [sys.executable, '-m', 'launch.tta',
+          f'--config=configs/tta.py:{arg}', f'--workdir={workdir}',
+          f'--config.source_workdir={source}', *overrides]
+
+
+def _run(*args, **kw):
+  return subprocess.run(_command(*args, **kw), cwd=REPO_ROOT,
+                        capture_output=True, text=True, timeout=300)
+
+
+def _records(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return f.read()
+
+
+def test_adapts_and_reports_per_corruption_errors(source_workdir, tmp_path):
+  results = {}
+  for name in ('source', 'bn_stats', 'tent'):
+    workdir = str(tmp_path / name)
+    results[name] = adapt.adapt_and_evaluate(
+        _config(source_workdir, f'runlocal,method={name}'), workdir)
+    assert sorted(results[name]['errors']) == ['contrast', 'fog',
+                                               'gaussian_noise']
+    assert os.path.getsize(os.path.join(workdir, 'errors.png')) > 1000
+    on_disk = json.load(open(os.path.join(workdir, 'results.json')))
+    assert on_disk == results[name]
+    lines = _records(workdir).splitlines()
+    assert len(lines) == results[name]['batches'] + 1
+  # The published first finding: test-batch statistics beat the source
+  # model's running ones by far under corruption.
+  assert (results['bn_stats']['mean_error']
+          < results['source']['mean_error'] - 10)
+  assert results['source']['updates'] == results['bn_stats']['updates'] == 0
+  assert results['tent']['updates'] == results['tent']['batches']
+
+
+def test_a_finished_workdir_reports_without_adapting_again(source_workdir,
+                                                           tmp_path):
+  workdir = str(tmp_path / 'w')
+  # 24 batches: the last one is also a regular checkpoint's step.
+  config = _config(source_workdir, checkpoint_every=8)
+  first = adapt.adapt_and_evaluate(config, workdir)
+  before = _records(workdir)
+  assert adapt.adapt_and_evaluate(config, workdir) == first
+  assert _records(workdir) == before
+
+
+def test_kill_9_then_resume_is_bit_exact(source_workdir, tmp_path):
+  overrides = ('--config.method.schedule=conga', '--config.batch_size=8',
+               '--config.checkpoint_every=4')
+  reference = str(tmp_path / 'reference')
+  done = _run(reference, source_workdir, *overrides, arg='runlocal,method=sar')
+  assert done.returncode == 0, done.stderr[-2000:]
+
+  workdir = str(tmp_path / 'killed')
+  proc = subprocess.Popen(
+      _command(workdir, source_workdir, *overrides, arg='runlocal,method=sar'),
+      cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  checkpoints = os.path.join(workdir, 'checkpoints')
+  deadline = time.time() + 240
+  while time.time() < deadline and proc.poll() is None:
+    steps = [d for d in (os.listdir(checkpoints) if os.path.isdir(checkpoints)
+                         else []) if d.isdigit()]
+    if steps:
+      break
+    time.sleep(0.01)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+  assert not os.path.exists(os.path.join(workdir, 'results.json'))
+
+  resumed = _run(workdir, source_workdir, *overrides,
+                 arg='runlocal,method=sar')
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert 'Resuming at batch' in resumed.stderr
+  assert (json.load(open(os.path.join(workdir, 'results.json')))
+          == json.load(open(os.path.join(reference, 'results.json'))))
+  assert _records(workdir) == _records(reference)
+
+
+def test_sigterm_saves_and_the_same_command_resumes(source_workdir, tmp_path):
+  overrides = ('--config.batch_size=4', '--config.checkpoint_every=1000')
+  workdir = str(tmp_path / 'w')
+  proc = subprocess.Popen(_command(workdir, source_workdir, *overrides),
+                          cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  metrics = os.path.join(workdir, 'metrics.jsonl')
+  deadline = time.time() + 240
+  while time.time() < deadline and proc.poll() is None:
+    if os.path.exists(metrics) and os.path.getsize(metrics) > 0:
+      break
+    time.sleep(0.01)
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 0, err[-2000:]
+  assert 'stopped by SIGTERM at step' in err
+  resumed = _run(workdir, source_workdir, *overrides)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert 'Resuming at batch' in resumed.stderr
+  assert 'mean error' in resumed.stdout
+
+
+@pytest.mark.parametrize('override,arg,field', [
+    ('--config.method.name=tentt', 'runlocal', 'method.name'),
+    ('--config.corruptions=gaussian_noise,snowy', 'runlocal', 'corruptions'),
+    ('--config.severity=7', 'runlocal', 'severity'),
+    ('--config.method.learning_rate=-1.0', 'runlocal', 'method.learning_rate'),
+    ('--config.protocol=online', 'runlocal', 'protocol'),
+    ('--config.method.schedule=cosine', 'runlocal', 'method.schedule'),
+])
+def test_bad_settings_fail_in_one_line_before_compute(source_workdir,
+                                                      tmp_path, override,
+                                                      arg, field):
+  workdir = str(tmp_path / 'w')
+  result = _run(workdir, source_workdir, override, arg=arg)
+  assert result.returncode == 2, result.stderr[-2000:]
+  lines = [l for l in result.stderr.splitlines() if l.startswith('error:')]
+  assert len(lines) == 1 and field in lines[0], result.stderr[-2000:]
+  assert 'Traceback' not in result.stderr
+  assert not os.path.exists(os.path.join(workdir, 'checkpoints'))
+
+
+def test_a_missing_or_incompatible_source_fails_in_one_line(tmp_path):
+  missing = _run(str(tmp_path / 'a'), str(tmp_path / 'nowhere'))
+  assert missing.returncode == 2
+  assert 'config.source_workdir' in missing.stderr
+  assert 'holds no checkpoints' in missing.stderr
+  # A classifier of 8x8 digits cannot adapt to 28x28 MNIST streams.
+  digits = str(tmp_path / 'digits')
+  trained = launch_runs.run(digits)
+  assert trained.returncode == 0, trained.stderr[-2000:]
+  wrong = _run(str(tmp_path / 'b'), digits)
+  assert wrong.returncode == 2, wrong.stderr[-2000:]
+  line = [l for l in wrong.stderr.splitlines() if l.startswith('error:')]
+  assert len(line) == 1 and "trained on 'digits'" in line[0]
+  assert 'Traceback' not in wrong.stderr
+
+
+def test_resume_with_another_config_is_refused(source_workdir, tmp_path):
+  workdir = str(tmp_path / 'w')
+  adapt.adapt_and_evaluate(_config(source_workdir), workdir)
+  changed = _run(workdir, source_workdir, '--config.method.learning_rate=0.01')
+  assert changed.returncode == 2
+  assert 'config.method.learning_rate 0.001 -> 0.01' in changed.stderr
+
+
+def test_a_held_workdir_is_refused(source_workdir, tmp_path):
+  workdir = str(tmp_path / 'w')
+  os.makedirs(workdir)
+  holder = launch_runs.hold_workdir(workdir)
+  try:
+    result = _run(workdir, source_workdir)
+  finally:
+    holder.kill()
+  assert result.returncode == 75
+  assert 'in use by another run' in result.stderr

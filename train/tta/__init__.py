@@ -1,0 +1,1 @@
+"""Test-time adaptation (source, BN statistics, TENT, EATA, SAR) with a fixed rate or CONGA."""

@@ -1,0 +1,287 @@
+"""`adapt_and_evaluate(config, workdir)`: test-time adaptation over a stream.
+
+source workdir (a classifier trained by `launch.train`) -> the method's
+adaptation over the stream (`train.tta.streams`) -> per-corruption error,
+`metrics.jsonl` and TensorBoard (one record per batch), `results.json`
+and `errors.png`.
+
+The workdir gets the trainer's guarantees: one run per workdir (a lock),
+the config checked against the saved one on resume, verified checkpoints
+of the whole adaptation state (the method's state, the stream position and
+the error counts) every `checkpoint_every` batches, SIGTERM/SIGINT saving
+before the run ends, and a bit-exact resume: a run killed at any point and
+restarted ends with the same numbers, bit for bit, as one never stopped
+(tested). A finished workdir returns its results without adapting again.
+Every setting is checked, the source checkpoint loaded and verified and the
+stream's data read before anything is compiled.
+"""
+
+from collections.abc import Mapping
+import dataclasses
+import json
+import os
+from typing import Any
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from geom import conga
+from train import checkpointing
+from train import fileio
+from train import metrics as metrics_lib
+from train import plots
+from train import preemption
+from train import resume_check
+from train import workdir_lock
+from train.errors import ConfigError, Preempted, UsageError
+from train.experiment import check_workdir
+from train.tta import data as tta_data
+from train.tta import methods
+from train.tta import source as source_lib
+from train.tta import streams
+
+RESULTS = 'results.json'
+PLOT = 'errors.png'
+OPTIMIZERS = ('adam', 'sgd')
+SCHEDULES = ('fixed', 'conga')
+# Fields that may differ on resume: they change how the run is recorded,
+# not what it computes.
+MAY_CHANGE = ('log_every', 'checkpoint_every', 'keep_checkpoints',
+              'data_dir', 'cpu_devices')
+
+
+def _finite_positive(config, field: str, value) -> None:
+  if not isinstance(value, (int, float)) or not np.isfinite(value) or (
+      value <= 0):
+    raise ConfigError(field, value, 'must be a finite number > 0')
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """Every setting the run reads, before anything else (UsageError)."""
+  m = config.method
+  if m.name not in methods.METHODS:
+    raise ConfigError('method.name', m.name, 'unknown method',
+                      methods.METHODS)
+  if m.optimizer not in OPTIMIZERS:
+    raise ConfigError('method.optimizer', m.optimizer, 'unknown optimizer',
+                      OPTIMIZERS)
+  if m.schedule not in SCHEDULES:
+    raise ConfigError('method.schedule', m.schedule, 'unknown schedule',
+                      SCHEDULES)
+  _finite_positive(config, 'method.learning_rate', m.learning_rate)
+  for field in ('d_margin', 'fisher_alpha', 'reset_below', 'rho'):
+    _finite_positive(config, f'method.{field}', m[field])
+  if config.protocol not in streams.PROTOCOLS:
+    raise ConfigError('protocol', config.protocol, 'unknown protocol',
+                      streams.PROTOCOLS)
+  if config.order not in streams.ORDERS:
+    raise ConfigError('order', config.order, 'unknown order', streams.ORDERS)
+  for field in ('batch_size', 'checkpoint_every', 'keep_checkpoints',
+                'log_every'):
+    value = config[field]
+    if not isinstance(value, int) or value <= 0:
+      raise ConfigError(field, value, 'must be a positive integer')
+  tta_data.check(config)
+  if not config.source_workdir:
+    raise ConfigError('source_workdir', config.source_workdir,
+                      'required: the workdir of a classifier trained by '
+                      '`python -m launch.train`')
+
+
+def _tx(config, num_classes: int, total_steps: int
+        ) -> optax.GradientTransformationExtraArgs:
+  m = config.method
+  direction = (optax.scale_by_adam() if m.optimizer == 'adam'
+               else optax.trace(decay=0.9))
+  if m.schedule == 'conga':
+    rate = conga.conga(m.learning_rate, num_classes=num_classes,
+                       total_steps=total_steps, **dict(m.conga))
+  else:
+    rate = optax.scale_by_learning_rate(m.learning_rate)
+  return optax.chain(direction, rate)
+
+
+@dataclasses.dataclass
+class _Run:
+  """The mutable part of a run: what a checkpoint holds."""
+  state: methods.AdaptState
+  correct: np.ndarray  # Per corruption, correctly predicted samples.
+  seen: np.ndarray  # Per corruption, samples predicted.
+  # Batches that changed the parameters, and model resets (SAR's), over
+  # the whole stream (the method's state restarts at each episode).
+  counts: np.ndarray  # (updates, resets)
+
+  def tree(self) -> dict[str, Any]:
+    return {'state': self.state, 'correct': jnp.asarray(self.correct),
+            'seen': jnp.asarray(self.seen),
+            'counts': jnp.asarray(self.counts)}
+
+
+def _error_percent(correct: np.ndarray, seen: np.ndarray) -> np.ndarray:
+  return 100.0 * (1.0 - correct / np.maximum(seen, 1))
+
+
+def _results(names: list[str], run: _Run, batches: int) -> dict[str, Any]:
+  errors = _error_percent(run.correct, run.seen)
+  return {'errors': dict(zip(names, map(float, errors))),
+          'mean_error': float(np.mean(errors)) if len(errors) else 0.0,
+          'batches': batches, 'updates': int(run.counts[0]),
+          'resets': int(run.counts[1])}
+
+
+def _plot(results: Mapping[str, Any], title: str, path: str) -> None:
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  names = list(results['errors'])
+  fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(names)), 4))
+  ax.bar(range(len(names)), [results['errors'][n] for n in names])
+  ax.set_xticks(range(len(names)), names, rotation=60, ha='right')
+  ax.set_ylabel('error %')
+  ax.set_title(f'{title}: mean {results["mean_error"]:.2f}%')
+  ax.grid(axis='y', alpha=0.3)
+  plots.save_png(fig, path)
+
+
+def _check_resume(config, workdir: str, step: int, meta: dict) -> None:
+  if 'config' not in meta:
+    raise UsageError('--workdir', workdir,
+                     f'holds a checkpoint at step {step} without a config: '
+                     'not a test-time adaptation run')
+  saved = json.loads(meta['config'])
+  if saved.get('task') != 'tta':
+    raise UsageError('--workdir', workdir,
+                     f'holds a {saved.get("task", "classification")!r} run, '
+                     'not a test-time adaptation run; use a new --workdir')
+  changes = resume_check.changed_fields(
+      saved, json.loads(resume_check.as_json(config)))
+  fixed = [c for c in changes if c[0] not in MAY_CHANGE]
+  if fixed:
+    raise resume_check.ConfigChanged(workdir, step, fixed)
+
+
+def adapt_and_evaluate(config: ml_collections.ConfigDict,
+                       workdir: str) -> dict[str, Any]:
+  """Adapts over the stream in `workdir` (resuming it); returns the results.
+
+  Raises:
+    UsageError: a setting is invalid, the source workdir holds no usable
+      classifier for this data, or the workdir belongs to another run.
+    WorkdirBusy: another run holds the workdir.
+    NoGoodCheckpoint: the workdir's checkpoints are all damaged.
+    Preempted: SIGTERM or SIGINT arrived; a checkpoint was saved first.
+  """
+  check_config(config)
+  workdir = check_workdir(workdir)
+  with workdir_lock.hold(workdir):
+    return _adapt(config, workdir)
+
+
+def _adapt(config, workdir: str) -> dict[str, Any]:
+  source = source_lib.load(config)
+  stream = tta_data.load(config, source.spec)
+  plan = streams.plan(config.protocol, stream.labels, config.batch_size,
+                      config.seed, config.order)
+  longest = max((len(l) for l in stream.labels), default=0)
+  per_episode = -(-longest // config.batch_size)
+  settings = methods.Settings(
+      method=config.method.name, num_classes=source.spec.num_classes,
+      d_margin=config.method.d_margin,
+      fisher_alpha=config.method.fisher_alpha,
+      reset_below=config.method.reset_below, rho=config.method.rho)
+  # CONGA's progress runs over an episode (a corruption's batches) when the
+  # stream resets between corruptions, else over the whole stream.
+  total = per_episode if config.protocol == 'episodic' else len(plan)
+  tx = _tx(config, source.spec.num_classes, max(total, 1))
+  fisher = None
+  if settings.method == 'eata':
+    fisher = [jnp.asarray(b) for b in tta_data.in_distribution_batches(
+        config, source.spec)]
+  method = methods.make(settings, source.model, source.params,
+                        source.batch_stats, tx, fisher)
+  names = stream.corruptions
+  fresh = _Run(method.init(), np.zeros(len(names), np.int32),
+               np.zeros(len(names), np.int32), np.zeros(2, np.int32))
+
+  with checkpointing.Checkpoints(workdir, every_steps=config.checkpoint_every,
+                                 keep=config.keep_checkpoints) as ckpts:
+    template = fresh.tree()
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        template)
+    found = ckpts.restore_latest_good(
+        abstract, check_meta=lambda step, meta: _check_resume(
+            config, workdir, step, meta))
+    results_path = fileio.join(workdir, RESULTS)
+    if found is not None:
+      position, tree, meta = found
+      run = _Run(tree['state'], np.array(tree['correct']),
+                 np.array(tree['seen']), np.array(tree['counts']))
+      if position == len(plan) and fileio.exists(results_path):
+        logging.info('%s is finished; its results are reported again.',
+                     workdir)
+        return metrics_lib.read_json(results_path)
+      logging.info('Resuming at batch %d of %d', position, len(plan))
+      writer = metrics_lib.MetricWriter(workdir, position,
+                                        meta.get('metrics_records'))
+    else:
+      position, run = 0, fresh
+      writer = metrics_lib.MetricWriter(workdir, None)
+
+    step = jax.jit(method.step)
+    initial = method.init()
+    has_conga = config.method.schedule == 'conga'
+    stop = preemption.StopFlag()
+
+    def save(done: int, force: bool = False) -> bool:
+      meta = {'config': resume_check.as_json(config),
+              'metrics_records': writer.records}
+      return ckpts.save(done, run.tree(), meta, force=force)
+
+    try:
+      with stop.installed():
+        for index in range(position, len(plan)):
+          batch = plan[index]
+          if batch.reset:
+            run.state = initial
+          images = stream.images_of(batch)
+          run.state, out = step(run.state, images)
+          pred = np.asarray(out['pred'])
+          hit = pred == stream.labels_of(batch)
+          np.add.at(run.correct, batch.corruption, hit)
+          np.add.at(run.seen, batch.corruption, 1)
+          run.counts += [int(out['updated']), int(out['reset'])]
+          done = index + 1
+          if done % config.log_every == 0 or done == len(plan):
+            scalars = {'error': 100.0 * (1.0 - float(np.mean(hit))),
+                       'entropy': float(np.mean(out['entropy'])),
+                       'loss': float(out['loss']),
+                       'kept': float(out['kept']),
+                       'corruption': float(batch.corruption[0]),
+                       'reset': float(out['reset'])}
+            if has_conga:
+              scalars.update({f'opt/{k}': float(v) for k, v in
+                              conga.diagnostics(run.state.opt_state).items()})
+            writer.write(done, scalars)
+          saved = save(done)
+          if stop.requested(done) and done < len(plan):
+            if not saved:
+              save(done, force=True)
+            ckpts.wait_until_finished()
+            writer.flush()
+            raise Preempted(done, stop.signal_name)
+      results = _results(names, run, len(plan))
+      writer.write(len(plan), {'mean_error': results['mean_error']})
+      ckpts.wait_until_finished()
+      if ckpts.latest_step() != len(plan):
+        save(len(plan), force=True)
+      ckpts.wait_until_finished()
+      metrics_lib.write_json_atomic(results_path, results)
+      _plot(results, f'{config.method.name} ({config.method.schedule}), '
+            f'{config.protocol}, severity {config.severity}',
+            fileio.join(workdir, PLOT))
+      return results
+    finally:
+      writer.close()

@@ -1,0 +1,99 @@
+"""The source model of test-time adaptation: a classifier `launch.train` trained.
+
+`load(config)` reads the newest checkpoint of `config.source_workdir` that
+loads and verifies, rebuilds the model from the config saved with it, and
+checks that it classifies the images of the stream's data set (same image
+shape and number of classes). A damaged checkpoint there is skipped and
+left in place: the source workdir belongs to its training run.
+"""
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from absl import logging
+import flax.linen as nn
+import jax
+import ml_collections
+
+from train import checkpointing
+from train.errors import UsageError
+from train.tta import data as tta_data
+from train.vision import datasets
+from train.vision import experiment
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """A trained classifier on the host.
+
+  Attributes:
+    config: its training config.
+    spec: its data set's spec.
+    model: the Flax module.
+    params: its parameters (unboxed, host numpy).
+    batch_stats: its running BN statistics ({} without BatchNorm).
+    step: the checkpoint's step.
+  """
+  config: ml_collections.ConfigDict
+  spec: datasets.DatasetSpec
+  model: nn.Module
+  params: Any
+  batch_stats: Any
+  step: int
+
+
+def load(config: ml_collections.ConfigDict) -> Source:
+  """The source classifier of `config.source_workdir`.
+
+  Raises:
+    UsageError: it holds no checkpoint, not a classifier's, or one for
+      images of another shape or number of classes than the stream's.
+    NoGoodCheckpoint: it holds checkpoints and none loads and verifies.
+  """
+  field = 'source_workdir'
+  workdir = os.path.abspath(config.source_workdir)
+  if not os.path.isdir(os.path.join(workdir, checkpointing.CHECKPOINTS)):
+    raise UsageError(
+        f'config.{field}', config.source_workdir,
+        'holds no checkpoints; train a classifier first, e.g. `python -m '
+        'launch.train --config=configs/digits.py:dataset=mnist5k '
+        f'--workdir={config.source_workdir}`')
+  built = {}
+
+  def abstract_state(meta):
+    if 'config' not in meta:
+      raise UsageError(f'config.{field}', config.source_workdir,
+                       'its checkpoint has no saved config')
+    source_config = ml_collections.ConfigDict(json.loads(meta['config']))
+    task = source_config.get('task', 'classification')
+    if task != 'classification':
+      raise UsageError(f'config.{field}', config.source_workdir,
+                       f'holds a {task!r} run, not an image classifier')
+    stream = tta_data.stream_spec(config)
+    spec = datasets.get_spec(source_config.dataset)
+    if (spec.image_shape, spec.num_classes) != (stream.image_shape,
+                                                stream.num_classes):
+      raise UsageError(
+          f'config.{field}', config.source_workdir,
+          f'its classifier was trained on {source_config.dataset!r} '
+          f'({spec.image_shape} images, {spec.num_classes} classes); the '
+          f'stream {config.dataset!r} has {stream.image_shape} images and '
+          f'{stream.num_classes} classes')
+    exp = experiment.build(source_config, workdir)
+    built.update(config=source_config, spec=spec, exp=exp)
+    return exp.abstract_state
+
+  with checkpointing.Checkpoints(workdir, every_steps=1, keep=1,
+                                 async_save=False) as ckpts:
+    found = ckpts.restore_latest_good(abstract_state, move_damaged=False)
+  if found is None:
+    raise UsageError(f'config.{field}', config.source_workdir,
+                     'holds no checkpoints')
+  step, state, _ = found
+  logging.info('Source classifier: step %d of %s', step, workdir)
+  host = jax.device_get((nn.meta.unbox(state.params), state.batch_stats))
+  return Source(config=built['config'], spec=built['spec'],
+                model=built['exp'].model, params=host[0],
+                batch_stats=host[1] or {}, step=step)
