@@ -19,7 +19,7 @@ stream's data read before anything is compiled.
 from collections.abc import Mapping
 import dataclasses
 import json
-import os
+import time
 from typing import Any
 
 from absl import logging
@@ -46,6 +46,9 @@ from train.tta import streams
 
 RESULTS = 'results.json'
 PLOT = 'errors.png'
+# This process's batches per second past the first (compiling) one; apart
+# from results.json, which is the same bit for bit however the run went.
+TIMING = 'timing.json'
 OPTIMIZERS = ('adam', 'sgd')
 SCHEDULES = ('fixed', 'conga')
 # Fields that may differ on resume: they change how the run is recorded,
@@ -240,16 +243,20 @@ def _adapt(config, workdir: str) -> dict[str, Any]:
               'metrics_records': writer.records}
       return ckpts.save(done, run.tree(), meta, force=force)
 
+    timed_from = None  # (time, batches done) after the first batch.
     try:
       with stop.installed():
+        images = stream.images_of(plan[position]) if plan[position:] else None
         for index in range(position, len(plan)):
           batch = plan[index]
           if batch.reset:
             run.state = initial
-          images = stream.images_of(batch)
           run.state, out = step(run.state, images)
-          pred = np.asarray(out['pred'])
-          hit = pred == stream.labels_of(batch)
+          # The next batch is gathered while the devices run this one.
+          if index + 1 < len(plan):
+            images = stream.images_of(plan[index + 1])
+          out = jax.device_get(out)
+          hit = out['pred'] == stream.labels_of(batch)
           np.add.at(run.correct, batch.corruption, hit)
           np.add.at(run.seen, batch.corruption, 1)
           run.counts += [int(out['updated']), int(out['reset'])]
@@ -262,16 +269,24 @@ def _adapt(config, workdir: str) -> dict[str, Any]:
                        'corruption': float(batch.corruption[0]),
                        'reset': float(out['reset'])}
             if has_conga:
-              scalars.update({f'opt/{k}': float(v) for k, v in
-                              conga.diagnostics(run.state.opt_state).items()})
+              scalars.update({f'opt/{k}': float(v) for k, v in jax.device_get(
+                  conga.diagnostics(run.state.opt_state)).items()})
             writer.write(done, scalars)
           saved = save(done)
+          if timed_from is None:
+            timed_from = (time.perf_counter(), done)
           if stop.requested(done) and done < len(plan):
             if not saved:
               save(done, force=True)
             ckpts.wait_until_finished()
             writer.flush()
             raise Preempted(done, stop.signal_name)
+      if timed_from is not None:
+        seconds = time.perf_counter() - timed_from[0]
+        timed = len(plan) - timed_from[1]
+        metrics_lib.write_json_atomic(fileio.join(workdir, TIMING), {
+            'batches': timed, 'seconds': seconds,
+            'batches_per_second': timed / seconds if seconds > 0 else None})
       results = _results(names, run, len(plan))
       writer.write(len(plan), {'mean_error': results['mean_error']})
       ckpts.wait_until_finished()
