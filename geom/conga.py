@@ -431,10 +431,7 @@ def conga(
 def find_state(opt_state: optax.OptState) -> CongaState | None:
   """The (first) `CongaState` inside any optax state (chain, inject,
   MultiSteps), or None when there is none."""
-  found = [s for s in jax.tree.leaves(
-      opt_state, is_leaf=lambda x: isinstance(x, CongaState))
-           if isinstance(s, CongaState)]
-  return found[0] if found else None
+  return method_hooks.find_state(opt_state, CongaState)
 
 
 def diagnostics(opt_state: optax.OptState) -> dict[str, jax.Array]:

@@ -44,7 +44,8 @@ import optax
 
 from geom import validation
 
-__all__ = ['UPDATE_ARGUMENTS', 'MethodHooks', 'StepVariants', 'combine']
+__all__ = ['UPDATE_ARGUMENTS', 'MethodHooks', 'StepVariants', 'combine',
+           'find_state']
 
 # The extra `update` arguments a loop may be asked for, and their meaning.
 UPDATE_ARGUMENTS: Mapping[str, str] = {
@@ -169,3 +170,12 @@ def combine(*hooks: MethodHooks) -> MethodHooks:
       console=tuple(dict.fromkeys(c for h in active for c in h.console)),
       per_device_axis=next(iter(axes), None),
       check_per_device_types=all(h.check_per_device_types for h in active))
+
+
+def find_state(opt_state: optax.OptState, state_type: type[Any]) -> Any:
+  """The (first) `state_type` instance inside any optax state (chain,
+  inject_hyperparams, MultiSteps, a method wrapping another), or None."""
+  found = [s for s in jax.tree.leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, state_type))
+           if isinstance(s, state_type)]
+  return found[0] if found else None

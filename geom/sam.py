@@ -678,10 +678,7 @@ def sam(
 def find_state(opt_state: optax.OptState) -> SAMState | None:
   """The (first) `SAMState` inside any optax state (chain, inject, MultiSteps),
   or None when there is none."""
-  found = [s for s in jax.tree.leaves(
-      opt_state, is_leaf=lambda x: isinstance(x, SAMState))
-           if isinstance(s, SAMState)]
-  return found[0] if found else None
+  return method_hooks.find_state(opt_state, SAMState)
 
 
 def diagnostics(opt_state: optax.OptState) -> dict[str, jax.Array]:

@@ -1,9 +1,12 @@
 """What every absl entry point in launch/ shares: one-line usage errors,
 quiet library logs, and device settings that precede JAX's start."""
 
+from collections.abc import Callable
 import os
 import re
+import signal
 import sys
+from typing import TypeVar
 
 from absl import flags
 from absl import logging
@@ -142,3 +145,47 @@ def configure_devices(config) -> None:
   from train import host_devices  # pylint: disable=g-import-not-at-top
   if config.get('cpu_devices'):
     host_devices.configure_cpu_devices(int(config.cpu_devices))
+
+
+_T = TypeVar('_T')
+
+
+def run_job(job: Callable[[], _T]) -> _T:
+  """`job()` under the launchers' signal and exit policy; returns its result.
+
+  Each end is one line on stderr and an exit status: a workdir held by
+  another run 75; a usage error 2; a run error its own code (no usable
+  checkpoint 4, non-finite loss 3, full disk 5, damaged data 6); a signal
+  before the job's loop 128 + its number; SIGTERM during the loop (a
+  checkpoint saved) 0, SIGINT 130.
+  """
+  # pylint: disable=g-import-not-at-top
+  from train import preemption
+  from train.errors import Interrupted, Preempted, RunError, UsageError
+  from train.workdir_lock import WorkdirBusy
+  # pylint: enable=g-import-not-at-top
+  with preemption.raise_on_signals():
+    try:
+      result = job()
+      preemption.raise_if_interrupted()
+      return result
+    except WorkdirBusy as e:
+      print(f'error: {e}', file=sys.stderr)
+      exit_now(EXIT_BUSY)
+    except UsageError as e:
+      print(f'error: {e}', file=sys.stderr)
+      exit_now(EXIT_USAGE)
+    except RunError as e:
+      print(f'error: {e}', file=sys.stderr)
+      exit_now(e.exit_code)
+    except Interrupted as e:
+      # The signal may have cut a library's start-up short: teardown could
+      # crash on the half-made backend.
+      print(str(e), file=sys.stderr)
+      exit_now(128 + e.signum)
+    except Preempted as e:
+      logging.info('%s', e)
+      print(str(e), file=sys.stderr)
+      # SIGTERM is how schedulers preempt: a clean stop (0). Ctrl-C keeps
+      # the shell's convention for an interrupted command.
+      sys.exit(0 if e.signal_name == 'SIGTERM' else 128 + signal.SIGINT)

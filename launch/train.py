@@ -14,12 +14,8 @@ checkpoint and exits 0, SIGINT (Ctrl-C) saves one and exits 130; either
 signal outside the training loop exits 128 + its number.
 """
 
-import signal
-import sys
-
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
 from launch import entry
@@ -83,36 +79,12 @@ def main(argv):
   del argv
   config = _CONFIG.value
   entry.quiet_libraries()
-  # pylint: disable=g-import-not-at-top
-  from train import preemption
-  from train.errors import Interrupted, Preempted, RunError, UsageError
-  from train.workdir_lock import WorkdirBusy
-  # pylint: enable=g-import-not-at-top
-  with preemption.raise_on_signals():
-    try:
-      _init_jax(config)
-      final = _train_and_evaluate(config, _WORKDIR.value)
-      preemption.raise_if_interrupted()
-    except WorkdirBusy as e:
-      print(f'error: {e}', file=sys.stderr)
-      entry.exit_now(entry.EXIT_BUSY)
-    except UsageError as e:
-      print(f'error: {e}', file=sys.stderr)
-      entry.exit_now(entry.EXIT_USAGE)
-    except RunError as e:
-      print(f'error: {e}', file=sys.stderr)
-      entry.exit_now(e.exit_code)
-    except Interrupted as e:
-      # The signal may have cut a library's start-up short: teardown could
-      # crash on the half-made backend.
-      print(str(e), file=sys.stderr)
-      entry.exit_now(128 + e.signum)
-    except Preempted as e:
-      logging.info('%s', e)
-      print(str(e), file=sys.stderr)
-      # SIGTERM is how schedulers preempt: a clean stop (0). Ctrl-C keeps
-      # the shell's convention for an interrupted command.
-      sys.exit(0 if e.signal_name == 'SIGTERM' else 128 + signal.SIGINT)
+
+  def job():
+    _init_jax(config)
+    return _train_and_evaluate(config, _WORKDIR.value)
+
+  final = entry.run_job(job)
   print(f'test accuracy: {final["test_accuracy"]:.4f} '
         f'(test loss {final["test_loss"]:.4f}, step {final["step"]}, '
         f'workdir {_WORKDIR.value})')

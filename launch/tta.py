@@ -13,12 +13,8 @@ checkpoint and exits 0, SIGINT saves one and exits 130; the same command
 resumes the run, bit for bit.
 """
 
-import signal
-import sys
-
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
 from launch import entry
@@ -34,33 +30,13 @@ def main(argv):
   del argv
   config = _CONFIG.value
   entry.quiet_libraries()
-  # pylint: disable=g-import-not-at-top
-  from train import preemption
-  from train.errors import Interrupted, Preempted, RunError, UsageError
-  from train.workdir_lock import WorkdirBusy
-  # pylint: enable=g-import-not-at-top
-  with preemption.raise_on_signals():
-    try:
-      entry.configure_devices(config)
-      from train.tta import adapt  # pylint: disable=g-import-not-at-top
-      results = adapt.adapt_and_evaluate(config, _WORKDIR.value)
-      preemption.raise_if_interrupted()
-    except WorkdirBusy as e:
-      print(f'error: {e}', file=sys.stderr)
-      entry.exit_now(entry.EXIT_BUSY)
-    except UsageError as e:
-      print(f'error: {e}', file=sys.stderr)
-      entry.exit_now(entry.EXIT_USAGE)
-    except RunError as e:
-      print(f'error: {e}', file=sys.stderr)
-      entry.exit_now(e.exit_code)
-    except Interrupted as e:
-      print(str(e), file=sys.stderr)
-      entry.exit_now(128 + e.signum)
-    except Preempted as e:
-      logging.info('%s', e)
-      print(str(e), file=sys.stderr)
-      sys.exit(0 if e.signal_name == 'SIGTERM' else 128 + signal.SIGINT)
+
+  def job():
+    entry.configure_devices(config)
+    from train.tta import adapt  # pylint: disable=g-import-not-at-top
+    return adapt.adapt_and_evaluate(config, _WORKDIR.value)
+
+  results = entry.run_job(job)
   print(f'mean error: {results["mean_error"]:.2f}% over '
         f'{len(results["errors"])} corruptions ({config.method.name}, '
         f'{config.method.schedule}, {config.protocol}, severity '
