@@ -196,3 +196,13 @@ def test_a_held_workdir_is_refused(source_workdir, tmp_path):
     holder.kill()
   assert result.returncode == 75
   assert 'in use by another run' in result.stderr
+
+
+def test_source_error_rises_with_severity(source_workdir, tmp_path):
+  errors = []
+  for severity in (1, 3, 5):
+    result = adapt.adapt_and_evaluate(
+        _config(source_workdir, 'runlocal,method=source', severity=severity),
+        str(tmp_path / f's{severity}'))
+    errors.append(result['mean_error'])
+  assert errors[0] < errors[1] < errors[2], errors
