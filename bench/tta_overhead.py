@@ -11,7 +11,7 @@ r"""What test-time adaptation's loop and CONGA cost, as ratios in one process.
    per-repeat time ratios. Goal: <= 1.03x.
 2. The TTA loop against a minimal loop: `train.tta.adapt` over the
    mnist5k_corrupted stream (TENT, 15 corruptions at severity 5, batch 64:
-   120 batches, a metrics record per batch and a checkpoint every 10, as
+   120 batches, a metrics record per batch and a checkpoint every 50, as
    configs/tta.py runs) against a minimal Python loop calling the same
    jitted step on the same batches already on the device, both timed past
    their first (compiling) batch. The loop's time is what it writes to
@@ -99,7 +99,7 @@ def _loop_ratio(repeats: int) -> tuple[list[float], float]:
     loop_rate = timing['batches_per_second']
     # The minimal loop: the same step on the same batches, on the device.
     source = source_lib.load(config)
-    stream = tta_data.load(config, source.spec)
+    stream = tta_data.load(config)
     plan = streams.plan(config.protocol, stream.labels, config.batch_size,
                         config.seed, config.order)
     tx = adapt._tx(config, source.spec.num_classes, len(plan) // 15)  # pylint: disable=protected-access

@@ -66,7 +66,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       reset_below=0.2, rho=0.05))
 
   config.log_every = 1
-  config.checkpoint_every = 10
+  # Batches between checkpoints. Each save holds the loop for about 0.1 s
+  # on CPU (measured: every 10 batches cost a quarter of the throughput of
+  # a small CNN), so a resume may redo up to this many batches instead.
+  config.checkpoint_every = 50
   config.keep_checkpoints = 2
   if 'runlocal' in args:
     config.corruptions = 'gaussian_noise,fog,contrast'

@@ -57,7 +57,7 @@ MAY_CHANGE = ('log_every', 'checkpoint_every', 'keep_checkpoints',
               'data_dir', 'cpu_devices')
 
 
-def _finite_positive(config, field: str, value) -> None:
+def _finite_positive(field: str, value) -> None:
   if not isinstance(value, (int, float)) or not np.isfinite(value) or (
       value <= 0):
     raise ConfigError(field, value, 'must be a finite number > 0')
@@ -75,9 +75,9 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   if m.schedule not in SCHEDULES:
     raise ConfigError('method.schedule', m.schedule, 'unknown schedule',
                       SCHEDULES)
-  _finite_positive(config, 'method.learning_rate', m.learning_rate)
+  _finite_positive('method.learning_rate', m.learning_rate)
   for field in ('d_margin', 'fisher_alpha', 'reset_below', 'rho'):
-    _finite_positive(config, f'method.{field}', m[field])
+    _finite_positive(f'method.{field}', m[field])
   if config.protocol not in streams.PROTOCOLS:
     raise ConfigError('protocol', config.protocol, 'unknown protocol',
                       streams.PROTOCOLS)
@@ -184,7 +184,7 @@ def adapt_and_evaluate(config: ml_collections.ConfigDict,
 
 def _adapt(config, workdir: str) -> dict[str, Any]:
   source = source_lib.load(config)
-  stream = tta_data.load(config, source.spec)
+  stream = tta_data.load(config)
   plan = streams.plan(config.protocol, stream.labels, config.batch_size,
                       config.seed, config.order)
   longest = max((len(l) for l in stream.labels), default=0)
@@ -200,8 +200,8 @@ def _adapt(config, workdir: str) -> dict[str, Any]:
   tx = _tx(config, source.spec.num_classes, max(total, 1))
   fisher = None
   if settings.method == 'eata':
-    fisher = [jnp.asarray(b) for b in tta_data.in_distribution_batches(
-        config, source.spec)]
+    fisher = [jnp.asarray(b)
+              for b in tta_data.in_distribution_batches(config)]
   method = methods.make(settings, source.model, source.params,
                         source.batch_stats, tx, fisher)
   names = stream.corruptions

@@ -76,8 +76,7 @@ class Stream:
                       np.int32)
 
 
-def load(config: ml_collections.ConfigDict,
-         spec: datasets.DatasetSpec) -> Stream:
+def load(config: ml_collections.ConfigDict) -> Stream:
   """Reads every corruption's test set at `config.severity`.
 
   Raises:
@@ -85,18 +84,16 @@ def load(config: ml_collections.ConfigDict,
       downloaded).
     DamagedDataFile: a record cannot be read.
   """
-  del spec
   names = corruption_names(config)
   splits = [datasets.load_corrupted(config.dataset, name, config.severity,
                                     config.data_dir) for name in names]
   return Stream(names, [s.images for s in splits], [s.labels for s in splits])
 
 
-def in_distribution_batches(config: ml_collections.ConfigDict,
-                            spec: datasets.DatasetSpec) -> list[np.ndarray]:
+def in_distribution_batches(config: ml_collections.ConfigDict
+                            ) -> list[np.ndarray]:
   """EATA's Fisher samples: `method.fisher_samples` clean validation images,
   in batches of `batch_size`."""
-  del spec
   split = datasets.load_split(config.dataset, 'validation', config.data_dir)
   n = min(config.method.fisher_samples, len(split))
   images = split.images[:n]
