@@ -651,8 +651,16 @@ def test_a_relaunched_sweep_waits_for_a_held_run(tmp_path):
   assert '[start] seed=0' in out and '1/1 runs finished' in out
 
 
+def _interruptible():
+  # A shell that starts a job in the background (`cmd &`, as CI scripts
+  # may) hands it SIGINT ignored, and Python then never raises
+  # KeyboardInterrupt: give the sweep the terminal's default back.
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_on_a_sweep_reports_the_checkpoints_that_exist(tmp_path):
-  proc, run = _sweep(tmp_path, num_steps=100000, start_new_session=True)
+  proc, run = _sweep(tmp_path, num_steps=100000, start_new_session=True,
+                     preexec_fn=_interruptible)
   _wait_for(lambda: os.path.isdir(os.path.join(run, 'checkpoints', '20')),
             proc)
   os.killpg(proc.pid, signal.SIGINT)  # What Ctrl-C in its terminal does.
