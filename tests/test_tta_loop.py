@@ -184,6 +184,8 @@ def test_resume_with_another_config_is_refused(source_workdir, tmp_path):
   changed = _run(workdir, source_workdir, '--config.method.learning_rate=0.01')
   assert changed.returncode == 2
   assert 'config.method.learning_rate 0.001 -> 0.01' in changed.stderr
+  # Refused before the source or the stream is read.
+  assert 'Source classifier' not in changed.stderr
 
 
 def test_a_held_workdir_is_refused(source_workdir, tmp_path):

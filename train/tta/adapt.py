@@ -182,7 +182,23 @@ def adapt_and_evaluate(config: ml_collections.ConfigDict,
     return _adapt(config, workdir)
 
 
+def _check_latest(config, workdir: str) -> None:
+  """The config against the newest checkpoint's, before anything is loaded
+  or computed (a damaged one is left to the restore, which skips it)."""
+  with checkpointing.Checkpoints(workdir, every_steps=1, keep=1,
+                                 async_save=False) as ckpts:
+    step = ckpts.latest_step()
+    if step is None:
+      return
+    try:
+      meta = ckpts.restore_meta(step)
+    except checkpointing.DamagedCheckpoint:
+      return
+  _check_resume(config, workdir, step, meta)
+
+
 def _adapt(config, workdir: str) -> dict[str, Any]:
+  _check_latest(config, workdir)
   source = source_lib.load(config)
   stream = tta_data.load(config)
   plan = streams.plan(config.protocol, stream.labels, config.batch_size,
