@@ -12,6 +12,8 @@ the splits are disjoint and complete.
 import numpy as np
 import tensorflow_datasets as tfds
 
+from train.vision import splits
+
 # Fractions of each class held out; the rest is the training split.
 TEST_FRACTION = 0.2
 VALIDATION_FRACTION = 0.1
@@ -21,17 +23,10 @@ _SPLIT_SEED = 20260101
 def split_indices() -> dict[str, np.ndarray]:
   """Returns sorted load_digits() indices of each split (stratified, fixed)."""
   from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
-  labels = load_digits().target
-  rng = np.random.default_rng(_SPLIT_SEED)
-  parts = {'train': [], 'validation': [], 'test': []}
-  for label in range(10):
-    members = rng.permutation(np.flatnonzero(labels == label))
-    n_test = int(round(TEST_FRACTION * len(members)))
-    n_val = int(round(VALIDATION_FRACTION * len(members)))
-    parts['test'].append(members[:n_test])
-    parts['validation'].append(members[n_test:n_test + n_val])
-    parts['train'].append(members[n_test + n_val:])
-  return {name: np.sort(np.concatenate(p)) for name, p in parts.items()}
+  return splits.stratified(
+      load_digits().target,
+      lambda n: (int(round(TEST_FRACTION * n)),
+                 int(round(VALIDATION_FRACTION * n))), _SPLIT_SEED)
 
 
 class Digits(tfds.core.GeneratorBasedBuilder):

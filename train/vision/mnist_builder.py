@@ -16,6 +16,8 @@ import functools
 import numpy as np
 import tensorflow_datasets as tfds
 
+from train.vision import splits
+
 # Images of each class held out; the rest is the training split.
 TEST_PER_CLASS = 50
 VALIDATION_PER_CLASS = 50
@@ -42,15 +44,8 @@ def load_images() -> tuple[np.ndarray, np.ndarray]:
 def split_indices() -> dict[str, np.ndarray]:
   """Returns sorted mnist_data() indices of each split (stratified, fixed)."""
   _, labels = load_images()
-  rng = np.random.default_rng(_SPLIT_SEED)
-  parts = {'train': [], 'validation': [], 'test': []}
-  for label in range(10):
-    members = rng.permutation(np.flatnonzero(labels == label))
-    n_test, n_val = TEST_PER_CLASS, VALIDATION_PER_CLASS
-    parts['test'].append(members[:n_test])
-    parts['validation'].append(members[n_test:n_test + n_val])
-    parts['train'].append(members[n_test + n_val:])
-  return {name: np.sort(np.concatenate(p)) for name, p in parts.items()}
+  return splits.stratified(
+      labels, lambda n: (TEST_PER_CLASS, VALIDATION_PER_CLASS), _SPLIT_SEED)
 
 
 class Mnist5k(tfds.core.GeneratorBasedBuilder):
