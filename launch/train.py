@@ -57,7 +57,7 @@ def _init_jax(config) -> None:
         heartbeat_timeout_seconds=_HEARTBEAT.value, **kwargs)
 
 
-TASKS = ('classification', 'lm')
+TASKS = ('classification', 'lm', 'rl_sft')
 
 
 def _train_and_evaluate(config, workdir: str) -> dict[str, float]:
@@ -70,6 +70,8 @@ def _train_and_evaluate(config, workdir: str) -> dict[str, float]:
     from train.vision import trainer
   elif task == 'lm':
     from train.lm import trainer
+  elif task == 'rl_sft':
+    from train.rl import sft as trainer
   else:
     raise ConfigError('task', task, 'unknown task', TASKS)
   return trainer.train_and_evaluate(config, workdir)

@@ -3,8 +3,8 @@
 The core (train/*.py) reaches a method only through
 `geom.method_hooks.MethodHooks`; `train/optim.py` is the one module that
 maps a method's config block to its geom factory. Products
-(train/vision, train/lm, train/steering) build on the core, and the core
-imports none of them.
+(train/vision, train/lm, train/steering, train/tta, train/rl) build on
+the core, and the core imports none of them.
 """
 
 import ast
@@ -20,7 +20,7 @@ TRAIN = os.path.join(REPO_ROOT, 'train')
 CORE = sorted(f for f in os.listdir(TRAIN) if f.endswith('.py'))
 # The one bridge from config blocks to geom's factories.
 BRIDGE = 'optim.py'
-PRODUCTS = ('vision', 'lm', 'steering')
+PRODUCTS = ('vision', 'lm', 'steering', 'tta', 'rl')
 METHOD_WORDS = re.compile(r'\b(sam|asam|hallucinat\w*|steer\w*|conga|gas)\b',
                           re.IGNORECASE)
 
@@ -66,9 +66,12 @@ def test_core_modules_import_no_product(name):
 
 def test_products_depend_on_each_other_only_where_documented():
   # Generation steers a layer (lm -> steering.hooks); the steering
-  # evaluation runs the LM (steering -> lm). Vision stands alone.
+  # evaluation runs the LM (steering -> lm); test-time adaptation adapts
+  # the image classifiers on corrupted images (tta -> vision); RL trains
+  # the decoder LM as its policy (rl -> lm). Vision stands alone.
   allowed = {('lm', 'steering'): {'train.steering.hooks'},
-             ('steering', 'lm'): None}
+             ('steering', 'lm'): None, ('tta', 'vision'): None,
+             ('rl', 'lm'): None}
   for product in PRODUCTS:
     for f in os.listdir(os.path.join(TRAIN, product)):
       if not f.endswith('.py'):

@@ -5,6 +5,7 @@ steps), `steps`, `experiment` (checks and assembly), `optim` (the optax
 chain and the methods' config blocks), `sharding`, `input_pipeline`,
 `checkpointing`, `metrics`, `plots`, `preemption`, `errors`, `fileio`,
 `host_devices`. Products: `vision` (image classification), `lm` (the
-decoder LM), `steering` (steering Flax models). A geom method reaches the
+decoder LM), `steering` (steering Flax models), `tta` (test-time
+adaptation), `rl` (asynchronous GRPO on the decoder LM). A geom method reaches the
 core only through its `geom.method_hooks.MethodHooks`.
 """

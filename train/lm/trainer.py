@@ -30,7 +30,7 @@ from train.lm import loss
 FINAL_METRICS = loop.FINAL_METRICS
 
 
-def _init_variables(model: decoder_lm.DecoderLM, rng: jax.Array) -> dict:
+def init_variables(model: decoder_lm.DecoderLM, rng: jax.Array) -> dict:
   return model.init(rng, np.zeros((1, 8), np.int32))
 
 
@@ -49,7 +49,8 @@ def create_model(config: ml_collections.ConfigDict) -> decoder_lm.DecoderLM:
     raise ConfigError('model.num_heads', kwargs['num_heads'],
                       f'must divide d_model={kwargs["d_model"]} into heads '
                       'of even size (rotary embeddings)')
-  if config.data.seq_len > kwargs['max_len']:
+  # (Products on this model with their own data check their lengths.)
+  if config.data.get('seq_len', 0) > kwargs['max_len']:
     raise ConfigError('data.seq_len', config.data.seq_len,
                       f'exceeds model.max_len={kwargs["max_len"]}')
   return decoder_lm.DecoderLM(**kwargs)
@@ -63,7 +64,7 @@ def build(config: ml_collections.ConfigDict,
   model = create_model(config)
   return experiment_lib.assemble(
       config, workdir, model=model,
-      init_variables=functools.partial(_init_variables, model),
+      init_variables=functools.partial(init_variables, model),
       per_example=loss.lm_loss,
       columns={'tokens': ((config.data.seq_len + 1,), np.uint8)})
 

@@ -1,0 +1,96 @@
+"""The SFT warm start through `launch.train`, and loading it as the RL policy."""
+
+import json
+import os
+
+import pytest
+
+from configs import digits as digits_config
+from configs import rl_sft as sft_config
+from tests import launch_runs
+from train.errors import ConfigError, UsageError
+from train.rl import sft
+from train.rl import tasks
+
+
+@pytest.fixture(scope='module')
+def sft_run(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('sft'))
+  proc = launch_runs.run(workdir, config='configs/rl_sft.py:runlocal')
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return workdir, proc
+
+
+def test_sft_job_writes_pass_at_1_per_difficulty(sft_run):
+  workdir, proc = sft_run
+  with open(os.path.join(workdir, sft.PASS_AT_1)) as f:
+    scores = json.load(f)
+  assert sorted(scores) == ['add_d1', 'add_d2', 'add_d3']
+  assert all(0.0 <= v <= 1.0 for v in scores.values())
+  with open(os.path.join(workdir, 'final_metrics.json')) as f:
+    final = json.load(f)
+  assert final['step'] == 30 and 'val_add_d2_accuracy' in final
+  assert 'test accuracy' in proc.stdout
+
+
+def test_the_policy_loads_with_its_config_and_scores_the_same(sft_run):
+  workdir, _ = sft_run
+  config, model, params = sft.load_policy(workdir)
+  assert config.task == 'rl_sft' and model.d_model == 32
+  with open(os.path.join(workdir, sft.PASS_AT_1)) as f:
+    scores = json.load(f)
+  assert sft.evaluate_pass_at_1(config, model, params) == scores
+
+
+def test_a_finished_run_reruns_without_training_or_rescoring(sft_run):
+  workdir, _ = sft_run
+  stamp = os.stat(os.path.join(workdir, sft.PASS_AT_1)).st_mtime_ns
+  proc = launch_runs.run(workdir, config='configs/rl_sft.py:runlocal')
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert os.stat(os.path.join(workdir, sft.PASS_AT_1)).st_mtime_ns == stamp
+
+
+def test_load_policy_refuses_a_missing_or_foreign_workdir(tmp_path):
+  with pytest.raises(UsageError, match='config.sft_workdir.*train the warm'):
+    sft.load_policy(str(tmp_path / 'none'))
+  from train.vision import trainer  # pylint: disable=g-import-not-at-top
+  digits = str(tmp_path / 'digits')
+  config = digits_config.get_config('runlocal')
+  config.num_steps = 2
+  config.optimizer.warmup_steps = 1
+  trainer.train_and_evaluate(config, digits)
+  with pytest.raises(UsageError, match="'classification' run, not an 'rl_sft'"):
+    sft.load_policy(digits)
+
+
+@pytest.mark.parametrize('override,field', [
+    ('--config.data.families=("div",)', 'data.family'),
+    ('--config.data.difficulties=(1,9)', 'data.difficulty'),
+    ('--config.data.difficulties=()', 'data.difficulties'),
+    ('--config.data.train_examples=0', 'data.train_examples'),
+    ('--config.model.max_len=8', 'model.max_len'),
+])
+def test_bad_sft_config_is_one_line_and_exit_2(tmp_path, override, field):
+  proc = launch_runs.run(str(tmp_path / 'w'), override,
+                         config='configs/rl_sft.py:runlocal')
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  errors = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
+  assert len(errors) == 1 and field in errors[0], proc.stderr[-2000:]
+  assert 'Traceback' not in proc.stderr
+  assert not os.path.exists(tmp_path / 'w' / 'checkpoints')
+
+
+def test_the_configs_parse_and_check():
+  config = sft_config.get_config()
+  sft.check_config(config)
+  assert config.data.families == ('add',)
+  mixed = sft_config.get_config('families=add+mul')
+  assert mixed.data.families == ('add', 'mul')
+  sft.check_config(mixed)
+  with pytest.raises(ValueError, match='unknown config argument'):
+    sft_config.get_config('digits=4')
+  bad = sft_config.get_config()
+  bad.data.families = ('add', 'pow')
+  with pytest.raises(ConfigError, match="data.family.*'add', 'mul'"):
+    sft.check_config(bad)
+  assert tasks.MAX_DIFFICULTY >= max(config.data.difficulties)

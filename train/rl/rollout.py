@@ -1,0 +1,117 @@
+"""Sampling completions of task prompts with their behaviour log-probabilities.
+
+One jitted program per (batch, prompt length, steps, temperature): the
+in-project decoder LM's KV-cached generation (`train.lm.generate`), then
+each generated token's log-probability under the distribution it was
+drawn from, softmax(logits / temperature), recorded at generation time
+(the behaviour policy's, which off-policy corrections need). Rewards are
+the task verifier's, on the host. A row's tokens after its first EOS are
+padding: not rewarded, not trained.
+"""
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from train.lm import decoder as decoder_lm
+from train.lm import generate as generate_lib
+from train.rl import grpo
+from train.rl import tasks
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+  """Completions of a batch of prompts (host arrays).
+
+  Attributes:
+    problems: the prompts' problems (one per row).
+    prompt: (B, P) int32 left-padded prompts; prompt_valid (B, P) bool.
+    completion: (B, S) int32 generated tokens; completion_mask (B, S)
+      bool, up to and including the first EOS.
+    behaviour_logps: (B, S) float32, log pi_behave of each generated
+      token (0 off the mask).
+    rewards: (B,) float32 from the verifier.
+    version: the policy version that generated them.
+  """
+  problems: tuple[tasks.Problem, ...]
+  prompt: np.ndarray
+  prompt_valid: np.ndarray
+  completion: np.ndarray
+  completion_mask: np.ndarray
+  behaviour_logps: np.ndarray
+  rewards: np.ndarray
+  version: int = 0
+
+  @property
+  def generated_tokens(self) -> int:
+    return int(self.completion_mask.sum())
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _sample(model: decoder_lm.DecoderLM, params: Any, prompt: jax.Array,
+            prompt_valid: jax.Array, num_steps: int, temperature: float,
+            rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+  out = generate_lib.generate(model, params, prompt, prompt_valid, num_steps,
+                              temperature=temperature,
+                              rng=None if temperature == 0 else rng)
+  logps = grpo.token_log_probs(out.logits, out.tokens,
+                               temperature if temperature > 0 else 1.0)
+  return out.tokens, logps
+
+
+def sample(model: decoder_lm.DecoderLM, params: Any,
+           problems: Sequence[tasks.Problem], rng: jax.Array | None, *,
+           temperature: float = 1.0, num_steps: int | None = None,
+           prompt_len: int | None = None, version: int = 0) -> Rollout:
+  """Completes `problems` (temperature 0: greedy) and verifies them.
+
+  Args:
+    model, params: the policy (params on any devices; the call runs where
+      they are).
+    problems: one prompt per row.
+    rng: the sampling key (unused when greedy).
+    temperature: sampling temperature.
+    num_steps: tokens to generate (default: the longest target among the
+      problems, so each can finish).
+    prompt_len: pad prompts to this length (default: the longest).
+    version: recorded on the rollout.
+  """
+  prompt, valid = tasks.encode_prompts(problems, prompt_len)
+  if num_steps is None:
+    num_steps = max(tasks.max_answer_tokens(p.family, p.difficulty)
+                    for p in problems)
+  tokens, logps = _sample(model, params, jnp.asarray(prompt),
+                          jnp.asarray(valid), num_steps, float(temperature),
+                          jax.random.key(0) if rng is None else rng)
+  tokens, logps = np.asarray(tokens), np.asarray(logps, np.float32)
+  mask = tasks.completion_mask(tokens)
+  rewards = np.array([tasks.reward(p, tasks.decode_completion(t))
+                      for p, t in zip(problems, tokens)], np.float32)
+  return Rollout(tuple(problems), prompt, valid, tokens, mask,
+                 np.where(mask, logps, 0.0).astype(np.float32), rewards,
+                 version)
+
+
+def pass_at_1(model: decoder_lm.DecoderLM, params: Any,
+              problems: Sequence[tasks.Problem], batch_size: int = 256
+              ) -> float:
+  """The share of `problems` that greedy decoding answers exactly."""
+  if not problems:
+    raise ValueError('pass_at_1: no problems')
+  prompt_len = 1 + max(len(p.prompt) for p in problems)
+  num_steps = max(tasks.max_answer_tokens(p.family, p.difficulty)
+                  for p in problems)
+  correct = 0.0
+  for start in range(0, len(problems), batch_size):
+    chunk = list(problems[start:start + batch_size])
+    # Pad the last chunk to the batch size: one compiled program.
+    padded = chunk + [chunk[-1]] * (min(batch_size, len(problems)) -
+                                     len(chunk))
+    out = sample(model, params, padded, None, temperature=0.0,
+                 num_steps=num_steps, prompt_len=prompt_len)
+    correct += float(out.rewards[:len(chunk)].sum())
+  return correct / len(problems)
