@@ -66,7 +66,8 @@ def _sample(model: decoder_lm.DecoderLM, params: Any, prompt: jax.Array,
 def sample(model: decoder_lm.DecoderLM, params: Any,
            problems: Sequence[tasks.Problem], rng: jax.Array | None, *,
            temperature: float = 1.0, num_steps: int | None = None,
-           prompt_len: int | None = None, version: int = 0) -> Rollout:
+           prompt_len: int | None = None, version: int = 0,
+           sharding: jax.sharding.Sharding | None = None) -> Rollout:
   """Completes `problems` (temperature 0: greedy) and verifies them.
 
   Args:
@@ -79,13 +80,17 @@ def sample(model: decoder_lm.DecoderLM, params: Any,
       problems, so each can finish).
     prompt_len: pad prompts to this length (default: the longest).
     version: recorded on the rollout.
+    sharding: where the prompts go (rows split over a mesh's data axis);
+      None: the default device.
   """
   prompt, valid = tasks.encode_prompts(problems, prompt_len)
   if num_steps is None:
     num_steps = max(tasks.max_answer_tokens(p.family, p.difficulty)
                     for p in problems)
-  tokens, logps = _sample(model, params, jnp.asarray(prompt),
-                          jnp.asarray(valid), num_steps, float(temperature),
+  put = (jnp.asarray if sharding is None
+         else lambda x: jax.device_put(x, sharding))
+  tokens, logps = _sample(model, params, put(prompt), put(valid), num_steps,
+                          float(temperature),
                           jax.random.key(0) if rng is None else rng)
   tokens, logps = np.asarray(tokens), np.asarray(logps, np.float32)
   mask = tasks.completion_mask(tokens)
@@ -97,8 +102,8 @@ def sample(model: decoder_lm.DecoderLM, params: Any,
 
 
 def pass_at_1(model: decoder_lm.DecoderLM, params: Any,
-              problems: Sequence[tasks.Problem], batch_size: int = 256
-              ) -> float:
+              problems: Sequence[tasks.Problem], batch_size: int = 256,
+              sharding: jax.sharding.Sharding | None = None) -> float:
   """The share of `problems` that greedy decoding answers exactly."""
   if not problems:
     raise ValueError('pass_at_1: no problems')
@@ -112,6 +117,7 @@ def pass_at_1(model: decoder_lm.DecoderLM, params: Any,
     padded = chunk + [chunk[-1]] * (min(batch_size, len(problems)) -
                                      len(chunk))
     out = sample(model, params, padded, None, temperature=0.0,
-                 num_steps=num_steps, prompt_len=prompt_len)
+                 num_steps=num_steps, prompt_len=prompt_len,
+                 sharding=sharding)
     correct += float(out.rewards[:len(chunk)].sum())
   return correct / len(problems)

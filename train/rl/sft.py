@@ -196,6 +196,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   return final
 
 
+def check_has_checkpoints(sft_workdir: str) -> None:
+  """UsageError unless `sft_workdir` has a checkpoints directory (cheap: no
+  checkpoint is read)."""
+  directory = os.path.join(os.path.abspath(sft_workdir),
+                           checkpointing.CHECKPOINTS)
+  if not os.path.isdir(directory):
+    raise UsageError('config.sft_workdir', sft_workdir,
+                     'holds no checkpoints; train the warm start first with '
+                     '`python -m launch.train --config=configs/rl_sft.py '
+                     f'--workdir={sft_workdir}`')
+
+
 def load_policy(sft_workdir: str) -> tuple[ml_collections.ConfigDict,
                                            decoder_lm.DecoderLM, dict]:
   """The config, model and parameters of the newest good checkpoint of an
@@ -205,13 +217,7 @@ def load_policy(sft_workdir: str) -> tuple[ml_collections.ConfigDict,
     UsageError: `sft_workdir` holds no checkpoint, or not an SFT run's.
     NoGoodCheckpoint: it holds checkpoints and none loads and verifies.
   """
-  directory = os.path.join(os.path.abspath(sft_workdir),
-                           checkpointing.CHECKPOINTS)
-  if not os.path.isdir(directory):
-    raise UsageError('config.sft_workdir', sft_workdir,
-                     'holds no checkpoints; train the warm start first with '
-                     '`python -m launch.train --config=configs/rl_sft.py '
-                     f'--workdir={sft_workdir}`')
+  check_has_checkpoints(sft_workdir)
   built = {}
 
   def abstract_state(meta: dict):

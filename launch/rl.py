@@ -1,0 +1,50 @@
+r"""Asynchronous GRPO: `python -m launch.rl --config=configs/rl.py --workdir=DIR`.
+
+  python -m launch.train --config=configs/rl_sft.py --workdir=workdirs/rl_sft
+  python -m launch.rl --config=configs/rl.py \
+    --config.sft_workdir=workdirs/rl_sft --workdir=workdirs/rl
+
+Writes metrics.jsonl, TensorBoard events, results.json (pass@1 per
+difficulty, staleness histogram, difficulty mix, throughput) and
+pass_at_1.png. A mistake in the config (an unknown family or correction,
+a bad staleness bound, a missing or foreign SFT checkpoint): one line and
+exit status 2 before any compute. The workdir in use by another run: 75;
+no checkpoint in it that loads and verifies: 4; actors failing beyond
+`runtime.max_actor_restarts`: 1. SIGTERM saves a checkpoint and exits 0,
+SIGINT saves one and exits 130; the same command resumes the run.
+"""
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from launch import entry
+
+_CONFIG = config_flags.DEFINE_config_file(
+    'config', None, 'RL config file (get_config(arg)).', lock_config=True)
+_WORKDIR = flags.DEFINE_string(
+    'workdir', None, 'Directory for checkpoints, metrics and results.')
+flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  entry.quiet_libraries()
+
+  def job():
+    entry.configure_devices(config)
+    from train.rl import run  # pylint: disable=g-import-not-at-top
+    return run.train_and_evaluate(config, _WORKDIR.value)
+
+  results = entry.run_job(job)
+  scores = ', '.join(f'{d} digits {100 * v:.1f}%'
+                     for d, v in results['pass_at_1'].items())
+  print(f'pass@1: {scores} (staleness <= '
+        f'{config.runtime.max_staleness}, {config.grpo.correction}; '
+        f'{results["samples_per_second"]:.1f} samples/s; workdir '
+        f'{_WORKDIR.value})')
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=lambda argv: entry.parse_flags(argv, _CONFIG))

@@ -1,0 +1,195 @@
+"""The RL job: synchronous mode = a plain GRPO loop bit for bit, the
+staleness bound, resume after SIGTERM and kill -9, and one-line errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import pytest
+
+from configs import rl as rl_config
+from configs import rl_sft as sft_config
+from tests.conftest import REPO_ROOT
+from tests import launch_runs
+from train.rl import learner
+from train.rl import rollout
+from train.rl import run
+from train.rl import runtime
+from train.rl import sft
+from train.rl import tasks
+
+
+@pytest.fixture(scope='module')
+def sft_workdir(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('sft'))
+  config = sft_config.get_config('runlocal')
+  # Long enough to answer some one- and two-digit sums (runlocal's 30
+  # steps answer almost none, and all-zero rewards give no update).
+  config.num_steps = 300
+  config.data.difficulties = (1, 2)
+  config.optimizer.learning_rate = 1e-2
+  scores = sft.train_and_evaluate(config, workdir)
+  assert 0.1 < scores['pass_at_1_add_d1'], scores
+  return workdir
+
+
+def _config(sft_workdir, **runtime_fields):
+  config = rl_config.get_config('runlocal')
+  config.sft_workdir = sft_workdir
+  # One and two digits: the warm start solves some, so groups disagree
+  # and the updates are not zero.
+  config.difficulties = (1, 2)
+  config.runtime.update(runtime_fields)
+  return config
+
+
+def _plain_grpo(config) -> str:
+  """Sequential GRPO from the same parts, no threads: generate batch k
+  with version k, update, repeat."""
+  _, model, params = sft.load_policy(config.sft_workdir)
+  rollout_mesh, learner_mesh = runtime.split_devices(config.rollout_devices)
+  learner_repl = NamedSharding(learner_mesh, P())
+  tx = run.optimizer(config)
+  update = learner.make_update(model, tx, run.loss_settings(config))
+  params = jax.device_put(params, learner_repl)
+  reference = params
+  opt_state = jax.device_put(tx.init(params), learner_repl)
+  length, _ = run.lengths(config)
+  for k in range(config.num_versions):
+    difficulty, problems = run.batch_problems(config, k)
+    out = rollout.sample(
+        model, jax.device_put(params, NamedSharding(rollout_mesh, P())),
+        problems, jax.random.fold_in(jax.random.key(config.seed), k),
+        temperature=config.temperature,
+        num_steps=tasks.max_answer_tokens(config.family, difficulty),
+        sharding=NamedSharding(rollout_mesh, P('data')))
+    batch = jax.device_put(learner.assemble(out, config.grpo.group_size,
+                                            length),
+                           NamedSharding(learner_mesh, P('data')))
+    params, opt_state, _ = update(params, opt_state, batch, reference)
+  return run.fingerprint(params)
+
+
+def _grad_norms(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [r['train/grad_norm'] for r in map(json.loads, f)
+            if 'train/grad_norm' in r]
+
+
+def test_synchronous_mode_is_the_plain_grpo_loop_bit_for_bit(sft_workdir,
+                                                             tmp_path):
+  config = _config(sft_workdir, max_staleness=0, num_actors=2)
+  results = run.train_and_evaluate(config, str(tmp_path / 'rl'))
+  assert results['params_sha256'] == _plain_grpo(config)
+  _, _, sft_params = sft.load_policy(sft_workdir)
+  assert results['params_sha256'] != run.fingerprint(sft_params)
+  assert max(_grad_norms(tmp_path / 'rl')) > 0
+  assert results['staleness_histogram'] == {'0': config.num_versions}
+  assert sum(results['difficulty_mix'].values()) == config.num_versions
+  assert os.path.getsize(tmp_path / 'rl' / run.PLOT) > 0
+
+
+def test_async_runs_respect_the_bound_and_deterministic_ones_repeat(
+    sft_workdir, tmp_path):
+  config = _config(sft_workdir, max_staleness=2, num_actors=2,
+                   deterministic=True)
+  config.num_versions = 8
+  a = run.train_and_evaluate(config, str(tmp_path / 'a'))
+  b = run.train_and_evaluate(config, str(tmp_path / 'b'))
+  assert a['params_sha256'] == b['params_sha256']
+  # Batch k on version max(0, k - 2): staleness 0, 1, then 2 from k = 2.
+  assert a['staleness_histogram'] == {'0': 1, '1': 1, '2': 6}
+  sync = _config(sft_workdir, max_staleness=0)
+  sync.num_versions = 8
+  assert a['params_sha256'] != run.train_and_evaluate(
+      sync, str(tmp_path / 's'))['params_sha256']
+
+
+def _launch(workdir, sft_workdir, *overrides):
+  return [sys.executable, '-m', 'launch.rl',
+          '--config=configs/rl.py:runlocal,staleness=1',
+          f'--config.sft_workdir={sft_workdir}', f'--workdir={workdir}',
+          '--config.difficulties=(1,2)', '--config.num_versions=10',
+          '--config.runtime.deterministic=True', *overrides]
+
+
+def _wait_for_records(workdir, n, proc, timeout=240):
+  path = os.path.join(workdir, 'metrics.jsonl')
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    if os.path.exists(path) and sum(1 for _ in open(path)) >= n:
+      return
+    time.sleep(0.1)
+  raise TimeoutError(f'no {n} records in {path}')
+
+
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGKILL])
+def test_an_interrupted_run_resumes_bit_for_bit(sft_workdir, tmp_path, sig):
+  whole = subprocess.run(_launch(tmp_path / 'whole', sft_workdir),
+                         cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=600)
+  assert whole.returncode == 0, whole.stderr[-3000:]
+  cut = tmp_path / 'cut'
+  proc = subprocess.Popen(_launch(cut, sft_workdir), cwd=REPO_ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  _wait_for_records(cut, 5, proc)  # The first eval, then 4 updates.
+  proc.send_signal(sig)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == (0 if sig == signal.SIGTERM else -9), err[-3000:]
+  if sig == signal.SIGTERM:
+    assert 'checkpoint saved' in err
+  resumed = subprocess.run(_launch(cut, sft_workdir), cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert 'Resuming at version' in resumed.stderr
+  load = lambda d: json.load(open(os.path.join(d, run.RESULTS)))
+  assert load(cut)['params_sha256'] == load(tmp_path / 'whole')[
+      'params_sha256']
+  steps = [json.loads(l)['step'] for l in open(cut / 'metrics.jsonl')]
+  assert steps == sorted(set(steps))  # No record twice after the resume.
+
+
+@pytest.mark.parametrize('override,field', [
+    ('--config.family=div', 'task.family'),
+    ('--config.difficulties=(1,9)', 'task.difficulty'),
+    ('--config.grpo.correction=vtrace', 'grpo.correction'),
+    ('--config.runtime.max_staleness=-1', 'runtime.max_staleness'),
+    ('--config.rollout_devices=8', 'rollout_devices'),
+    ('--config.rollout_devices=3', 'prompts_per_batch'),
+    ('--config.sft_workdir=/nonexistent/sft', 'config.sft_workdir'),
+])
+def test_bad_input_is_one_line_and_exit_2(sft_workdir, tmp_path, override,
+                                          field):
+  proc = subprocess.run(_launch(tmp_path / 'w', sft_workdir, override),
+                        cwd=REPO_ROOT, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  errors = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
+  assert len(errors) == 1 and field in errors[0], proc.stderr[-2000:]
+  assert 'Traceback' not in proc.stderr
+  assert not os.path.exists(tmp_path / 'w' / 'checkpoints')
+
+
+def test_a_held_workdir_and_a_changed_config_are_refused(sft_workdir,
+                                                         tmp_path):
+  workdir = tmp_path / 'rl'
+  holder = launch_runs.hold_workdir(str(workdir))
+  try:
+    proc = subprocess.run(_launch(workdir, sft_workdir), cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 75, proc.stderr[-2000:]
+  finally:
+    holder.kill()
+    holder.wait()
+  config = _config(sft_workdir)
+  run.train_and_evaluate(config, str(workdir))
+  config.grpo.epsilon = 0.3
+  with pytest.raises(Exception, match='grpo.epsilon'):
+    run.train_and_evaluate(config, str(workdir))

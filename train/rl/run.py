@@ -1,0 +1,453 @@
+"""`train_and_evaluate(config, workdir)` for asynchronous GRPO (`config.task = 'rl'`).
+
+The policy starts from the SFT warm start (`config.sft_workdir`, written
+by `launch.train` with configs/rl_sft.py). The devices split into a
+rollout mesh and a learner mesh (`train.rl.runtime`); actor threads
+generate G completions of each of P prompts per batch on the first, the
+learner (this thread) runs one GRPO update per batch on the second
+(`train.rl.learner`) and publishes each new version to the actors by
+resharding its weights. Batch k holds P prompts of one difficulty, drawn
+uniformly from `config.difficulties` by (seed, k), so its generation cost
+grows with that difficulty (longer answers, more decoding steps).
+
+The workdir gets the trainer's guarantees: one run at a time (a lock),
+the config checked against the checkpoint's on resume, verified Orbax
+checkpoints every `checkpoint_every` versions, SIGTERM/SIGINT save one
+and stop. A checkpoint holds the learner (weights, optimizer state,
+version), the counters behind the metrics, and the weights of the last
+s versions, so that in `runtime.deterministic` mode a resumed run
+generates every later batch from the same version as an uninterrupted
+one and ends bit for bit the same. Batches generated but not yet trained
+are dropped on resume and generated again (with the same prompts and
+keys); outside deterministic mode they may then use a newer version.
+
+Metrics (metrics.jsonl, TensorBoard): per update the reward, the batch's
+difficulty and staleness, the loss and its diagnostics (clip fraction,
+importance weights and their effective sample size, the behaviour
+policy's KL to the learner's), samples/s and tokens/s since the start,
+the learner's busy fraction; every `eval_every` versions greedy pass@1
+on each difficulty's held-out set. results.json adds the staleness
+histogram and difficulty mix of the trained batches; pass_at_1.png plots
+pass@1 against wall time.
+"""
+
+import dataclasses
+import hashlib
+import json
+import time
+from typing import Any
+
+from absl import logging
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import ml_collections
+import numpy as np
+import optax
+
+from train import checkpointing
+from train import fileio
+from train import metrics as metrics_lib
+from train import plots
+from train import preemption
+from train import resume_check
+from train import workdir_lock
+from train.errors import ConfigError, Preempted, UsageError
+from train.experiment import check_workdir
+from train.rl import grpo
+from train.rl import learner as learner_lib
+from train.rl import rollout as rollout_lib
+from train.rl import runtime as runtime_lib
+from train.rl import sft
+from train.rl import tasks
+
+RESULTS = 'results.json'
+PLOT = 'pass_at_1.png'
+TASK = 'rl'
+MAY_CHANGE = ('log_every', 'checkpoint_every', 'keep_checkpoints',
+              'cpu_devices', 'runtime.shutdown_timeout',
+              'runtime.max_actor_restarts', 'sft_workdir')
+
+
+def loss_settings(config) -> learner_lib.LearnerSettings:
+  g = config.grpo
+  return learner_lib.LearnerSettings(
+      loss=grpo.LossSettings(epsilon=g.epsilon, beta=g.beta,
+                             correction=g.correction, is_cap=g.is_cap,
+                             aggregation=g.aggregation,
+                             temperature=config.temperature),
+      group_size=g.group_size, iterations=g.iterations)
+
+
+def runtime_settings(config) -> runtime_lib.RuntimeSettings:
+  r = config.runtime
+  return runtime_lib.RuntimeSettings(
+      max_staleness=r.max_staleness, num_actors=r.num_actors,
+      deterministic=r.deterministic, max_actor_restarts=r.max_actor_restarts,
+      buffer_capacity=r.buffer_capacity)
+
+
+def optimizer(config) -> optax.GradientTransformation:
+  """Adam after clipping the gradient's global norm."""
+  return optax.chain(
+      optax.clip_by_global_norm(config.optimizer.grad_clip_norm),
+      optax.adam(config.optimizer.learning_rate, b1=config.optimizer.b1,
+                 b2=config.optimizer.b2))
+
+
+def fingerprint(params: Any) -> str:
+  """SHA-256 of the parameters' bytes in tree order: equal iff bit-equal."""
+  digest = hashlib.sha256()
+  for leaf in jax.tree.leaves(jax.device_get(params)):
+    digest.update(np.ascontiguousarray(leaf).tobytes())
+  return digest.hexdigest()
+
+
+def _positive_int(config, field: str) -> None:
+  value = config
+  for part in field.split('.'):
+    value = value[part]
+  if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    raise ConfigError(field, value, 'must be a positive integer')
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """ConfigError naming the field, before anything is read or computed."""
+  if config.get('task') != TASK:
+    raise ConfigError('task', config.get('task'), f'must be {TASK!r}')
+  if not config.sft_workdir:
+    raise ConfigError('sft_workdir', config.sft_workdir,
+                      'required: the workdir of the SFT warm start '
+                      '(launch.train with configs/rl_sft.py)')
+  sft.check_has_checkpoints(config.sft_workdir)
+  if not config.difficulties:
+    raise ConfigError('difficulties', config.difficulties,
+                      f'needs a difficulty in 1..{tasks.MAX_DIFFICULTY}')
+  for d in config.difficulties:
+    tasks.check(config.family, d, field='task')
+  for field in ('prompts_per_batch', 'num_versions', 'eval_every',
+                'eval_examples', 'log_every', 'checkpoint_every',
+                'keep_checkpoints', 'rollout_devices'):
+    _positive_int(config, field)
+  if not isinstance(config.temperature, (int, float)) or not (
+      config.temperature > 0):
+    raise ConfigError('temperature', config.temperature, 'must be > 0')
+  loss_settings(config).check('grpo')
+  runtime_settings(config).check('runtime')
+  if not config.runtime.shutdown_timeout > 0:
+    raise ConfigError('runtime.shutdown_timeout',
+                      config.runtime.shutdown_timeout, 'must be > 0')
+  for field in ('learning_rate', 'grad_clip_norm'):
+    if not config.optimizer[field] > 0:
+      raise ConfigError(f'optimizer.{field}', config.optimizer[field],
+                        'must be > 0')
+  devices = jax.device_count()
+  rollout_mesh, learner_mesh = runtime_lib.split_devices(
+      config.rollout_devices)
+  rows = config.prompts_per_batch * config.grpo.group_size
+  for name, mesh in (('rollout', rollout_mesh), ('learner', learner_mesh)):
+    if rows % mesh.devices.size:
+      raise ConfigError('prompts_per_batch', config.prompts_per_batch,
+                        f'x group_size={config.grpo.group_size} = {rows} '
+                        f'rows must split over the {mesh.devices.size} '
+                        f'{name} devices (of {devices})')
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+  """A generated batch: its rollout, difficulty and generation time."""
+  rollout: rollout_lib.Rollout
+  difficulty: int
+  seconds: float
+
+
+def batch_problems(config, k: int) -> tuple[int, list[tasks.Problem]]:
+  """Batch k's difficulty and its P prompts, each G times (groups together)."""
+  rng = np.random.default_rng([config.seed, k, 17])
+  difficulty = int(rng.choice(list(config.difficulties)))
+  prompts = tasks.sample(config.family, difficulty, config.prompts_per_batch,
+                         seed=int(rng.integers(2**31)))
+  return difficulty, [p for p in prompts
+                      for _ in range(config.grpo.group_size)]
+
+
+def lengths(config) -> tuple[int, int]:
+  """(learner sequence length, the longest prompt's tokens)."""
+  top = max(config.difficulties)
+  prompt = 1 + len(tasks.sample(config.family, top, 1, 0)[0].prompt)
+  return prompt + tasks.max_answer_tokens(config.family, top), prompt
+
+
+def _check_resume(config, workdir: str, step: int, meta: dict) -> None:
+  if 'config' not in meta:
+    raise UsageError('--workdir', workdir,
+                     f'holds a checkpoint at step {step} without a config: '
+                     'not an RL run')
+  saved = json.loads(meta['config'])
+  if saved.get('task') != TASK:
+    raise UsageError('--workdir', workdir,
+                     f'holds a {saved.get("task", "classification")!r} run, '
+                     'not an RL run; use a new --workdir')
+  changes = resume_check.changed_fields(
+      saved, json.loads(resume_check.as_json(config)))
+  fixed = [c for c in changes if c[0] not in MAY_CHANGE]
+  if fixed:
+    raise resume_check.ConfigChanged(workdir, step, fixed)
+
+
+def _check_latest(config, workdir: str) -> None:
+  with checkpointing.Checkpoints(workdir, every_steps=1, keep=1,
+                                 async_save=False) as ckpts:
+    step = ckpts.latest_step()
+    if step is None:
+      return
+    try:
+      meta = ckpts.restore_meta(step)
+    except checkpointing.DamagedCheckpoint:
+      return
+  _check_resume(config, workdir, step, meta)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict,
+                       workdir: str) -> dict[str, Any]:
+  """Trains the policy in `workdir` (resuming it); returns the results.
+
+  Raises:
+    UsageError: a setting is invalid, the SFT workdir holds no usable
+      policy, or the workdir belongs to another run.
+    WorkdirBusy: another run holds the workdir.
+    NoGoodCheckpoint: the workdir's checkpoints are all damaged.
+    ActorFailed: actors failed more often than allowed.
+    Preempted: SIGTERM or SIGINT arrived; a checkpoint was saved first.
+  """
+  check_config(config)
+  workdir = check_workdir(workdir)
+  with workdir_lock.hold(workdir):
+    _check_latest(config, workdir)
+    return _train(config, workdir)
+
+
+def _counters(bound: int, saved: dict | None = None
+              ) -> dict[str, np.ndarray]:
+  """The trained batches' staleness (0..bound) and difficulty counts, and
+  the totals (samples, tokens, learner busy seconds); kept in the
+  checkpoint's meta."""
+  counters = {'staleness': np.zeros(bound + 1, np.int64),
+              'difficulty': np.zeros(tasks.MAX_DIFFICULTY + 1, np.int64),
+              'totals': np.zeros(3, np.float64)}
+  for key, value in (saved or {}).items():
+    counters[key] = np.array(value, counters[key].dtype)
+  return counters
+
+
+def _train(config, workdir: str) -> dict[str, Any]:
+  sft_config, model, sft_params = sft.load_policy(config.sft_workdir)
+  if config.family not in sft_config.data.families:
+    raise ConfigError('family', config.family,
+                      f'the SFT policy was trained on '
+                      f'{list(sft_config.data.families)}')
+  length, _ = lengths(config)
+  if length > model.max_len:
+    raise ConfigError('difficulties', config.difficulties,
+                      f'need {length} tokens; the SFT model holds '
+                      f'{model.max_len}')
+  rsettings = runtime_settings(config)
+  lsettings = loss_settings(config)
+  s = rsettings.max_staleness
+  rollout_mesh, learner_mesh = runtime_lib.split_devices(
+      config.rollout_devices)
+  learner_repl = NamedSharding(learner_mesh, P())
+  rollout_repl = NamedSharding(rollout_mesh, P())
+  learner_rows = NamedSharding(learner_mesh, P('data'))
+  rollout_rows = NamedSharding(rollout_mesh, P('data'))
+
+  tx = optimizer(config)
+  params = jax.device_put(sft_params, learner_repl)
+  reference = params
+  fresh = {'params': params, 'opt_state': jax.device_put(tx.init(params),
+                                                         learner_repl),
+           'history': [params] * s}
+  update = learner_lib.make_update(model, tx, lsettings)
+  heldout = {d: tasks.evaluation_set(config.family, d, config.eval_examples)
+             for d in config.difficulties}
+
+  with checkpointing.Checkpoints(workdir, every_steps=config.checkpoint_every,
+                                 keep=config.keep_checkpoints) as ckpts:
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        fresh)
+    found = ckpts.restore_latest_good(
+        abstract, check_meta=lambda step, meta: _check_resume(
+            config, workdir, step, meta))
+    results_path = fileio.join(workdir, RESULTS)
+    if found is not None:
+      version, tree, meta = found
+      if version == config.num_versions and fileio.exists(results_path):
+        logging.info('%s is finished; its results are reported again.',
+                     workdir)
+        return metrics_lib.read_json(results_path)
+      logging.info('Resuming at version %d of %d (batches generated but '
+                   'not trained were dropped)', version, config.num_versions)
+      state = tree
+      counters = _counters(s, meta.get('counters'))
+      writer = metrics_lib.MetricWriter(workdir, version,
+                                        meta.get('metrics_records'))
+      wall_offset = float(meta.get('wall_seconds', 0.0))
+      curve = list(meta.get('curve', []))
+    else:
+      version, state, counters = 0, fresh, _counters(s)
+      writer = metrics_lib.MetricWriter(workdir, None)
+      wall_offset, curve = 0.0, []
+
+    snapshots = runtime_lib.Snapshots(keep=s + 1)
+    # The last s versions, oldest first, then the current one.
+    for i, old in enumerate(state['history']):
+      v = version - s + i
+      if v >= 0:
+        snapshots.publish(v, jax.device_put(old, rollout_repl))
+    snapshots.publish(version, jax.device_put(state['params'], rollout_repl))
+    buffer = runtime_lib.Buffer(rsettings.capacity, next_needed=version)
+    base_key = jax.random.key(config.seed)
+
+    def generate(k: int, v: int, params_v) -> Item:
+      difficulty, problems = batch_problems(config, k)
+      start = time.perf_counter()
+      out = rollout_lib.sample(
+          model, params_v, problems, jax.random.fold_in(base_key, k),
+          temperature=config.temperature,
+          num_steps=tasks.max_answer_tokens(config.family, difficulty),
+          version=v, sharding=rollout_rows)
+      return Item(out, difficulty, time.perf_counter() - start)
+
+    actors = runtime_lib.Actors(generate, snapshots, buffer, rsettings,
+                                start=version)
+    stop = preemption.StopFlag()
+    started = time.perf_counter()
+
+    def wall() -> float:
+      return wall_offset + time.perf_counter() - started
+
+    def evaluate(v: int) -> dict[str, float]:
+      scores = {f'eval/pass_at_1_d{d}': rollout_lib.pass_at_1(
+          model, state['params'], problems, sharding=learner_rows
+          if len(problems) % learner_mesh.devices.size == 0 else None)
+                for d, problems in heldout.items()}
+      scores['eval/pass_at_1'] = float(np.mean(list(scores.values())))
+      curve.append({'version': v, 'wall': wall(), **scores})
+      return scores
+
+    def save(v: int, force: bool = False) -> bool:
+      history = [snapshots.held().get(v - s + i) for i in range(s)]
+      tree = {'params': state['params'], 'opt_state': state['opt_state'],
+              'history': [state['params'] if h is None else
+                          jax.device_put(h, learner_repl) for h in history]}
+      meta = {'config': resume_check.as_json(config),
+              'counters': {k: v.tolist() for k, v in counters.items()},
+              'metrics_records': writer.records, 'wall_seconds': wall(),
+              'curve': curve}
+      return ckpts.save(v, tree, meta, force=force)
+
+    if version == 0 and not curve:
+      writer.write(0, evaluate(0))
+    actors.start()
+    try:
+      with stop.installed():
+        for k in range(version, config.num_versions):
+          item = buffer.take(k, actors.check)
+          out = item.rollout
+          staleness = k - out.version
+          if not 0 <= staleness <= s:
+            raise RuntimeError(f'batch {k} from version {out.version}: '
+                               f'staleness {staleness} outside [0, {s}]')
+          batch = jax.device_put(learner_lib.assemble(
+              out, lsettings.group_size, length), learner_rows)
+          begin = time.perf_counter()
+          params, opt_state, m = update(state['params'], state['opt_state'],
+                                        batch, reference)
+          m = jax.device_get(m)
+          busy = time.perf_counter() - begin
+          state['params'], state['opt_state'] = params, opt_state
+          version = k + 1
+          snapshots.publish(version, jax.device_put(params, rollout_repl))
+          counters['staleness'][staleness] += 1
+          counters['difficulty'][item.difficulty] += 1
+          counters['totals'] += [len(out.rewards), out.generated_tokens, busy]
+          elapsed = wall()
+          scalars = {f'train/{key}': float(v) for key, v in m.items()}
+          scalars.update({
+              'reward': float(out.rewards.mean()),
+              'difficulty': float(item.difficulty),
+              'staleness': float(staleness),
+              'generation_seconds': item.seconds,
+              'samples_per_second': counters['totals'][0] / elapsed,
+              'tokens_per_second': counters['totals'][1] / elapsed,
+              'learner_busy_fraction': counters['totals'][2] / elapsed,
+              'buffer': float(len(buffer)),
+              'actor_failures': float(actors.failures)})
+          if version % config.eval_every == 0 or (
+              version == config.num_versions):
+            scalars.update(evaluate(version))
+          if version % config.log_every == 0 or 'eval/pass_at_1' in scalars:
+            writer.write(version, scalars)
+          saved = save(version)
+          if stop.requested(version) and version < config.num_versions:
+            if not saved:
+              save(version, force=True)
+            ckpts.wait_until_finished()
+            writer.flush()
+            raise Preempted(version, stop.signal_name)
+    finally:
+      actors.stop()
+      try:
+        actors.join(config.runtime.shutdown_timeout)
+      finally:
+        writer.close()
+    ckpts.wait_until_finished()
+    if ckpts.latest_step() != config.num_versions:
+      save(config.num_versions, force=True)
+    ckpts.wait_until_finished()
+    results = _results(config, counters, curve, wall())
+    results['params_sha256'] = fingerprint(state['params'])
+    metrics_lib.write_json_atomic(results_path, results)
+    _plot(curve, config, fileio.join(workdir, PLOT))
+    return results
+
+
+def _results(config, counters, curve, seconds: float) -> dict[str, Any]:
+  last = curve[-1]
+  stale = counters['staleness']
+  return {
+      'versions': config.num_versions,
+      'pass_at_1': {str(d): last[f'eval/pass_at_1_d{d}']
+                    for d in config.difficulties},
+      'mean_pass_at_1': last['eval/pass_at_1'],
+      'initial_pass_at_1': {str(d): curve[0][f'eval/pass_at_1_d{d}']
+                            for d in config.difficulties},
+      'staleness_histogram': {str(i): int(n) for i, n in enumerate(stale)
+                              if n},
+      'difficulty_mix': {str(d): int(counters['difficulty'][d])
+                         for d in config.difficulties},
+      'samples': int(counters['totals'][0]),
+      'tokens': int(counters['totals'][1]),
+      'wall_seconds': seconds,
+      'samples_per_second': counters['totals'][0] / max(seconds, 1e-9),
+      'learner_busy_fraction': counters['totals'][2] / max(seconds, 1e-9),
+      'curve': curve,
+  }
+
+
+def _plot(curve, config, path: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(6, 4))
+  walls = [c['wall'] for c in curve]
+  for d in config.difficulties:
+    ax.plot(walls, [c[f'eval/pass_at_1_d{d}'] for c in curve], 'o-',
+            label=f'{d} digits')
+  ax.set_xlabel('wall time (s)')
+  ax.set_ylabel('greedy pass@1 (held out)')
+  ax.set_title(f'GRPO, staleness <= {config.runtime.max_staleness}, '
+               f'{config.grpo.correction}')
+  ax.grid(alpha=0.3)
+  ax.legend()
+  plots.save_png(fig, path)
