@@ -2,6 +2,7 @@ r"""Test-time adaptation studies on mnist5k's corrupted test sets, over seeds.
 
   python -m launch.tta_study --study=table --workdir=workdirs/tta_study
   python -m launch.tta_study --study=rates --workdir=workdirs/tta_study
+  python -m launch.tta_study --study=norm --workdir=workdirs/tta_study
 
 Each seed trains its own source CNN (`configs/digits.py:dataset=mnist5k`,
 that seed) into `<workdir>/source_<seed>`; the stream's shuffling uses the
@@ -17,6 +18,13 @@ writes `<study>.md` and `<study>.json` there (and `rates.png`).
   or more), fixed vs CONGA, for TENT, EATA and SAR on one stream
   (`--protocol`, severity 5), with the spread over the grid (worst minus
   best) per method and schedule.
+- `norm`: the failure modes of batch statistics. Sources with BatchNorm,
+  GroupNorm and LayerNorm (`--norms`; the CNN's `norm` field) adapted
+  with a fixed rate on the episodic stream at severity 5, at each batch
+  size of `--norm_batch_sizes`, with the test images shuffled and sorted
+  by class (label shift: a batch holds one or two classes). The source
+  model's predictions do not depend on the batch or the order (running
+  statistics, or none), so it runs once per norm and seed.
 """
 
 import json
@@ -28,7 +36,8 @@ from absl import flags
 from absl import logging
 
 _WORKDIR = flags.DEFINE_string('workdir', 'workdirs/tta_study', 'Root dir.')
-_STUDY = flags.DEFINE_enum('study', 'table', ['table', 'rates'], 'Which study.')
+_STUDY = flags.DEFINE_enum('study', 'table', ['table', 'rates', 'norm'],
+                           'Which study.')
 _SEEDS = flags.DEFINE_integer('seeds', 3, 'Seeds (source model and stream).')
 _SEVERITIES = flags.DEFINE_list('severities', ['1', '2', '3', '4', '5'],
                                 'Severities (table).')
@@ -43,6 +52,13 @@ _RATES = flags.DEFINE_list(
     'Base learning rates (rates).')
 _METHODS = flags.DEFINE_list('methods', ['tent', 'eata', 'sar'],
                              'Adapting methods (rates).')
+_NORMS = flags.DEFINE_list('norms', ['batch', 'group', 'layer'],
+                           "The source CNN's normalisations (norm).")
+_NORM_BATCHES = flags.DEFINE_list('norm_batch_sizes', ['64', '8', '1'],
+                                  'Test batch sizes (norm).')
+_NORM_METHODS = flags.DEFINE_list('norm_methods',
+                                  ['bn_stats', 'tent', 'eata', 'sar'],
+                                  'Methods besides the source (norm).')
 _BATCH = flags.DEFINE_integer('batch_size', 64, 'config.batch_size')
 _SOURCE_ARG = flags.DEFINE_string('source_arg', 'dataset=mnist5k',
                                   'Argument of configs/digits.py.')
@@ -60,33 +76,46 @@ TABLE_ROWS = [
 ]
 
 
-def _source(seed: int) -> str:
+def _source_dir(seed: int, norm: str = 'batch') -> str:
+  # BatchNorm sources keep the table's and the rates study's names.
+  return os.path.join(_WORKDIR.value, f'source_{seed}' if norm == 'batch'
+                      else f'source_{norm}_{seed}')
+
+
+def _source(seed: int, norm: str = 'batch') -> str:
   from configs import digits  # pylint: disable=g-import-not-at-top
   from train.vision import trainer  # pylint: disable=g-import-not-at-top
-  workdir = os.path.join(_WORKDIR.value, f'source_{seed}')
-  config = digits.get_config(_SOURCE_ARG.value)
+  workdir = _source_dir(seed, norm)
+  config = digits.get_config(_SOURCE_ARG.value + (
+      '' if norm == 'batch' else f',norm={norm}'))
   config.seed = seed
   config.model.features = tuple(int(f) for f in _FEATURES.value)
   final = trainer.train_and_evaluate(config, workdir)
-  logging.info('source %d: test accuracy %.4f', seed, final['test_accuracy'])
+  logging.info('source %s %d: test accuracy %.4f', norm, seed,
+               final['test_accuracy'])
   return workdir
 
 
 def _adapt(seed: int, method: str, schedule: str, protocol: str,
-           severity: int, rate: float | None = None) -> dict:
+           severity: int, rate: float | None = None, norm: str = 'batch',
+           batch_size: int | None = None, order: str = 'shuffled') -> dict:
   from configs import tta  # pylint: disable=g-import-not-at-top
   from train.tta import adapt  # pylint: disable=g-import-not-at-top
   config = tta.get_config(f'method={method},schedule={schedule},'
                           f'protocol={protocol}')
   config.seed = seed
   config.severity = severity
-  config.batch_size = _BATCH.value
-  config.source_workdir = os.path.join(_WORKDIR.value, f'source_{seed}')
+  config.batch_size = batch_size or _BATCH.value
+  config.order = order
+  config.source_workdir = _source_dir(seed, norm)
   config.checkpoint_every = 1000
   if rate is not None:
     config.method.learning_rate = rate
   name = (f'{method}_{schedule}_{protocol}_s{severity}_seed{seed}'
-          + ('' if rate is None else f'_lr{rate:g}'))
+          + ('' if rate is None else f'_lr{rate:g}')
+          + ('' if norm == 'batch' else f'_{norm}')
+          + ('' if batch_size is None else f'_b{batch_size}')
+          + ('' if order == 'shuffled' else f'_{order}'))
   return adapt.adapt_and_evaluate(config, os.path.join(_WORKDIR.value, name))
 
 
@@ -160,6 +189,39 @@ def rates() -> tuple[str, dict]:
   return '\n'.join(lines), raw
 
 
+def norm() -> tuple[str, dict]:
+  seeds = range(_SEEDS.value)
+  sizes = [int(b) for b in _NORM_BATCHES.value]
+  orders = ('shuffled', 'by_class')
+  raw = {}
+  for seed in seeds:
+    for norm_name in _NORMS.value:
+      _source(seed, norm_name)
+      source = _adapt(seed, 'source', 'fixed', 'episodic', 5, norm=norm_name,
+                      batch_size=sizes[0])['mean_error']
+      for method in ['source'] + _NORM_METHODS.value:
+        # Without BatchNorm there are no statistics to replace.
+        if method == 'bn_stats' and norm_name != 'batch':
+          continue
+        for size in sizes:
+          for order in orders:
+            raw[f'{norm_name}|{method}|{size}|{order}|{seed}'] = (
+                source if method == 'source' else _adapt(
+                    seed, method, 'fixed', 'episodic', 5, norm=norm_name,
+                    batch_size=size, order=order)['mean_error'])
+  head = ['norm', 'method'] + [f'batch {b}, {o}' for o in orders
+                               for b in sizes]
+  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  for norm_name in _NORMS.value:
+    for method in ['source'] + _NORM_METHODS.value:
+      if f'{norm_name}|{method}|{sizes[0]}|shuffled|0' not in raw:
+        continue
+      cells = [_mean_std([raw[f'{norm_name}|{method}|{b}|{o}|{s}']
+                          for s in seeds]) for o in orders for b in sizes]
+      lines.append(f'| {norm_name} | {method} | ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines), raw
+
+
 def _plot_rates(grid, summary) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
@@ -189,7 +251,7 @@ def main(argv):
   entry.quiet_libraries()
   entry.configure_devices(ml_collections.ConfigDict({'cpu_devices': 8}))
   os.makedirs(_WORKDIR.value, exist_ok=True)
-  text, raw = table() if _STUDY.value == 'table' else rates()
+  text, raw = {'table': table, 'rates': rates, 'norm': norm}[_STUDY.value]()
   base = os.path.join(_WORKDIR.value, _STUDY.value)
   with open(base + '.md', 'w') as f:
     f.write(text + '\n')
