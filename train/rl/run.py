@@ -63,6 +63,10 @@ from train.rl import tasks
 RESULTS = 'results.json'
 PLOT = 'pass_at_1.png'
 TASK = 'rl'
+# The console line, every PROGRESS_EVERY versions and at evaluations.
+PROGRESS_EVERY = 10
+PROGRESS_KEYS = ('reward', 'staleness', 'samples_per_second',
+                 'learner_busy_fraction', 'eval/pass_at_1')
 MAY_CHANGE = ('log_every', 'checkpoint_every', 'keep_checkpoints',
               'cpu_devices', 'runtime.shutdown_timeout',
               'runtime.max_actor_restarts', 'sft_workdir')
@@ -348,6 +352,7 @@ def _train(config, workdir: str) -> dict[str, Any]:
 
     if version == 0 and not curve:
       writer.write(0, evaluate(0))
+    progress = metrics_lib.Progress(version, config.num_versions)
     actors.start()
     try:
       with stop.installed():
@@ -388,6 +393,12 @@ def _train(config, workdir: str) -> dict[str, Any]:
             scalars.update(evaluate(version))
           if version % config.log_every == 0 or 'eval/pass_at_1' in scalars:
             writer.write(version, scalars)
+          if version % PROGRESS_EVERY == 0 or 'eval/pass_at_1' in scalars:
+            rate, eta = progress.update(version)
+            metrics_lib.log_progress(
+                version, config.num_versions,
+                {k: scalars[k] for k in PROGRESS_KEYS if k in scalars},
+                rate, eta, console=('eval/pass_at_1',))
           saved = save(version)
           if stop.requested(version) and version < config.num_versions:
             if not saved:

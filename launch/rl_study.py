@@ -1,0 +1,163 @@
+r"""Synchronous vs asynchronous GRPO over seeds: bounds and corrections.
+
+  python -m launch.rl_study --workdir=workdirs/rl_study
+
+Each seed trains its own warm start (`configs/rl_sft.py`, that seed) into
+`<workdir>/sft_<seed>`, then runs GRPO (`configs/rl.py`, that seed) once
+synchronously (staleness bound 0) and once for each bound of `--bounds`
+with each correction of `--corrections`, every run in its own workdir
+below `--workdir` (a finished run is read back, an interrupted one
+resumes). Writes `study.md` (pass@1 per difficulty at the end, mean ±
+std over seeds; samples/s; wall time), `study.json` (every run's
+results) and `study.png` (mean pass@1 against wall time and against
+trained samples, mean over seeds).
+"""
+
+import json
+import os
+import statistics
+
+from absl import app
+from absl import flags
+from absl import logging
+
+_WORKDIR = flags.DEFINE_string('workdir', 'workdirs/rl_study', 'Root dir.')
+_SEEDS = flags.DEFINE_integer('seeds', 3, 'Seeds (warm start and RL).')
+_BOUNDS = flags.DEFINE_list('bounds', ['1', '2', '4'],
+                            'Staleness bounds of the asynchronous runs.')
+_CORRECTIONS = flags.DEFINE_list('corrections', ['none', 'tis', 'decoupled'],
+                                 'Off-policy corrections (asynchronous).')
+_VERSIONS = flags.DEFINE_integer('num_versions', 200, 'config.num_versions')
+_OVERRIDES = flags.DEFINE_list(
+    'set', [], 'More config fields for every RL run, as field=value '
+    '(values parsed as Python literals), e.g. optimizer.learning_rate=3e-4.')
+
+
+def _sft(seed: int) -> str:
+  from configs import rl_sft  # pylint: disable=g-import-not-at-top
+  from train.rl import sft  # pylint: disable=g-import-not-at-top
+  workdir = os.path.join(_WORKDIR.value, f'sft_{seed}')
+  config = rl_sft.get_config()
+  config.seed = seed
+  final = sft.train_and_evaluate(config, workdir)
+  logging.info('warm start %d: %s', seed, {k: v for k, v in final.items()
+                                            if k.startswith('pass_at_1')})
+  return workdir
+
+
+def _set(config, field: str, text: str) -> None:
+  import ast  # pylint: disable=g-import-not-at-top
+  *path, last = field.split('.')
+  block = config
+  for part in path:
+    block = block[part]
+  block[last] = ast.literal_eval(text)
+
+
+def _rl(seed: int, bound: int, correction: str) -> dict:
+  from configs import rl  # pylint: disable=g-import-not-at-top
+  from train.rl import run  # pylint: disable=g-import-not-at-top
+  config = rl.get_config(f'staleness={bound},correction={correction}')
+  config.seed = seed
+  config.sft_workdir = os.path.join(_WORKDIR.value, f'sft_{seed}')
+  config.num_versions = _VERSIONS.value
+  for item in _OVERRIDES.value:
+    field, _, text = item.partition('=')
+    _set(config, field, text)
+  name = f's{bound}_{correction}_seed{seed}'
+  return run.train_and_evaluate(config, os.path.join(_WORKDIR.value, name))
+
+
+def _mean_std(values: list[float], scale: float = 100.0) -> str:
+  values = [scale * v for v in values]
+  if len(values) < 2:
+    return f'{values[0]:.1f}' if values else '-'
+  return f'{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}'
+
+
+def _runs() -> list[tuple[str, int, str]]:
+  runs = [('sync', 0, 'decoupled')]
+  for bound in _BOUNDS.value:
+    for correction in _CORRECTIONS.value:
+      runs.append((f'async s={bound}, {correction}', int(bound), correction))
+  return runs
+
+
+def study() -> tuple[str, dict]:
+  raw = {}
+  for seed in range(_SEEDS.value):
+    _sft(seed)
+    for label, bound, correction in _runs():
+      raw[f'{label}|{seed}'] = _rl(seed, bound, correction)
+  seeds = range(_SEEDS.value)
+  first = raw[f'sync|0']
+  difficulties = sorted(first['pass_at_1'], key=int)
+  head = (['run'] + [f'{d} digits' for d in difficulties]
+          + ['mean', 'samples/s', 'x sync', 'wall s'])
+  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  start = [statistics.mean(raw[f'sync|{s}']['initial_pass_at_1'][d]
+                           for s in seeds) for d in difficulties]
+  lines.append('| warm start | ' + ' | '.join(
+      _mean_std([raw[f'sync|{s}']['initial_pass_at_1'][d] for s in seeds])
+      for d in difficulties) + f' | {100 * statistics.mean(start):.1f} '
+      '| - | - | - |')
+  for label, _, _ in _runs():
+    rows = [raw[f'{label}|{s}'] for s in seeds]
+    ratio = [r['samples_per_second'] / raw[f'sync|{s}']['samples_per_second']
+             for s, r in zip(seeds, rows)]
+    cells = [_mean_std([r['pass_at_1'][d] for r in rows])
+             for d in difficulties]
+    cells += [_mean_std([r['mean_pass_at_1'] for r in rows]),
+              _mean_std([r['samples_per_second'] for r in rows], 1.0),
+              _mean_std(ratio, 1.0),
+              _mean_std([r['wall_seconds'] for r in rows], 1.0)]
+    lines.append(f'| {label} | ' + ' | '.join(cells) + ' |')
+  _plot(raw)
+  return '\n'.join(lines), raw
+
+
+def _plot(raw) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from train import plots  # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+  for label, _, _ in _runs():
+    curves = [raw[f'{label}|{s}']['curve'] for s in range(_SEEDS.value)]
+    n = min(len(c) for c in curves)
+    mean = np.mean([[p['eval/pass_at_1'] for p in c[:n]] for c in curves], 0)
+    wall = np.mean([[p['wall'] for p in c[:n]] for c in curves], 0)
+    versions = [p['version'] for p in curves[0][:n]]
+    samples_per_version = (raw[f'{label}|0']['samples']
+                           / raw[f'{label}|0']['versions'])
+    style = 'k-' if label == 'sync' else '-'
+    axes[0].plot(wall, 100 * mean, style, label=label, marker='.')
+    axes[1].plot(np.array(versions) * samples_per_version, 100 * mean, style,
+                 label=label, marker='.')
+  axes[0].set_xlabel('wall time (s, mean over seeds)')
+  axes[1].set_xlabel('trained samples')
+  axes[0].set_ylabel('greedy pass@1, mean over difficulties (%)')
+  for ax in axes:
+    ax.grid(alpha=0.3)
+  axes[1].legend(fontsize=7)
+  plots.save_png(fig, os.path.join(_WORKDIR.value, 'study.png'))
+
+
+def main(argv):
+  del argv
+  from launch import entry  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  entry.quiet_libraries()
+  entry.configure_devices(ml_collections.ConfigDict({'cpu_devices': 8}))
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  text, raw = study()
+  with open(os.path.join(_WORKDIR.value, 'study.md'), 'w') as f:
+    f.write(text + '\n')
+  with open(os.path.join(_WORKDIR.value, 'study.json'), 'w') as f:
+    json.dump(raw, f, indent=1, sort_keys=True)
+  print(text)
+
+
+if __name__ == '__main__':
+  app.run(main)
