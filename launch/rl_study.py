@@ -27,7 +27,7 @@ _BOUNDS = flags.DEFINE_list('bounds', ['1', '2', '4'],
                             'Staleness bounds of the asynchronous runs.')
 _CORRECTIONS = flags.DEFINE_list('corrections', ['none', 'tis', 'decoupled'],
                                  'Off-policy corrections (asynchronous).')
-_VERSIONS = flags.DEFINE_integer('num_versions', 200, 'config.num_versions')
+_VERSIONS = flags.DEFINE_integer('num_versions', 1000, 'config.num_versions')
 _OVERRIDES = flags.DEFINE_list(
     'set', [], 'More config fields for every RL run, as field=value '
     '(values parsed as Python literals), e.g. optimizer.learning_rate=3e-4.')
