@@ -25,6 +25,10 @@ def test_config_documents_its_command_and_has_a_small_mode(name):
   if 'num_steps' in full:  # Training configs.
     assert small.num_steps < full.num_steps
     assert small.batch_size <= full.batch_size
+  elif 'num_versions' in full:  # RL: fewer updates of smaller batches.
+    assert small.num_versions < full.num_versions
+    assert (small.prompts_per_batch * small.grpo.group_size
+            < full.prompts_per_batch * full.grpo.group_size)
   elif 'corruptions' in full:  # Test-time adaptation: a shorter stream.
     assert full.corruptions == 'all'
     assert 0 < len(small.corruptions.split(',')) < 15

@@ -118,15 +118,17 @@ def _launch(workdir, sft_workdir, *overrides):
           '--config.runtime.deterministic=True', *overrides]
 
 
-def _wait_for_records(workdir, n, proc, timeout=240):
-  path = os.path.join(workdir, 'metrics.jsonl')
+def _wait_for_checkpoint(workdir, proc, timeout=240):
+  """Until a checkpoint is committed (orbax renames it to its step last)."""
+  checkpoints = os.path.join(workdir, 'checkpoints')
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
     assert proc.poll() is None, proc.communicate()[1][-3000:]
-    if os.path.exists(path) and sum(1 for _ in open(path)) >= n:
+    if os.path.isdir(checkpoints) and any(
+        d.isdigit() for d in os.listdir(checkpoints)):
       return
-    time.sleep(0.1)
-  raise TimeoutError(f'no {n} records in {path}')
+    time.sleep(0.01)
+  raise TimeoutError(f'no checkpoint in {checkpoints}')
 
 
 @pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGKILL])
@@ -139,7 +141,7 @@ def test_an_interrupted_run_resumes_bit_for_bit(sft_workdir, tmp_path, sig):
   proc = subprocess.Popen(_launch(cut, sft_workdir), cwd=REPO_ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True)
-  _wait_for_records(cut, 5, proc)  # The first eval, then 4 updates.
+  _wait_for_checkpoint(cut, proc)  # The first is at version 2 of 10.
   proc.send_signal(sig)
   _, err = proc.communicate(timeout=120)
   assert proc.returncode == (0 if sig == signal.SIGTERM else -9), err[-3000:]
