@@ -195,3 +195,29 @@ def test_a_held_workdir_and_a_changed_config_are_refused(sft_workdir,
   config.grpo.epsilon = 0.3
   with pytest.raises(Exception, match='grpo.epsilon'):
     run.train_and_evaluate(config, str(workdir))
+
+
+def test_failing_actors_end_the_run_in_one_line_with_a_checkpoint_kept(
+    sft_workdir, tmp_path, monkeypatch):
+  config = _config(sft_workdir, max_staleness=1, num_actors=2,
+                   max_actor_restarts=2)
+  real = run.batch_problems
+
+  def broken(config, k):
+    if k >= 3:
+      raise RuntimeError(f'generation exploded on batch {k}')
+    return real(config, k)
+
+  monkeypatch.setattr(run, 'batch_problems', broken)
+  start = time.monotonic()
+  # Two actors may fail at once: the count passes the budget by 1 or 2.
+  with pytest.raises(runtime.ActorFailed,
+                     match=r'failed [34] times.*generation exploded on '
+                           r'batch [3-9]') as info:
+    run.train_and_evaluate(config, str(tmp_path / 'rl'))
+  assert '\n' not in str(info.value)
+  assert time.monotonic() - start < 120
+  # Versions 1-3 were trained (batches 0-2); the checkpoint at 2 is kept and
+  # a later run resumes from it.
+  steps = os.listdir(tmp_path / 'rl' / 'checkpoints')
+  assert '2' in steps, steps
