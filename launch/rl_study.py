@@ -117,30 +117,39 @@ def study() -> tuple[str, dict]:
 
 
 def _plot(raw) -> None:
+  """pass@1 (mean over difficulties, then each difficulty) against wall
+  time and trained samples, mean over seeds."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from train import plots  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+  difficulties = sorted(raw['sync|0']['pass_at_1'], key=int)
+  keys = ['eval/pass_at_1'] + [f'eval/pass_at_1_d{d}' for d in difficulties]
+  titles = ['mean over difficulties'] + [f'{d} digits' for d in difficulties]
+  fig, axes = plt.subplots(len(keys), 2, figsize=(11, 3.2 * len(keys)),
+                           sharey='row')
   for label, _, _ in _runs():
     curves = [raw[f'{label}|{s}']['curve'] for s in range(_SEEDS.value)]
     n = min(len(c) for c in curves)
-    mean = np.mean([[p['eval/pass_at_1'] for p in c[:n]] for c in curves], 0)
     wall = np.mean([[p['wall'] for p in c[:n]] for c in curves], 0)
-    versions = [p['version'] for p in curves[0][:n]]
-    samples_per_version = (raw[f'{label}|0']['samples']
-                           / raw[f'{label}|0']['versions'])
+    versions = np.array([p['version'] for p in curves[0][:n]])
+    samples = versions * (raw[f'{label}|0']['samples']
+                          / raw[f'{label}|0']['versions'])
     style = 'k-' if label == 'sync' else '-'
-    axes[0].plot(wall, 100 * mean, style, label=label, marker='.')
-    axes[1].plot(np.array(versions) * samples_per_version, 100 * mean, style,
-                 label=label, marker='.')
-  axes[0].set_xlabel('wall time (s, mean over seeds)')
-  axes[1].set_xlabel('trained samples')
-  axes[0].set_ylabel('greedy pass@1, mean over difficulties (%)')
-  for ax in axes:
-    ax.grid(alpha=0.3)
-  axes[1].legend(fontsize=7)
+    for row, key in enumerate(keys):
+      mean = np.mean([[p[key] for p in c[:n]] for c in curves], 0)
+      axes[row, 0].plot(wall, 100 * mean, style, label=label, marker='.')
+      axes[row, 1].plot(samples, 100 * mean, style, label=label, marker='.')
+  for row, title in enumerate(titles):
+    axes[row, 0].set_ylabel(f'pass@1 %, {title}')
+    for ax in axes[row]:
+      ax.grid(alpha=0.3)
+  axes[-1, 0].set_xlabel('wall time (s, mean over seeds)')
+  axes[-1, 1].set_xlabel('trained samples')
+  axes[0, 1].legend(fontsize=7)
+  fig.suptitle(f'greedy pass@1 on held-out problems, mean of '
+               f'{_SEEDS.value} seeds')
   plots.save_png(fig, os.path.join(_WORKDIR.value, 'study.png'))
 
 
