@@ -59,7 +59,7 @@ def _plain_grpo(config) -> str:
   params = jax.device_put(params, learner_repl)
   reference = params
   opt_state = jax.device_put(tx.init(params), learner_repl)
-  length, _ = run.lengths(config)
+  length = run.sequence_length(config)
   for k in range(config.num_versions):
     difficulty, problems = run.batch_problems(config, k)
     out = rollout.sample(

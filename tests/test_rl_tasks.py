@@ -103,3 +103,12 @@ def test_prompts_are_left_padded_and_completions_end_at_eos():
   assert tasks.decode_completion([200, 10]) == '\ufffd\n'
   with pytest.raises(ValueError, match='length=3'):
     tasks.encode_prompts(problems, length=3)
+
+
+@pytest.mark.parametrize('family', tasks.FAMILIES)
+def test_max_prompt_tokens_is_the_longest_prompt(family):
+  for d in range(1, tasks.MAX_DIFFICULTY + 1):
+    problems = (tasks.sample(family, d, 300, 0)
+                + tasks.evaluation_set(family, d, 100))
+    tokens, _ = tasks.encode_prompts(problems)
+    assert tokens.shape[1] == tasks.max_prompt_tokens(family, d)

@@ -226,3 +226,17 @@ class Checkpoints:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def newest_meta(workdir: str) -> tuple[int, dict[str, Any]] | None:
+  """(step, metadata) of the newest checkpoint in `workdir`, without
+  restoring arrays; None if there is none or its metadata is damaged (the
+  restore that follows skips a damaged checkpoint and reports it)."""
+  with Checkpoints(workdir, every_steps=1, keep=1, async_save=False) as ckpts:
+    step = ckpts.latest_step()
+    if step is None:
+      return None
+    try:
+      return step, ckpts.restore_meta(step)
+    except DamagedCheckpoint:
+      return None

@@ -15,6 +15,7 @@ probe file that proves it writable.
 from collections.abc import Callable, Mapping
 import dataclasses
 import functools
+import json
 import math
 import os
 import tempfile
@@ -29,6 +30,7 @@ import numpy as np
 import optax
 
 from geom import method_hooks
+from train import checkpointing
 from train import fileio
 from train import optim
 from train import sharding as sharding_lib
@@ -240,3 +242,53 @@ def assemble(config: ml_collections.ConfigDict, workdir: str, *,
       state_shardings=state_shardings,
       batch_sharding=sharding_lib.batch_sharding(mesh, rules),
       abstract_state=abstract_state)
+
+
+def require_checkpoints(workdir: str, *, field: str, hint: str) -> None:
+  """UsageError naming `field` unless `workdir` has a checkpoints
+  directory (cheap: nothing is read); `hint` says how to make one."""
+  directory = os.path.join(os.path.abspath(workdir), checkpointing.CHECKPOINTS)
+  if not os.path.isdir(directory):
+    raise UsageError(field, workdir, f'holds no checkpoints; {hint}')
+
+
+def load_trained(workdir: str,
+                 build: Callable[[ml_collections.ConfigDict, str],
+                                 Experiment], *,
+                 field: str, task: str, what: str, hint: str
+                 ) -> tuple[ml_collections.ConfigDict, Experiment, int, Any]:
+  """Another run's newest checkpoint that verifies, rebuilt from its saved
+  config: (config, experiment, step, train state). A damaged checkpoint is
+  skipped but left in place: the workdir belongs to the run that wrote it.
+
+  Args:
+    workdir: the trained run's workdir.
+    build: the product's `build(config, workdir)`.
+    field: the config field naming `workdir`, for messages.
+    task: the `config.task` the run must have.
+    what: the run it must be, for messages (e.g. 'an LM').
+    hint: how to train one, for messages.
+
+  Raises:
+    UsageError: `workdir` holds no checkpoint, or another task's run.
+    NoGoodCheckpoint: it holds checkpoints and none loads and verifies.
+  """
+  require_checkpoints(workdir, field=field, hint=hint)
+  built = {}
+
+  def abstract_state(meta: dict):
+    config = ml_collections.ConfigDict(json.loads(meta['config']))
+    if config.get('task') != task:
+      raise UsageError(field, workdir,
+                       f'holds a {config.get("task", "classification")!r} '
+                       f'run, not {what}')
+    built['config'], built['exp'] = config, build(config, workdir)
+    return built['exp'].abstract_state
+
+  with checkpointing.Checkpoints(workdir, every_steps=1, keep=1,
+                                 async_save=False) as ckpts:
+    found = ckpts.restore_latest_good(abstract_state, move_damaged=False)
+  if found is None:
+    raise UsageError(field, workdir, f'holds no checkpoints; {hint}')
+  step, state, _ = found
+  return built['config'], built['exp'], step, state

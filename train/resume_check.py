@@ -9,7 +9,7 @@ field with its old and new values. `MAY_CHANGE` lists the fields that
 may change, and why each is safe.
 """
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 import json
 from typing import Any
 
@@ -42,7 +42,8 @@ class ConfigChanged(UsageError):
   """The config differs from the saved one in fields that fix the run."""
 
   def __init__(self, workdir: str, step: int,
-               changes: list[tuple[str, Any, Any]]):
+               changes: list[tuple[str, Any, Any]],
+               may_change: Iterable[str] = tuple(MAY_CHANGE)):
     self.changes = changes
     listed = '; '.join(f'config.{k} {_show(old)} -> {_show(new)}'
                        for k, old, new in changes)
@@ -50,7 +51,7 @@ class ConfigChanged(UsageError):
         '--workdir', workdir,
         f'holds a run (checkpoint at step {step}) with a different config: '
         f'{listed}. These fields fix what the run computes; only '
-        f'{", ".join(MAY_CHANGE)} may change on resume. Use the saved '
+        f'{", ".join(may_change)} may change on resume. Use the saved '
         'values, or a new --workdir')
 
 
@@ -123,3 +124,31 @@ def check(config: ml_collections.ConfigDict, workdir: str, step: int,
     else:
       logging.info('config.%s %s -> %s on resume (%s)', field, _show(old),
                    _show(new), MAY_CHANGE[field])
+
+
+def check_task(config: ml_collections.ConfigDict, workdir: str, step: int,
+               meta: Mapping[str, Any], *, task: str, what: str,
+               may_change: Iterable[str]) -> None:
+  """The check of a loop other than `train.loop` (test-time adaptation,
+  RL): the checkpoint at `step` must hold a `task` run's config that
+  differs from `config` only in `may_change`.
+
+  Raises:
+    UsageError: the checkpoint holds no config, or another task's run
+      (`what` names this one, e.g. 'an RL run').
+    ConfigChanged: a field outside `may_change` differs.
+  """
+  if 'config' not in meta:
+    raise UsageError('--workdir', workdir,
+                     f'holds a checkpoint at step {step} without a config: '
+                     f'not {what}')
+  saved = json.loads(meta['config'])
+  if saved.get('task') != task:
+    raise UsageError('--workdir', workdir,
+                     f'holds a {saved.get("task", "classification")!r} run, '
+                     f'not {what}; use a new --workdir')
+  may_change = tuple(may_change)
+  fixed = [c for c in changed_fields(saved, json.loads(as_json(config)))
+           if c[0] not in may_change]
+  if fixed:
+    raise ConfigChanged(workdir, step, fixed, may_change)

@@ -11,18 +11,15 @@ resume and SIGTERM, metrics and plots are the shared ones.
 """
 
 import functools
-import json
-import os
 
 from absl import logging
 import jax
 import ml_collections
 import numpy as np
 
-from train import checkpointing
 from train import experiment as experiment_lib
 from train import loop
-from train.errors import ConfigError, UsageError
+from train.errors import ConfigError
 from train.lm import data as lm_data
 from train.lm import decoder as decoder_lm
 from train.lm import loss
@@ -108,31 +105,9 @@ def load_trained(lm_workdir: str) -> tuple[ml_collections.ConfigDict,
     UsageError: `lm_workdir` holds no checkpoint, or not an LM's.
     NoGoodCheckpoint: it holds checkpoints and none loads and verifies.
   """
-  directory = os.path.join(os.path.abspath(lm_workdir), 'checkpoints')
-  if not os.path.isdir(directory):
-    raise UsageError('config.lm_workdir', lm_workdir,
-                     'holds no checkpoints; train the LM first with '
-                     '`python -m launch.train --config=configs/lm.py '
-                     f'--workdir={lm_workdir}`')
-  built = {}
-
-  def abstract_state(meta: dict):
-    config = ml_collections.ConfigDict(json.loads(meta['config']))
-    if config.get('task') != 'lm':
-      raise UsageError('config.lm_workdir', lm_workdir,
-                       f'holds a {config.get("task", "classification")!r} '
-                       'run, not an LM')
-    built['config'], built['exp'] = config, build(config, lm_workdir)
-    return built['exp'].abstract_state
-
-  with checkpointing.Checkpoints(lm_workdir, every_steps=1, keep=1,
-                                 async_save=False) as ckpts:
-    # The newest checkpoint that verifies; a damaged one is skipped but left
-    # in place (the LM's workdir belongs to its training run).
-    found = ckpts.restore_latest_good(abstract_state, move_damaged=False)
-    if found is None:
-      raise UsageError('config.lm_workdir', lm_workdir, 'holds no checkpoints')
-    step, state, _ = found
-  config, exp = built['config'], built['exp']
+  config, exp, step, state = experiment_lib.load_trained(
+      lm_workdir, build, field='config.lm_workdir', task='lm', what='an LM',
+      hint=('train the LM first with `python -m launch.train '
+            f'--config=configs/lm.py --workdir={lm_workdir}`'))
   logging.info('Loaded the LM at step %d from %s', step, lm_workdir)
   return config, exp.model, state.params

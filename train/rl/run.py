@@ -33,7 +33,6 @@ pass@1 against wall time.
 
 import dataclasses
 import hashlib
-import json
 import time
 from typing import Any
 
@@ -51,7 +50,7 @@ from train import plots
 from train import preemption
 from train import resume_check
 from train import workdir_lock
-from train.errors import ConfigError, Preempted, UsageError
+from train.errors import ConfigError, Preempted
 from train.experiment import check_workdir
 from train.rl import grpo
 from train.rl import learner as learner_lib
@@ -174,41 +173,16 @@ def batch_problems(config, k: int) -> tuple[int, list[tasks.Problem]]:
                       for _ in range(config.grpo.group_size)]
 
 
-def lengths(config) -> tuple[int, int]:
-  """(learner sequence length, the longest prompt's tokens)."""
+def sequence_length(config) -> int:
+  """The learner's padded length: the longest prompt and answer."""
   top = max(config.difficulties)
-  prompt = 1 + len(tasks.sample(config.family, top, 1, 0)[0].prompt)
-  return prompt + tasks.max_answer_tokens(config.family, top), prompt
+  return (tasks.max_prompt_tokens(config.family, top)
+          + tasks.max_answer_tokens(config.family, top))
 
 
 def _check_resume(config, workdir: str, step: int, meta: dict) -> None:
-  if 'config' not in meta:
-    raise UsageError('--workdir', workdir,
-                     f'holds a checkpoint at step {step} without a config: '
-                     'not an RL run')
-  saved = json.loads(meta['config'])
-  if saved.get('task') != TASK:
-    raise UsageError('--workdir', workdir,
-                     f'holds a {saved.get("task", "classification")!r} run, '
-                     'not an RL run; use a new --workdir')
-  changes = resume_check.changed_fields(
-      saved, json.loads(resume_check.as_json(config)))
-  fixed = [c for c in changes if c[0] not in MAY_CHANGE]
-  if fixed:
-    raise resume_check.ConfigChanged(workdir, step, fixed)
-
-
-def _check_latest(config, workdir: str) -> None:
-  with checkpointing.Checkpoints(workdir, every_steps=1, keep=1,
-                                 async_save=False) as ckpts:
-    step = ckpts.latest_step()
-    if step is None:
-      return
-    try:
-      meta = ckpts.restore_meta(step)
-    except checkpointing.DamagedCheckpoint:
-      return
-  _check_resume(config, workdir, step, meta)
+  resume_check.check_task(config, workdir, step, meta, task=TASK,
+                          what='an RL run', may_change=MAY_CHANGE)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict,
@@ -226,7 +200,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   check_config(config)
   workdir = check_workdir(workdir)
   with workdir_lock.hold(workdir):
-    _check_latest(config, workdir)
+    newest = checkpointing.newest_meta(workdir)
+    if newest is not None:  # Before the SFT policy is read.
+      _check_resume(config, workdir, *newest)
     return _train(config, workdir)
 
 
@@ -249,7 +225,7 @@ def _train(config, workdir: str) -> dict[str, Any]:
     raise ConfigError('family', config.family,
                       f'the SFT policy was trained on '
                       f'{list(sft_config.data.families)}')
-  length, _ = lengths(config)
+  length = sequence_length(config)
   if length > model.max_len:
     raise ConfigError('difficulties', config.difficulties,
                       f'need {length} tokens; the SFT model holds '
@@ -340,6 +316,9 @@ def _train(config, workdir: str) -> dict[str, Any]:
       return scores
 
     def save(v: int, force: bool = False) -> bool:
+      # Called after every update: build the tree only for a save.
+      if not (force or ckpts.should_save(v)):
+        return False
       history = [snapshots.held().get(v - s + i) for i in range(s)]
       tree = {'params': state['params'], 'opt_state': state['opt_state'],
               'history': [state['params'] if h is None else

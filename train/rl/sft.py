@@ -18,20 +18,17 @@ starts from this checkpoint (`load_policy`).
 import dataclasses
 import functools
 import json
-import os
 
 from absl import logging
-import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
 
-from train import checkpointing
 from train import experiment as experiment_lib
 from train import fileio
 from train import loop
-from train.errors import ConfigError, UsageError
+from train.errors import ConfigError
 from train.lm import decoder as decoder_lm
 from train.lm import trainer as lm_trainer
 from train.rl import rollout
@@ -60,12 +57,8 @@ class Examples:
 
 def sequence_length(data: ml_collections.ConfigDict) -> int:
   """L: the tokens of the longest BOS + prompt + target, less one."""
-  longest = 0
-  for family in data.families:
-    for d in data.difficulties:
-      top = str(10 ** d - 1)
-      prompt = len(top) + 1 + (len(top) if family == 'add' else 1) + 1
-      longest = max(longest, 1 + prompt + tasks.max_answer_tokens(family, d))
+  longest = max(tasks.max_prompt_tokens(f, d) + tasks.max_answer_tokens(f, d)
+                for f in data.families for d in data.difficulties)
   return longest - 1
 
 
@@ -196,16 +189,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   return final
 
 
+def _hint(sft_workdir: str) -> str:
+  return ('train the warm start first with `python -m launch.train '
+          f'--config=configs/rl_sft.py --workdir={sft_workdir}`')
+
+
 def check_has_checkpoints(sft_workdir: str) -> None:
   """UsageError unless `sft_workdir` has a checkpoints directory (cheap: no
   checkpoint is read)."""
-  directory = os.path.join(os.path.abspath(sft_workdir),
-                           checkpointing.CHECKPOINTS)
-  if not os.path.isdir(directory):
-    raise UsageError('config.sft_workdir', sft_workdir,
-                     'holds no checkpoints; train the warm start first with '
-                     '`python -m launch.train --config=configs/rl_sft.py '
-                     f'--workdir={sft_workdir}`')
+  experiment_lib.require_checkpoints(sft_workdir, field='config.sft_workdir',
+                                     hint=_hint(sft_workdir))
 
 
 def load_policy(sft_workdir: str) -> tuple[ml_collections.ConfigDict,
@@ -217,24 +210,8 @@ def load_policy(sft_workdir: str) -> tuple[ml_collections.ConfigDict,
     UsageError: `sft_workdir` holds no checkpoint, or not an SFT run's.
     NoGoodCheckpoint: it holds checkpoints and none loads and verifies.
   """
-  check_has_checkpoints(sft_workdir)
-  built = {}
-
-  def abstract_state(meta: dict):
-    config = ml_collections.ConfigDict(json.loads(meta['config']))
-    if config.get('task') != TASK:
-      raise UsageError('config.sft_workdir', sft_workdir,
-                       f'holds a {config.get("task", "classification")!r} '
-                       f'run, not an {TASK!r} one')
-    built['config'], built['exp'] = config, build(config, sft_workdir)
-    return built['exp'].abstract_state
-
-  with checkpointing.Checkpoints(sft_workdir, every_steps=1, keep=1,
-                                 async_save=False) as ckpts:
-    found = ckpts.restore_latest_good(abstract_state, move_damaged=False)
-    if found is None:
-      raise UsageError('config.sft_workdir', sft_workdir,
-                       'holds no checkpoints')
-    step, state, _ = found
+  config, exp, step, state = experiment_lib.load_trained(
+      sft_workdir, build, field='config.sft_workdir', task=TASK,
+      what=f'an {TASK!r} run', hint=_hint(sft_workdir))
   logging.info('Loaded the SFT policy at step %d from %s', step, sft_workdir)
-  return built['config'], built['exp'].model, state.params
+  return config, exp.model, state.params

@@ -175,6 +175,13 @@ def evaluation_set(family: str, difficulty: int, n: int,
   return out
 
 
+def max_prompt_tokens(family: str, difficulty: int) -> int:
+  """The longest BOS + prompt at `difficulty` (every prompt of 'add' at
+  two digits or more has it)."""
+  digits = difficulty if family == 'add' else 1
+  return 1 + difficulty + 1 + digits + 1  # BOS a op b =
+
+
 def max_answer_tokens(family: str, difficulty: int) -> int:
   """The longest target (answer digits and the newline) at `difficulty`."""
   top = 10 ** difficulty - 1

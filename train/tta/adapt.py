@@ -18,7 +18,6 @@ stream's data read before anything is compiled.
 
 from collections.abc import Mapping
 import dataclasses
-import json
 import time
 from typing import Any
 
@@ -37,7 +36,7 @@ from train import plots
 from train import preemption
 from train import resume_check
 from train import workdir_lock
-from train.errors import ConfigError, Preempted, UsageError
+from train.errors import ConfigError, Preempted
 from train.experiment import check_workdir
 from train.tta import data as tta_data
 from train.tta import methods
@@ -149,20 +148,9 @@ def _plot(results: Mapping[str, Any], title: str, path: str) -> None:
 
 
 def _check_resume(config, workdir: str, step: int, meta: dict) -> None:
-  if 'config' not in meta:
-    raise UsageError('--workdir', workdir,
-                     f'holds a checkpoint at step {step} without a config: '
-                     'not a test-time adaptation run')
-  saved = json.loads(meta['config'])
-  if saved.get('task') != 'tta':
-    raise UsageError('--workdir', workdir,
-                     f'holds a {saved.get("task", "classification")!r} run, '
-                     'not a test-time adaptation run; use a new --workdir')
-  changes = resume_check.changed_fields(
-      saved, json.loads(resume_check.as_json(config)))
-  fixed = [c for c in changes if c[0] not in MAY_CHANGE]
-  if fixed:
-    raise resume_check.ConfigChanged(workdir, step, fixed)
+  resume_check.check_task(config, workdir, step, meta, task='tta',
+                          what='a test-time adaptation run',
+                          may_change=MAY_CHANGE)
 
 
 def adapt_and_evaluate(config: ml_collections.ConfigDict,
@@ -184,17 +172,10 @@ def adapt_and_evaluate(config: ml_collections.ConfigDict,
 
 def _check_latest(config, workdir: str) -> None:
   """The config against the newest checkpoint's, before anything is loaded
-  or computed (a damaged one is left to the restore, which skips it)."""
-  with checkpointing.Checkpoints(workdir, every_steps=1, keep=1,
-                                 async_save=False) as ckpts:
-    step = ckpts.latest_step()
-    if step is None:
-      return
-    try:
-      meta = ckpts.restore_meta(step)
-    except checkpointing.DamagedCheckpoint:
-      return
-  _check_resume(config, workdir, step, meta)
+  or computed."""
+  newest = checkpointing.newest_meta(workdir)
+  if newest is not None:
+    _check_resume(config, workdir, *newest)
 
 
 def _adapt(config, workdir: str) -> dict[str, Any]:
