@@ -15,6 +15,8 @@ method's factory shares its module's name:
 Modules:
   sam            SAM, ASAM, m-sharpness, warm-start, step windows.
   conga          CONGA, a learning rate for test-time adaptation.
+  gas            GAS: staleness budgets by difficulty, a bandit curriculum
+                 and execution-aware dispatch for asynchronous RL.
   hallucination  the detector of SAM's hallucinated minimizers.
   kernels        Pallas kernels (the fused SAM perturbation).
   steering       spherical steering and addition baselines.
@@ -22,11 +24,10 @@ Modules:
   method_hooks   what a method needs from a training loop (`MethodHooks`).
   tree_norm      a pytree's L2 norm in float32, safe from over/underflow.
   validation     argument checks; `ArgumentError`.
-
-Planned (not yet here): `gas` (staleness budgets for asynchronous RL).
 """
 
 from geom import conga
+from geom import gas
 from geom import hallucination
 from geom import kernels
 from geom import landscapes
@@ -36,6 +37,8 @@ from geom import steering
 from geom import tree_norm
 from geom import validation
 from geom.conga import CongaState
+from geom.gas import GasOptions
+from geom.gas import GasState
 from geom.hallucination import DetectorConfig
 from geom.hallucination import DetectorState
 from geom.kernels.sam_perturb import BlockSizes
@@ -49,8 +52,9 @@ from geom.validation import ArgumentError
 
 __all__ = [
     'ArgumentError', 'BlockSizes', 'CongaState', 'DetectorConfig',
-    'DetectorState', 'MethodHooks', 'SAMOptions', 'SAMState', 'StepVariants',
-    'SteerStats', 'Steering', 'conga', 'hallucination', 'kernels',
+    'DetectorState', 'GasOptions', 'GasState', 'MethodHooks', 'SAMOptions',
+    'SAMState', 'StepVariants',
+    'SteerStats', 'Steering', 'conga', 'gas', 'hallucination', 'kernels',
     'landscapes', 'method_hooks', 'sam', 'steering', 'tree_norm',
     'validation',
 ]
