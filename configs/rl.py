@@ -26,7 +26,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The RL run; `arg` selects variants (see module docstring)."""
   args = config_args.parse(arg, 'configs/rl.py', {
       'runlocal': 'runlocal', 'staleness': 'staleness=S',
-      'correction': 'correction=none|tis|decoupled'})
+      'correction': 'correction=none|tis|decoupled',
+      'gas': 'gas=full|no_bandit|no_execution|no_coupling|fixed_lambda'})
   config = ml_collections.ConfigDict()
   config.task = 'rl'
   config.seed = 0
@@ -55,12 +56,44 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       deterministic=False, max_actor_restarts=3, buffer_capacity=None,
       shutdown_timeout=60.0))
 
+  # 'fixed': every batch may lag runtime.max_staleness versions, uniform
+  # difficulty. 'gas': geom.gas, with runtime.max_staleness the easiest
+  # difficulty's budget (s_base).
+  config.scheduler = 'fixed'
+  config.gas = ml_collections.ConfigDict(dict(
+      alpha=0.5, estimate_alpha=True, alpha_decay=0.7, curvature_decay=0.5,
+      bandit='boltzmann', signal='learnability', discount=0.95,
+      temperature=0.05, exploration=0.1, floor=0.1, coupling=1.0,
+      execution_aware=True, max_defer=8, latency_decay=0.8,
+      # lambda_max by power iteration ('power') or the one-product proxy
+      # ('rayleigh'), on curvature_rows rows of each difficulty's last
+      # batch, every curvature_every versions (0: never; alpha stays).
+      curvature='power', curvature_every=100, curvature_iters=10,
+      curvature_rows=16,
+      loss_weight=False,  # Scale advantages by exp(-lambda (d - d_0)).
+      # 'measured' (seconds) or 'model': tokens x model_seconds_per_token
+      # and model_step_seconds (deterministic runs need 'model').
+      latency_source='measured', model_seconds_per_token=0.01,
+      model_step_seconds=0.05))
+
   config.eval_every = 100
   config.eval_examples = 100  # Held-out problems per difficulty.
   config.log_every = 1
   config.checkpoint_every = 100
   config.keep_checkpoints = 2
 
+  if 'gas' in args:
+    config.scheduler = 'gas'
+    variant = args['gas']
+    ablations = {'full': {}, 'no_bandit': {'bandit': 'uniform'},
+                 'no_execution': {'execution_aware': False},
+                 'no_coupling': {'coupling': 0.0},
+                 'fixed_lambda': {'estimate_alpha': False,
+                                  'curvature_every': 0}}
+    if variant not in ablations:
+      raise ValueError(f'configs/rl.py: gas={variant!r}; valid choices: '
+                       + ', '.join(ablations))
+    config.gas.update(ablations[variant])
   if 'runlocal' in args:
     config.difficulties = (1, 2, 3)
     config.prompts_per_batch = 4

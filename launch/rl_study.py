@@ -1,6 +1,9 @@
-r"""Synchronous vs asynchronous GRPO over seeds: bounds and corrections.
+r"""Synchronous vs asynchronous GRPO over seeds: bounds, corrections, GAS.
 
   python -m launch.rl_study --workdir=workdirs/rl_study
+  python -m launch.rl_study --workdir=workdirs/gas_study --bounds=1,4 \
+    --corrections=decoupled \
+    --gas=full,no_bandit,no_execution,no_coupling,fixed_lambda --gas_bound=4
 
 Each seed trains its own warm start (`configs/rl_sft.py`, that seed) into
 `<workdir>/sft_<seed>`, then runs GRPO (`configs/rl.py`, that seed) once
@@ -10,7 +13,12 @@ below `--workdir` (a finished run is read back, an interrupted one
 resumes). Writes `study.md` (pass@1 per difficulty at the end, mean ±
 std over seeds; samples/s; wall time), `study.json` (every run's
 results) and `study.png` (mean pass@1 against wall time and against
-trained samples, mean over seeds).
+trained samples, mean over seeds). `--gas` adds GAS runs (`geom.gas`,
+configs/rl.py's `gas=` variants: the full scheduler and its ablations)
+with `--gas_bound` as the easiest difficulty's budget; `study.md` then
+also tabulates every run's trained difficulty mix, mean staleness per
+difficulty, and GAS's final alpha, budgets and dropped / deferred
+batches.
 """
 
 import json
@@ -27,6 +35,13 @@ _BOUNDS = flags.DEFINE_list('bounds', ['1', '2', '4'],
                             'Staleness bounds of the asynchronous runs.')
 _CORRECTIONS = flags.DEFINE_list('corrections', ['none', 'tis', 'decoupled'],
                                  'Off-policy corrections (asynchronous).')
+_GAS = flags.DEFINE_list('gas', [], 'GAS variants (configs/rl.py gas=): '
+                        'full, no_bandit, no_execution, no_coupling, '
+                        'fixed_lambda.')
+_GAS_BOUND = flags.DEFINE_integer('gas_bound', 4, 'GAS runs: s_base, the '
+                                  "easiest difficulty's budget.")
+_GAS_CORRECTION = flags.DEFINE_string('gas_correction', 'decoupled',
+                                      'GAS runs: the off-policy correction.')
 _VERSIONS = flags.DEFINE_integer('num_versions', 1000, 'config.num_versions')
 _OVERRIDES = flags.DEFINE_list(
     'set', [], 'More config fields for every RL run, as field=value '
@@ -54,17 +69,21 @@ def _set(config, field: str, text: str) -> None:
   block[last] = ast.literal_eval(text)
 
 
-def _rl(seed: int, bound: int, correction: str) -> dict:
+def _rl(seed: int, bound: int, correction: str, gas: str | None = None
+        ) -> dict:
   from configs import rl  # pylint: disable=g-import-not-at-top
   from train.rl import run  # pylint: disable=g-import-not-at-top
-  config = rl.get_config(f'staleness={bound},correction={correction}')
+  variant = f',gas={gas}' if gas else ''
+  config = rl.get_config(f'staleness={bound},correction={correction}'
+                         + variant)
   config.seed = seed
   config.sft_workdir = os.path.join(_WORKDIR.value, f'sft_{seed}')
   config.num_versions = _VERSIONS.value
   for item in _OVERRIDES.value:
     field, _, text = item.partition('=')
     _set(config, field, text)
-  name = f's{bound}_{correction}_seed{seed}'
+  name = (f'gas_{gas}_s{bound}_seed{seed}' if gas
+          else f's{bound}_{correction}_seed{seed}')
   return run.train_and_evaluate(config, os.path.join(_WORKDIR.value, name))
 
 
@@ -75,11 +94,16 @@ def _mean_std(values: list[float], scale: float = 100.0) -> str:
   return f'{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}'
 
 
-def _runs() -> list[tuple[str, int, str]]:
-  runs = [('sync', 0, 'decoupled')]
+def _runs() -> list[tuple[str, int, str, str | None]]:
+  """(label, bound, correction, GAS variant or None) of each run."""
+  runs = [('sync', 0, 'decoupled', None)]
   for bound in _BOUNDS.value:
     for correction in _CORRECTIONS.value:
-      runs.append((f'async s={bound}, {correction}', int(bound), correction))
+      runs.append((f'async s={bound}, {correction}', int(bound), correction,
+                   None))
+  for variant in _GAS.value:
+    runs.append((f'GAS {variant}, s_base={_GAS_BOUND.value}',
+                 _GAS_BOUND.value, _GAS_CORRECTION.value, variant))
   return runs
 
 
@@ -87,10 +111,10 @@ def study() -> tuple[str, dict]:
   raw = {}
   for seed in range(_SEEDS.value):
     _sft(seed)
-    for label, bound, correction in _runs():
-      raw[f'{label}|{seed}'] = _rl(seed, bound, correction)
+    for label, bound, correction, gas in _runs():
+      raw[f'{label}|{seed}'] = _rl(seed, bound, correction, gas)
   seeds = range(_SEEDS.value)
-  first = raw[f'sync|0']
+  first = raw['sync|0']
   difficulties = sorted(first['pass_at_1'], key=int)
   head = (['run'] + [f'{d} digits' for d in difficulties]
           + ['mean', 'samples/s', 'x sync', 'wall s'])
@@ -101,7 +125,7 @@ def study() -> tuple[str, dict]:
       _mean_std([raw[f'sync|{s}']['initial_pass_at_1'][d] for s in seeds])
       for d in difficulties) + f' | {100 * statistics.mean(start):.1f} '
       '| - | - | - |')
-  for label, _, _ in _runs():
+  for label, *_ in _runs():
     rows = [raw[f'{label}|{s}'] for s in seeds]
     ratio = [r['samples_per_second'] / raw[f'sync|{s}']['samples_per_second']
              for s, r in zip(seeds, rows)]
@@ -112,8 +136,47 @@ def study() -> tuple[str, dict]:
               _mean_std(ratio, 1.0),
               _mean_std([r['wall_seconds'] for r in rows], 1.0)]
     lines.append(f'| {label} | ' + ' | '.join(cells) + ' |')
+  if _GAS.value:
+    lines += ['', _schedule_table(raw, difficulties)]
   _plot(raw)
   return '\n'.join(lines), raw
+
+
+def _schedule_table(raw, difficulties) -> str:
+  """Per run, mean over seeds: the trained difficulty mix (%), the mean
+  staleness per difficulty, batches dropped by admission, and GAS's final
+  alpha, budgets and deferred dispatches."""
+  seeds = range(_SEEDS.value)
+  head = (['run'] + [f'mix d{d} %' for d in difficulties]
+          + [f'staleness d{d}' for d in difficulties]
+          + ['dropped', 'deferred', 'alpha', 'budgets'])
+  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  for label, *_ in _runs():
+    rows = [raw[f'{label}|{s}'] for s in seeds]
+    cells = []
+    for d in difficulties:
+      share = [r['difficulty_mix'][d] / r['versions'] for r in rows]
+      cells.append(f'{100 * statistics.mean(share):.0f}')
+    for d in difficulties:
+      means = []
+      for r in rows:
+        hist = r['staleness_by_difficulty'][d]
+        n = sum(hist.values())
+        if n:
+          means.append(sum(int(i) * c for i, c in hist.items()) / n)
+      cells.append(f'{statistics.mean(means):.2f}' if means else '-')
+    cells.append(f'{statistics.mean(sum(r["dropped"].values()) for r in rows):.1f}')
+    if 'gas' in rows[0]:
+      gas = [r['gas'] for r in rows]
+      cells.append(f'{statistics.mean(sum(g[f"deferred/d{d}"] for d in difficulties) for g in gas):.0f}')
+      cells.append(_mean_std([g['alpha'] for g in gas], 1.0))
+      cells.append('/'.join(
+          f'{statistics.mean(g[f"budget/d{d}"] for g in gas):.1f}'
+          for d in difficulties))
+    else:
+      cells += ['-', '-', '-']
+    lines.append(f'| {label} | ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)
 
 
 def _plot(raw) -> None:
@@ -129,7 +192,7 @@ def _plot(raw) -> None:
   titles = ['mean over difficulties'] + [f'{d} digits' for d in difficulties]
   fig, axes = plt.subplots(len(keys), 2, figsize=(11, 3.2 * len(keys)),
                            sharey='row')
-  for label, _, _ in _runs():
+  for label, *_ in _runs():
     curves = [raw[f'{label}|{s}']['curve'] for s in range(_SEEDS.value)]
     n = min(len(c) for c in curves)
     wall = np.mean([[p['wall'] for p in c[:n]] for c in curves], 0)

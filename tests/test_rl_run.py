@@ -14,12 +14,14 @@ import pytest
 
 from configs import rl as rl_config
 from configs import rl_sft as sft_config
+from geom import gas
 from tests.conftest import REPO_ROOT
 from tests import launch_runs
 from train.rl import learner
 from train.rl import rollout
 from train.rl import run
 from train.rl import runtime
+from train.rl import scheduler
 from train.rl import sft
 from train.rl import tasks
 
@@ -110,6 +112,64 @@ def test_async_runs_respect_the_bound_and_deterministic_ones_repeat(
       sync, str(tmp_path / 's'))['params_sha256']
 
 
+def test_gas_runs_keep_every_batch_in_budget_and_deterministic_ones_repeat(
+    sft_workdir, tmp_path):
+  config = _config(sft_workdir, max_staleness=3, num_actors=2,
+                   deterministic=True)
+  config.scheduler = 'gas'
+  config.gas.update(latency_source='model', curvature_every=3,
+                    curvature_iters=3, alpha=1.0)
+  config.num_versions = 9
+  a = run.train_and_evaluate(config, str(tmp_path / 'a'))
+  b = run.train_and_evaluate(config, str(tmp_path / 'b'))
+  assert a['params_sha256'] == b['params_sha256']
+  assert a['gas'] == b['gas'] and a['difficulty_mix'] == b['difficulty_mix']
+  # Admission for batch k reads the budgets logged at version k.
+  options = scheduler.options_from_config(config)
+  budgets = {f'gas/budget/d{d:g}': int(n) for d, n in zip(
+      options.difficulties, gas.budgets(gas.init(options), options))}
+  records = [json.loads(l) for l in open(tmp_path / 'a' / 'metrics.jsonl')]
+  trained = 0
+  for record in records:
+    if 'staleness' in record:
+      trained += 1
+      limit = budgets[f'gas/budget/d{int(record["difficulty"])}']
+      assert record['staleness'] <= limit, (record['step'], limit)
+    if 'gas/budget/d1' in record:
+      budgets = {k: v for k, v in record.items() if 'gas/budget/' in k}
+  assert trained == config.num_versions
+  assert 'gas/lambda_max/d1' in records[3]  # Curvature at versions 3, 6, 9.
+  assert sum(a['difficulty_mix'].values()) == config.num_versions
+  counted = sum(a['gas'][f'admitted/d{d}'] for d in config.difficulties)
+  assert counted == config.num_versions * 16  # 4 prompts x 4 samples.
+
+
+def test_a_refused_batch_is_generated_again_from_the_current_version(
+    sft_workdir, tmp_path, monkeypatch):
+  config = _config(sft_workdir, max_staleness=3, num_actors=2,
+                   deterministic=True)
+  config.scheduler = 'gas'
+  config.gas.update(latency_source='model', curvature_every=0)
+  config.num_versions = 8
+  kept = run.train_and_evaluate(config, str(tmp_path / 'kept'))
+  refuse = {4, 6}
+  real = scheduler.Gas.admit
+  monkeypatch.setattr(scheduler.Gas, 'admit', lambda self, k, d, lag: (
+      k not in refuse and real(self, k, d, lag)))
+  redone = run.train_and_evaluate(config, str(tmp_path / 'redone'))
+  assert sum(redone['dropped'].values()) == len(refuse)
+  assert sum(redone['gas'][f'dropped/d{d}'] for d in config.difficulties
+             ) == 16 * len(refuse)
+  # The same difficulties trained (nothing skipped), but batches 4 and 6
+  # from versions 4 and 6 instead of older ones.
+  assert redone['difficulty_mix'] == kept['difficulty_mix']
+  records = [json.loads(l) for l in open(tmp_path / 'redone' /
+                                         'metrics.jsonl')]
+  lags = {r['step'] - 1: r['staleness'] for r in records if 'staleness' in r}
+  assert all(lags[k] == 0 for k in refuse) and max(lags.values()) > 0
+  assert redone['params_sha256'] != kept['params_sha256']
+
+
 def _launch(workdir, sft_workdir, *overrides):
   return [sys.executable, '-m', 'launch.rl',
           '--config=configs/rl.py:runlocal,staleness=1',
@@ -131,14 +191,22 @@ def _wait_for_checkpoint(workdir, proc, timeout=240):
   raise TimeoutError(f'no checkpoint in {checkpoints}')
 
 
-@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGKILL])
-def test_an_interrupted_run_resumes_bit_for_bit(sft_workdir, tmp_path, sig):
-  whole = subprocess.run(_launch(tmp_path / 'whole', sft_workdir),
+GAS = ('--config.scheduler=gas', '--config.gas.latency_source=model',
+       '--config.gas.curvature_every=3', '--config.gas.curvature_iters=3')
+
+
+@pytest.mark.parametrize('sig,extra', [
+    (signal.SIGTERM, ()), (signal.SIGKILL, ()), (signal.SIGKILL, GAS)],
+    ids=['SIGTERM', 'SIGKILL', 'SIGKILL-gas'])
+def test_an_interrupted_run_resumes_bit_for_bit(sft_workdir, tmp_path, sig,
+                                                extra):
+  launch = lambda workdir: _launch(workdir, sft_workdir, *extra)
+  whole = subprocess.run(launch(tmp_path / 'whole'),
                          cwd=REPO_ROOT, capture_output=True, text=True,
                          timeout=600)
   assert whole.returncode == 0, whole.stderr[-3000:]
   cut = tmp_path / 'cut'
-  proc = subprocess.Popen(_launch(cut, sft_workdir), cwd=REPO_ROOT,
+  proc = subprocess.Popen(launch(cut), cwd=REPO_ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True)
   _wait_for_checkpoint(cut, proc)  # The first is at version 2 of 10.
@@ -147,7 +215,7 @@ def test_an_interrupted_run_resumes_bit_for_bit(sft_workdir, tmp_path, sig):
   assert proc.returncode == (0 if sig == signal.SIGTERM else -9), err[-3000:]
   if sig == signal.SIGTERM:
     assert 'checkpoint saved' in err
-  resumed = subprocess.run(_launch(cut, sft_workdir), cwd=REPO_ROOT,
+  resumed = subprocess.run(launch(cut), cwd=REPO_ROOT,
                            capture_output=True, text=True, timeout=600)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert 'Resuming at version' in resumed.stderr
@@ -166,10 +234,15 @@ def test_an_interrupted_run_resumes_bit_for_bit(sft_workdir, tmp_path, sig):
     ('--config.rollout_devices=8', 'rollout_devices'),
     ('--config.rollout_devices=3', 'prompts_per_batch'),
     ('--config.sft_workdir=/nonexistent/sft', 'config.sft_workdir'),
+    ('--config.scheduler=lottery', 'scheduler'),
+    ('--config.scheduler=gas --config.gas.bandit=thompson', 'gas.bandit'),
+    # Deterministic runs (as _launch makes them) need the latency model.
+    ('--config.scheduler=gas', 'gas.latency_source'),
 ])
 def test_bad_input_is_one_line_and_exit_2(sft_workdir, tmp_path, override,
                                           field):
-  proc = subprocess.run(_launch(tmp_path / 'w', sft_workdir, override),
+  proc = subprocess.run(_launch(tmp_path / 'w', sft_workdir,
+                                *override.split()),
                         cwd=REPO_ROOT, capture_output=True, text=True,
                         timeout=300)
   assert proc.returncode == 2, proc.stderr[-2000:]
@@ -203,10 +276,10 @@ def test_failing_actors_end_the_run_in_one_line_with_a_checkpoint_kept(
                    max_actor_restarts=2)
   real = run.batch_problems
 
-  def broken(config, k):
+  def broken(config, k, difficulty=None):
     if k >= 3:
       raise RuntimeError(f'generation exploded on batch {k}')
-    return real(config, k)
+    return real(config, k, difficulty)
 
   monkeypatch.setattr(run, 'batch_problems', broken)
   start = time.monotonic()

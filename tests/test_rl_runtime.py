@@ -13,7 +13,7 @@ from train.rl import runtime
 
 
 def _drive(settings, batches, seed=0, max_delay=0.004, fail=lambda k, n: False,
-           learner_delay=None):
+           learner_delay=None, plan=None):
   """Runs `batches` through the runtime with a fake policy (its params are
   its version) and random delays; returns (version used per batch, the
   largest buffer occupancy seen, actor failures)."""
@@ -34,7 +34,7 @@ def _drive(settings, batches, seed=0, max_delay=0.004, fail=lambda k, n: False,
       raise ValueError(f'injected failure on batch {k}')
     return k, version
 
-  actors = runtime.Actors(generate, snaps, buffer, settings)
+  actors = runtime.Actors(generate, snaps, buffer, settings, plan=plan)
   snaps.publish(0, 0)
   actors.start()
   used = []
@@ -95,6 +95,30 @@ def test_deterministic_mode_uses_exactly_version_k_minus_s(staleness, actors):
   for seed in range(3):
     used, _, _ = _drive(settings, 25, seed=seed)
     assert used == [max(0, k - staleness) for k in range(25)]
+
+
+@pytest.mark.parametrize('deterministic', [False, True])
+def test_a_planned_batch_waits_for_its_own_oldest_version(deterministic):
+  # Per-batch budgets (as a scheduler plans them), within the global 4.
+  budgets = [random.Random(k).choice([0, 1, 2, 4]) for k in range(100)]
+  calls = []
+
+  def plan(k, latest):
+    calls.append(k)
+    assert 0 <= latest <= k
+    return max(0, k - budgets[k])
+
+  settings = runtime.RuntimeSettings(max_staleness=4, num_actors=3,
+                                     deterministic=deterministic)
+  for seed in range(3):
+    calls.clear()
+    used, _, _ = _drive(settings, 40, seed=seed, plan=plan,
+                        learner_delay=0.006)
+    lags = [k - v for k, v in enumerate(used)]
+    assert all(0 <= lag <= budgets[k] for k, lag in enumerate(lags)), lags
+    if deterministic:
+      assert lags == [min(k, budgets[k]) for k in range(40)]
+    assert set(range(40)) <= set(calls)  # Each claimed batch was planned.
 
 
 def test_free_mode_takes_the_newest_version_instead():

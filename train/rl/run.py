@@ -33,6 +33,7 @@ pass@1 against wall time.
 
 import dataclasses
 import hashlib
+import threading
 import time
 from typing import Any
 
@@ -56,6 +57,7 @@ from train.rl import grpo
 from train.rl import learner as learner_lib
 from train.rl import rollout as rollout_lib
 from train.rl import runtime as runtime_lib
+from train.rl import scheduler as scheduler_lib
 from train.rl import sft
 from train.rl import tasks
 
@@ -136,6 +138,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError('temperature', config.temperature, 'must be > 0')
   loss_settings(config).check('grpo')
   runtime_settings(config).check('runtime')
+  scheduler_lib.check_config(config)
   if not config.runtime.shutdown_timeout > 0:
     raise ConfigError('runtime.shutdown_timeout',
                       config.runtime.shutdown_timeout, 'must be > 0')
@@ -163,10 +166,16 @@ class Item:
   seconds: float
 
 
-def batch_problems(config, k: int) -> tuple[int, list[tasks.Problem]]:
-  """Batch k's difficulty and its P prompts, each G times (groups together)."""
+def batch_problems(config, k: int, difficulty: int | None = None
+                   ) -> tuple[int, list[tasks.Problem]]:
+  """Batch k's difficulty and its P prompts, each G times (groups together).
+
+  The difficulty is uniform by (seed, k) unless a scheduler chose it; the
+  prompts' seed is drawn from (seed, k) either way.
+  """
   rng = np.random.default_rng([config.seed, k, 17])
-  difficulty = int(rng.choice(list(config.difficulties)))
+  drawn = int(rng.choice(list(config.difficulties)))
+  difficulty = drawn if difficulty is None else difficulty
   prompts = tasks.sample(config.family, difficulty, config.prompts_per_batch,
                          seed=int(rng.integers(2**31)))
   return difficulty, [p for p in prompts
@@ -208,12 +217,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
 
 def _counters(bound: int, saved: dict | None = None
               ) -> dict[str, np.ndarray]:
-  """The trained batches' staleness (0..bound) and difficulty counts, and
-  the totals (samples, tokens, learner busy seconds); kept in the
-  checkpoint's meta."""
+  """The trained batches' staleness (0..bound) and difficulty counts, their
+  staleness per difficulty, the batches dropped by admission per
+  difficulty, the totals (samples, tokens, learner busy seconds) and the
+  scheduler's seconds on the learner (its own, the curvature's); kept in
+  the checkpoint's meta."""
+  difficulties = tasks.MAX_DIFFICULTY + 1
   counters = {'staleness': np.zeros(bound + 1, np.int64),
-              'difficulty': np.zeros(tasks.MAX_DIFFICULTY + 1, np.int64),
-              'totals': np.zeros(3, np.float64)}
+              'difficulty': np.zeros(difficulties, np.int64),
+              'staleness_by_difficulty': np.zeros((difficulties, bound + 1),
+                                                  np.int64),
+              'dropped': np.zeros(difficulties, np.int64),
+              'totals': np.zeros(3, np.float64),
+              'scheduler': np.zeros(2, np.float64)}
   for key, value in (saved or {}).items():
     counters[key] = np.array(value, counters[key].dtype)
   return counters
@@ -278,6 +294,11 @@ def _train(config, workdir: str) -> dict[str, Any]:
       writer = metrics_lib.MetricWriter(workdir, None)
       wall_offset, curve = 0.0, []
 
+    halt = threading.Event()
+    scheduler = scheduler_lib.make(config, rsettings.deterministic,
+                                   stopped=halt.is_set)
+    if found is not None:
+      scheduler.restore(version, meta.get('scheduler', {}))
     snapshots = runtime_lib.Snapshots(keep=s + 1)
     # The last s versions, oldest first, then the current one.
     for i, old in enumerate(state['history']):
@@ -289,7 +310,8 @@ def _train(config, workdir: str) -> dict[str, Any]:
     base_key = jax.random.key(config.seed)
 
     def generate(k: int, v: int, params_v) -> Item:
-      difficulty, problems = batch_problems(config, k)
+      difficulty, problems = batch_problems(
+          config, k, scheduler.plan(k, v).difficulty)
       start = time.perf_counter()
       out = rollout_lib.sample(
           model, params_v, problems, jax.random.fold_in(base_key, k),
@@ -298,8 +320,11 @@ def _train(config, workdir: str) -> dict[str, Any]:
           version=v, sharding=rollout_rows)
       return Item(out, difficulty, time.perf_counter() - start)
 
+    def plan(k: int, latest: int) -> int:
+      return scheduler.plan(k, latest).min_version
+
     actors = runtime_lib.Actors(generate, snapshots, buffer, rsettings,
-                                start=version)
+                                start=version, plan=plan)
     stop = preemption.StopFlag()
     started = time.perf_counter()
 
@@ -325,6 +350,7 @@ def _train(config, workdir: str) -> dict[str, Any]:
                           jax.device_put(h, learner_repl) for h in history]}
       meta = {'config': resume_check.as_json(config),
               'counters': {k: v.tolist() for k, v in counters.items()},
+              'scheduler': scheduler.save(v),
               'metrics_records': writer.records, 'wall_seconds': wall(),
               'curve': curve}
       return ckpts.save(v, tree, meta, force=force)
@@ -333,17 +359,31 @@ def _train(config, workdir: str) -> dict[str, Any]:
       writer.write(0, evaluate(0))
     progress = metrics_lib.Progress(version, config.num_versions)
     actors.start()
+    published = time.perf_counter()
     try:
       with stop.installed():
         for k in range(version, config.num_versions):
           item = buffer.take(k, actors.check)
+          clock = time.perf_counter()
+          admitted = scheduler.admit(k, item.difficulty, k - item.rollout.version)
+          if not admitted:
+            # Over its budget (the budget tightened since it was planned):
+            # generated again from the current version, so nothing trains
+            # stale and no difficulty is skipped.
+            counters['dropped'][item.difficulty] += 1
+            item = generate(k, k, snapshots.held()[k])
+          scheduler_seconds = time.perf_counter() - clock
           out = item.rollout
           staleness = k - out.version
           if not 0 <= staleness <= s:
             raise RuntimeError(f'batch {k} from version {out.version}: '
                                f'staleness {staleness} outside [0, {s}]')
-          batch = jax.device_put(learner_lib.assemble(
-              out, lsettings.group_size, length), learner_rows)
+          host_batch = learner_lib.assemble(out, lsettings.group_size, length)
+          weight = scheduler.loss_weight(item.difficulty)
+          if weight != 1.0:
+            host_batch = host_batch._replace(
+                advantages=host_batch.advantages * np.float32(weight))
+          batch = jax.device_put(host_batch, learner_rows)
           begin = time.perf_counter()
           params, opt_state, m = update(state['params'], state['opt_state'],
                                         batch, reference)
@@ -351,12 +391,35 @@ def _train(config, workdir: str) -> dict[str, Any]:
           busy = time.perf_counter() - begin
           state['params'], state['opt_state'] = params, opt_state
           version = k + 1
+          curvatures, curvature_seconds = None, 0.0
+          if isinstance(scheduler, scheduler_lib.Gas):
+            scheduler.remember(item.difficulty, batch)
+            if scheduler.needs_curvature(version):
+              clock = time.perf_counter()
+              curvatures = scheduler.curvatures(model, params, version)
+              curvature_seconds = time.perf_counter() - clock
+          now = time.perf_counter()
+          clock = now
+          scheduler_scalars = scheduler.observe(
+              version, difficulty=item.difficulty, rewards=out.rewards,
+              rows=len(out.rewards), generation_seconds=item.seconds,
+              step_seconds=now - published, admitted=admitted,
+              regenerated=not admitted, curvatures=curvatures)
+          scheduler_seconds += time.perf_counter() - clock
           snapshots.publish(version, jax.device_put(params, rollout_repl))
+          published = time.perf_counter()
           counters['staleness'][staleness] += 1
           counters['difficulty'][item.difficulty] += 1
+          counters['staleness_by_difficulty'][item.difficulty,
+                                              staleness] += 1
           counters['totals'] += [len(out.rewards), out.generated_tokens, busy]
+          counters['scheduler'] += [scheduler_seconds, curvature_seconds]
           elapsed = wall()
           scalars = {f'train/{key}': float(v) for key, v in m.items()}
+          scalars.update(scheduler_scalars)
+          if curvatures:
+            scalars.update({f'gas/lambda_max/d{d}': c
+                            for d, c in curvatures.items()})
           scalars.update({
               'reward': float(out.rewards.mean()),
               'difficulty': float(item.difficulty),
@@ -386,6 +449,7 @@ def _train(config, workdir: str) -> dict[str, Any]:
             writer.flush()
             raise Preempted(version, stop.signal_name)
     finally:
+      halt.set()
       actors.stop()
       try:
         actors.join(config.runtime.shutdown_timeout)
@@ -396,6 +460,8 @@ def _train(config, workdir: str) -> dict[str, Any]:
       save(config.num_versions, force=True)
     ckpts.wait_until_finished()
     results = _results(config, counters, curve, wall())
+    if isinstance(scheduler, scheduler_lib.Gas):
+      results['gas'] = scheduler.diagnostics()
     results['params_sha256'] = fingerprint(state['params'])
     metrics_lib.write_json_atomic(results_path, results)
     _plot(curve, config, fileio.join(workdir, PLOT))
@@ -416,6 +482,14 @@ def _results(config, counters, curve, seconds: float) -> dict[str, Any]:
                               if n},
       'difficulty_mix': {str(d): int(counters['difficulty'][d])
                          for d in config.difficulties},
+      'staleness_by_difficulty': {
+          str(d): {str(i): int(n) for i, n in enumerate(
+              counters['staleness_by_difficulty'][d]) if n}
+          for d in config.difficulties},
+      'dropped': {str(d): int(counters['dropped'][d])
+                  for d in config.difficulties},
+      'scheduler_seconds': float(counters['scheduler'][0]),
+      'curvature_seconds': float(counters['scheduler'][1]),
       'samples': int(counters['totals'][0]),
       'tokens': int(counters['totals'][1]),
       'wall_seconds': seconds,
@@ -436,7 +510,8 @@ def _plot(curve, config, path: str) -> None:
             label=f'{d} digits')
   ax.set_xlabel('wall time (s)')
   ax.set_ylabel('greedy pass@1 (held out)')
-  ax.set_title(f'GRPO, staleness <= {config.runtime.max_staleness}, '
+  bound = config.runtime.max_staleness
+  ax.set_title(f'GRPO, {config.scheduler} scheduler, staleness <= {bound}, '
                f'{config.grpo.correction}')
   ax.grid(alpha=0.3)
   ax.legend()

@@ -11,7 +11,9 @@ that order, one version per batch: batch k is trained by the update that
 makes version k + 1, so its staleness is k - v when version v generated
 it. The global bound s (`max_staleness`) admits batch k for generation
 only with a version v >= k - s (AReaL's rule, per batch): s = 0 is
-synchronous GRPO (batch k waits for version k), on the same code. An
+synchronous GRPO (batch k waits for version k), on the same code. A
+scheduler (`train.rl.scheduler`, e.g. GAS's per-difficulty budgets) may
+plan each batch's oldest version instead (`Actors(plan=...)`), within s. An
 actor takes the newest version available; in `deterministic` mode it
 takes exactly version max(0, k - s), so the whole run is a function of
 the seed whatever the threads' timing (the snapshots of the last s + 1
@@ -208,14 +210,21 @@ class Buffer:
 
 # (k, version, params) -> the batch's item (its rollout).
 Generate = Callable[[int, int, Any], Any]
+# (k, latest published version) -> the oldest version batch k may use.
+Plan = Callable[[int, int], int]
 
 
 class Actors:
   """Actor threads generating batches start, start + 1, ... into `buffer`."""
 
   def __init__(self, generate: Generate, snapshots: Snapshots,
-               buffer: Buffer, settings: RuntimeSettings, start: int = 0):
+               buffer: Buffer, settings: RuntimeSettings, start: int = 0,
+               plan: Plan | None = None):
+    """`plan` (a scheduler's dispatch; called once per batch claimed, in
+    claim order) defaults to the global bound: max(0, k - s)."""
     self._generate = generate
+    self._plan = plan or (
+        lambda k, latest: max(0, k - settings.max_staleness))
     self._snapshots = snapshots
     self._buffer = buffer
     self._settings = settings
@@ -252,7 +261,7 @@ class Actors:
     try:
       while not self._stop.is_set():
         k = self._claim()
-        minimum = max(0, k - self._settings.max_staleness)
+        minimum = self._plan(k, self._snapshots.latest)
         version, params = self._snapshots.wait(minimum,
                                                self._settings.deterministic)
         item = self._generate(k, version, params)

@@ -1,0 +1,389 @@
+"""What the asynchronous runtime asks of a scheduler: curriculum, dispatch,
+admission.
+
+The runtime (`train.rl.runtime`) generates numbered batches k = 0, 1, ...
+and trains them in order; a scheduler answers three questions:
+
+- `plan(k, latest)` (actor threads, in slot order): batch k's difficulty
+  and the oldest policy version it may be generated from (dispatch and
+  curriculum). It is decided once; an actor that failed hands its batch
+  back and the next one gets the same plan.
+- `admit(k, difficulty, staleness)` (the learner, before training batch
+  k): whether the batch may train; a refused batch is generated again
+  from the current version (counted as dropped and regenerated).
+- `observe(...)` (the learner, after each update): the feedback that the
+  next plans and admissions use.
+
+`FixedBound` is the global bound s of AReaL (every batch may lag s
+versions; difficulty uniform over the configured ones; nothing dropped).
+`Gas` is `geom.gas`: per-difficulty budgets, a bandit curriculum, an
+execution-aware dispatch, curvature-driven alpha.
+
+Determinism (`runtime.deterministic`): batch k's plan is a function of k
+and the run's seed alone. `Gas` then reads the scheduler's state as it was
+at version max(0, k - S) (S the loosest budget; states are kept per
+version, like the weights), decides slots strictly in order, draws from
+(seed, k), generates from exactly version k - s_max(difficulty), and
+takes latencies from a cost model (`gas.latency_source = 'model'`) rather
+than the clock. Checkpoints hold the states of the last S + 1 versions
+and the dispatcher's state before the next undecided batch, so a resumed
+deterministic run plans every later batch as an uninterrupted one.
+"""
+
+import functools
+import math
+import threading
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from geom import gas
+from train.errors import ConfigError
+from train.rl import grpo
+from train.rl import runtime
+from train.rl import tasks
+
+SCHEDULERS = ('fixed', 'gas')
+LATENCY_SOURCES = ('measured', 'model')
+_POLL = 0.05
+
+
+class Plan(NamedTuple):
+  """Batch k's difficulty and the oldest version it may use."""
+  difficulty: int
+  min_version: int
+
+
+class FixedBound:
+  """Every batch may lag `bound` versions; difficulty uniform by (seed, k)."""
+
+  def __init__(self, bound: int, difficulties: tuple[int, ...], seed: int):
+    self.bound = bound
+    self._difficulties = tuple(difficulties)
+    self._seed = seed
+
+  def plan(self, k: int, latest: int) -> Plan:
+    del latest
+    rng = np.random.default_rng([self._seed, k, 17])
+    return Plan(int(rng.choice(list(self._difficulties))),
+                max(0, k - self.bound))
+
+  def admit(self, k: int, difficulty: int, staleness: int) -> bool:
+    del k, difficulty
+    return staleness <= self.bound
+
+  def observe(self, version: int, **unused) -> dict[str, float]:
+    del version, unused
+    return {}
+
+  def needs_curvature(self, version: int) -> bool:
+    del version
+    return False
+
+  def loss_weight(self, difficulty: int) -> float:
+    del difficulty
+    return 1.0
+
+  def save(self, version: int) -> dict[str, Any]:
+    del version
+    return {}
+
+  def restore(self, version: int, saved: dict[str, Any]) -> None:
+    del version, saved
+
+  def stop(self) -> None:
+    pass
+
+
+def options_from_config(config) -> gas.GasOptions:
+  """`geom.gas.GasOptions` from config.gas (s_base = runtime.max_staleness)."""
+  g = config.gas
+  return gas.GasOptions(
+      difficulties=tuple(float(d) for d in config.difficulties),
+      s_base=config.runtime.max_staleness, alpha=g.alpha,
+      estimate_alpha=g.estimate_alpha, alpha_decay=g.alpha_decay,
+      curvature_decay=g.curvature_decay, bandit=g.bandit, signal=g.signal,
+      discount=g.discount, temperature=g.temperature,
+      exploration=g.exploration, floor=g.floor, coupling=g.coupling,
+      execution_aware=g.execution_aware, max_defer=g.max_defer,
+      latency_decay=g.latency_decay)
+
+
+def check_config(config) -> None:
+  """ConfigError naming the field (config.scheduler and config.gas)."""
+  if config.scheduler not in SCHEDULERS:
+    raise ConfigError('scheduler', config.scheduler,
+                      f'valid choices: {", ".join(SCHEDULERS)}')
+  if config.scheduler != 'gas':
+    return
+  try:
+    options_from_config(config).check()
+  except gas.validation.ArgumentError as e:
+    field = 'runtime.max_staleness' if e.argument == 's_base' else (
+        f'gas.{e.argument}' if e.argument != 'difficulties'
+        else 'difficulties')
+    raise ConfigError(field, e.value, e.problem or (
+        'valid choices: ' + ', '.join(map(str, e.choices or ())))) from e
+  g = config.gas
+  if g.curvature not in gas.CURVATURE_METHODS:
+    raise ConfigError('gas.curvature', g.curvature, 'valid choices: '
+                      + ', '.join(gas.CURVATURE_METHODS))
+  for field in ('curvature_every', 'curvature_iters', 'curvature_rows'):
+    if not isinstance(g[field], int) or g[field] < (
+        0 if field == 'curvature_every' else 1):
+      raise ConfigError(f'gas.{field}', g[field], 'must be an integer >= '
+                        + ('0 (0: never)' if field == 'curvature_every'
+                           else '1'))
+  if g.latency_source not in LATENCY_SOURCES:
+    raise ConfigError('gas.latency_source', g.latency_source,
+                      'valid choices: ' + ', '.join(LATENCY_SOURCES))
+  if config.runtime.deterministic and g.latency_source != 'model':
+    raise ConfigError('gas.latency_source', g.latency_source,
+                      "must be 'model' with runtime.deterministic=True "
+                      '(measured latencies depend on timing)')
+  for field in ('model_seconds_per_token', 'model_step_seconds'):
+    if not g[field] > 0:
+      raise ConfigError(f'gas.{field}', g[field], 'must be > 0')
+
+
+def _encode(state: gas.GasState) -> dict[str, Any]:
+  def plain(x):
+    if isinstance(x, np.ndarray):
+      return [plain(v) for v in x.tolist()]
+    if isinstance(x, list):
+      return [plain(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+      return None
+    return x
+  return {name: plain(getattr(state, name) if not isinstance(
+      getattr(state, name), tuple) else list(getattr(state, name)))
+          for name in gas.GasState._fields}
+
+
+def _decode(saved: dict[str, Any]) -> gas.GasState:
+  def arr(x, dtype):
+    return np.array([[np.nan if v is None else v for v in row]
+                     if isinstance(row, list) else
+                     (np.nan if row is None else row) for row in x], dtype)
+  return gas.GasState(
+      pulls=arr(saved['pulls'], np.float64),
+      gains=arr(saved['gains'], np.float64),
+      log_curvature=arr(saved['log_curvature'], np.float64),
+      alpha=float(saved['alpha']),
+      slope=float('nan') if saved['slope'] is None else float(saved['slope']),
+      latency=arr(saved['latency'], np.float64),
+      step_time=(float('nan') if saved['step_time'] is None
+                 else float(saved['step_time'])),
+      pending=tuple(int(b) for b in saved['pending']),
+      pending_age=tuple(int(a) for a in saved['pending_age']),
+      counts=arr(saved['counts'], np.int64))
+
+
+class Gas:
+  """`geom.gas` as the runtime's scheduler (see the module docstring)."""
+
+  def __init__(self, config, deterministic: bool,
+               stopped: Callable[[], bool] = lambda: False):
+    self.options = options_from_config(config)
+    self.bound = config.runtime.max_staleness
+    self._config = config
+    self._g = config.gas
+    self._deterministic = deterministic
+    self._stopped = stopped
+    self._difficulties = tuple(int(d) for d in config.difficulties)
+    self._cond = threading.Condition()
+    initial = gas.init(self.options)
+    # The learner's state at each version (bandit, curvature, latencies,
+    # admissions); the dispatcher's pending queue and dispatch counters
+    # live in `_dispatch`, advanced slot by slot.
+    self._states: dict[int, gas.GasState] = {0: initial}
+    self._dispatch = initial
+    self._before: dict[int, gas.GasState] = {}  # Dispatcher before slot k.
+    self._plans: dict[int, Plan] = {}
+    self._next = 0  # The next slot to decide.
+    self._version = 0
+    self._last_batch: dict[int, Any] = {}  # Difficulty -> a learner batch.
+
+  # --- the actors' side -------------------------------------------------
+
+  def _bucket(self, difficulty: int) -> int:
+    return self._difficulties.index(difficulty)
+
+  def _merged(self, state: gas.GasState) -> gas.GasState:
+    counts = state.counts.copy()
+    counts[:2] = self._dispatch.counts[:2]
+    return state._replace(pending=self._dispatch.pending,
+                          pending_age=self._dispatch.pending_age,
+                          counts=counts)
+
+  def plan(self, k: int, latest: int) -> Plan:
+    with self._cond:
+      while k not in self._plans:
+        if self._stopped():
+          raise runtime.Stopped()
+        if k == self._next:
+          source = max(0, k - self.bound) if self._deterministic else None
+          if source is None or source in self._states:
+            self._decide(k, latest, source)
+            break
+        self._cond.wait(_POLL)
+      return self._plans[k]
+
+  def _decide(self, k: int, latest: int, source: int | None) -> None:
+    if source is None:
+      source = max(self._states)
+      lead = max(0, k - latest)
+    else:
+      lead = None
+    state = self._merged(self._states[source])
+    u = float(np.random.default_rng([self._config.seed, k, 29]).random())
+    self._before[k] = self._dispatch
+    bucket, after = gas.dispatch(state, self.options, u, lead=lead)
+    budget = int(gas.budgets(state, self.options)[bucket])
+    self._dispatch = after
+    self._plans[k] = Plan(self._difficulties[bucket], max(0, k - budget))
+    self._next = k + 1
+    self._cond.notify_all()
+
+  # --- the learner's side ------------------------------------------------
+
+  def _current(self) -> gas.GasState:
+    return self._states[self._version]
+
+  def admit(self, k: int, difficulty: int, staleness: int) -> bool:
+    with self._cond:
+      return gas.admit(self._current(), self.options,
+                       self._bucket(difficulty), staleness)
+
+  def loss_weight(self, difficulty: int) -> float:
+    if not self._g.loss_weight:
+      return 1.0
+    with self._cond:
+      return gas.loss_weight(self._current(), self.options,
+                             self._bucket(difficulty))
+
+  def needs_curvature(self, version: int) -> bool:
+    every = self._g.curvature_every
+    return bool(every) and version % every == 0
+
+  def latency_of(self, difficulty: int, measured: float) -> float:
+    if self._g.latency_source == 'measured':
+      return measured
+    return (self._g.model_seconds_per_token
+            * tasks.max_answer_tokens(self._config.family, difficulty))
+
+  def step_time_of(self, measured: float) -> float:
+    return (measured if self._g.latency_source == 'measured'
+            else self._g.model_step_seconds)
+
+  def observe(self, version: int, *, difficulty: int, rewards: np.ndarray,
+              rows: int, generation_seconds: float, step_seconds: float,
+              admitted: bool, regenerated: bool,
+              curvatures: dict[int, float] | None = None
+              ) -> dict[str, float]:
+    """Folds in the update that made `version`; returns its scalars."""
+    b = self._bucket(difficulty)
+    with self._cond:
+      state = self._states[version - 1]
+      if regenerated:
+        state = gas.record_admission(state, b, False, rows)
+      state = gas.record_admission(state, b, True, rows)
+      signal = gas.learning_signal(rewards, self._config.grpo.group_size,
+                                   self.options.signal)
+      state = gas.observe_signal(state, self.options, b, signal)
+      state = gas.observe_latency(
+          state, self.options, b, self.latency_of(difficulty,
+                                                  generation_seconds),
+          self.step_time_of(step_seconds))
+      for d, eigenvalue in (curvatures or {}).items():
+        state = gas.observe_curvature(state, self.options, self._bucket(d),
+                                      eigenvalue)
+      self._states[version] = state
+      self._version = version
+      for old in [v for v in self._states if v < version - self.bound - 1]:
+        del self._states[old]
+      for old in [s for s in self._plans if s < version - 1]:
+        self._plans.pop(old)
+        self._before.pop(old, None)
+      self._cond.notify_all()
+      # Unmeasured entries are NaN: left out of the metrics, not logged.
+      scalars = {f'gas/{key}': float(value) for key, value in
+                 gas.diagnostics(self._merged(state), self.options).items()
+                 if math.isfinite(value)}
+    scalars['gas/signal'] = signal
+    return scalars
+
+  def remember(self, difficulty: int, batch: Any) -> None:
+    """Keeps a learner batch of `difficulty` for the next curvature."""
+    self._last_batch[difficulty] = batch
+
+  def curvatures(self, model, params, version: int) -> dict[int, float]:
+    """|lambda_max| of the answer-token NLL on each difficulty's last batch."""
+    g = self._g
+    out = {}
+    for d in sorted(self._last_batch):
+      batch = self._last_batch[d]
+      rows = min(g.curvature_rows, batch.tokens.shape[0])
+      sub = jax.tree.map(lambda x: x[:rows], batch)
+      key = jax.random.fold_in(jax.random.key(self._config.seed + 7919),
+                               version * 64 + d)
+      out[d] = float(batch_curvature(model, params, sub, key,
+                                     self._config.temperature, g.curvature,
+                                     g.curvature_iters))
+    return out
+
+  def save(self, version: int) -> dict[str, Any]:
+    with self._cond:
+      before = self._before.get(version, self._dispatch
+                                if self._next <= version else None)
+      if before is None:
+        raise RuntimeError(f'no dispatcher state before slot {version}')
+      return {'states': {str(v): _encode(s) for v, s in self._states.items()
+                         if v >= version - self.bound},
+              'dispatch': _encode(before)}
+
+  def restore(self, version: int, saved: dict[str, Any]) -> None:
+    with self._cond:
+      self._states = {int(v): _decode(s)
+                      for v, s in saved['states'].items()}
+      self._dispatch = _decode(saved['dispatch'])
+      self._version = version
+      self._next = version
+      self._plans.clear()
+      self._before.clear()
+
+  def diagnostics(self) -> dict[str, Any]:
+    """`geom.gas.diagnostics` of the learner's current state."""
+    with self._cond:
+      return gas.diagnostics(self._merged(self._current()), self.options)
+
+  def stop(self) -> None:
+    with self._cond:
+      self._cond.notify_all()
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
+def batch_curvature(model, params: Any, batch: grpo.Batch, key: jax.Array,
+                    temperature: float, method: str, iters: int
+                    ) -> jax.Array:
+  """|lambda_max| of the mean answer-token NLL of `batch` at `params`: the
+  curvature a policy-gradient step on these samples sees (geom.gas)."""
+
+  def nll(p):
+    logps = grpo.sequence_log_probs(model, p, batch.tokens, batch.valid,
+                                    temperature)
+    mask = batch.loss_mask
+    return -jnp.sum(logps * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+  return gas.curvature(nll, params, key, method, iters)
+
+
+def make(config, deterministic: bool,
+         stopped: Callable[[], bool] = lambda: False):
+  """The scheduler config.scheduler names."""
+  if config.scheduler == 'gas':
+    return Gas(config, deterministic, stopped)
+  return FixedBound(config.runtime.max_staleness,
+                    tuple(config.difficulties), config.seed)
