@@ -1,0 +1,264 @@
+r"""Does the policy's curvature grow with task difficulty (GAS's premise)?
+
+  python -m launch.rl_curvature
+  python -m launch.rl_curvature --sft_workdirs=workdirs/rl_sft --prompts=8
+
+GAS (`geom.gas`) sets each difficulty's staleness budget from alpha, the
+slope of log lambda_max on difficulty, lambda_max the top Hessian
+eigenvalue of the policy's loss on that difficulty. This script measures
+that slope on the SFT warm starts, before any scheduler relies on it.
+
+For each warm start of `--sft_workdirs` and each difficulty of
+`--difficulties` (family `--family`): `--prompts` training problems, each
+sampled `--samples` times from the policy at temperature 1.0
+(`train.rl.rollout.sample`), assembled into the learner's batch
+(`train.rl.learner.assemble`); the loss is the mean negative
+log-likelihood of the sampled answer tokens under the policy (the
+batch's loss mask), whose Hessian's expectation over on-policy samples
+is the Fisher information (see `geom.gas`). Every batch is padded to the
+hardest difficulty's length, so each estimator compiles once for all
+warm starts and difficulties; padding carries no loss.
+
+Per batch: |lambda_max| by `geom.gas.curvature(method='power',
+num_iters=--num_iters)` and the one-product proxy (`method='rayleigh'`),
+each timed after a warm-up call that compiles it; and, untimed, signed
+power iteration with `--check_iters` products, to show whether
+`--num_iters` had converged and whether the top-magnitude eigenvalue is
+negative (the sample Hessian need not be PSD). Per warm start: alpha
+fitted by `geom.gas.fit_alpha` from each method, and the Spearman rank
+correlation of power and proxy across difficulties.
+
+Writes the markdown table to `--out` with the suffix `.md` and every
+number to `--out` (JSON), and prints the table.
+"""
+
+import os
+import time
+from typing import Any, Callable
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from geom import gas
+from launch import entry
+from train import metrics
+from train.rl import grpo
+from train.rl import learner
+from train.rl import rollout
+from train.rl import sft
+from train.rl import tasks
+
+_SFT_WORKDIRS = flags.DEFINE_list(
+    'sft_workdirs', ['workdirs/rl_sft', 'workdirs/rl_sft_seed1',
+                     'workdirs/rl_sft_seed2'],
+    'SFT warm starts (launch.train with configs/rl_sft.py), one per seed.')
+_DIFFICULTIES = flags.DEFINE_list('difficulties', ['1', '2', '3', '4', '5'],
+                                  'Task difficulties (digits).')
+_FAMILY = flags.DEFINE_string('family', 'add', 'Task family.')
+_PROMPTS = flags.DEFINE_integer('prompts', 16, 'Prompts per difficulty.')
+_SAMPLES = flags.DEFINE_integer('samples', 4, 'Completions per prompt.')
+_NUM_ITERS = flags.DEFINE_integer('num_iters', 20,
+                                  'Hessian-vector products of the power '
+                                  'estimate.')
+_CHECK_ITERS = flags.DEFINE_integer(
+    'check_iters', 100, 'Products of the untimed convergence check (0: none).')
+_SEED = flags.DEFINE_integer('seed', 0, 'Problems, samples and start vectors.')
+_OUT = flags.DEFINE_string('out', 'results/rl_curvature.json',
+                           'The JSON; the table goes beside it as .md.')
+
+
+def nll_loss(model: Any, batch: Any) -> Callable[[Any], jax.Array]:
+  """params -> the mean negative log-likelihood of the batch's answer tokens
+  (the completions the policy sampled), over its loss mask."""
+  mask = jnp.asarray(batch.loss_mask, jnp.float32)
+  tokens, valid = jnp.asarray(batch.tokens), jnp.asarray(batch.valid)
+
+  def loss(params):
+    logps = grpo.sequence_log_probs(model, params, tokens, valid)
+    return -jnp.sum(logps * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+  return loss
+
+
+def estimators(model: Any, num_iters: int, check_iters: int
+               ) -> dict[str, Callable[..., jax.Array]]:
+  """Jitted (params, batch, key) -> estimate: 'power' and 'rayleigh' as
+  |lambda_max| (`gas.curvature`), 'check' the signed eigenvalue after
+  `check_iters` products."""
+  def power(params, batch, key):
+    return gas.curvature(nll_loss(model, batch), params, key, 'power',
+                         num_iters)
+
+  def proxy(params, batch, key):
+    return gas.curvature(nll_loss(model, batch), params, key, 'rayleigh')
+
+  def check(params, batch, key):
+    return gas.power_iteration(nll_loss(model, batch), params, key,
+                               check_iters)[0]
+
+  out = {'power': jax.jit(power), 'rayleigh': jax.jit(proxy)}
+  if check_iters:
+    out['check'] = jax.jit(check)
+  return out
+
+
+def on_policy_batch(model: Any, params: Any, family: str, difficulty: int,
+                    prompts: int, samples: int, length: int, seed: int,
+                    key: jax.Array) -> tuple[Any, rollout.Rollout]:
+  """`prompts` training problems of `seed` (the same for every warm
+  start, so that they compare on equal problems), `samples` completions
+  of each at temperature 1, and their learner batch (numpy) padded to
+  `length` tokens."""
+  problems = tasks.sample(family, difficulty, prompts, seed)
+  problems = [p for p in problems for _ in range(samples)]
+  out = rollout.sample(model, params, problems, key, temperature=1.0,
+                       num_steps=tasks.max_answer_tokens(family, difficulty))
+  return learner.assemble(out, samples, length), out
+
+
+def spearman(a: Any, b: Any) -> float:
+  """Spearman's rank correlation (ties take their mean rank; NaN when
+  either side is constant or has fewer than two finite pairs)."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  ok = np.isfinite(a) & np.isfinite(b)
+  a, b = a[ok], b[ok]
+
+  def ranks(x):
+    r = np.empty(len(x))
+    r[np.argsort(x, kind='stable')] = np.arange(len(x), dtype=np.float64)
+    for v in np.unique(x):
+      r[x == v] = r[x == v].mean()
+    return r
+
+  if len(a) < 2 or np.ptp(a) == 0 or np.ptp(b) == 0:
+    return float('nan')
+  return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
+
+
+def _timed(fn, *args) -> tuple[float, float]:
+  start = time.perf_counter()
+  value = float(jax.block_until_ready(fn(*args)))
+  return value, time.perf_counter() - start
+
+
+def measure(sft_workdirs: list[str], difficulties: list[int], *, family: str,
+            prompts: int, samples: int, num_iters: int, check_iters: int,
+            seed: int) -> dict[str, Any]:
+  """Every estimate, fit and timing, as a JSON-able dict."""
+  length = (tasks.max_prompt_tokens(family, max(difficulties))
+            + tasks.max_answer_tokens(family, max(difficulties)))
+  device = jax.devices()[0]
+  runs, seconds = [], {'power': [], 'rayleigh': []}
+  fns, warmed = None, False
+  for workdir in sft_workdirs:
+    _, model, params = sft.load_policy(workdir)
+    params = jax.device_put(params, device)
+    if fns is None:
+      fns = estimators(model, num_iters, check_iters)
+    rows = []
+    for d in difficulties:
+      key = jax.random.fold_in(jax.random.key(seed), d)
+      batch, out = on_policy_batch(model, params, family, d, prompts, samples,
+                                   length, seed, key)
+      batch = jax.device_put(batch, device)
+      hkey = jax.random.fold_in(key, 1)
+      if not warmed:  # Compile each estimator before anything is timed.
+        for name in ('power', 'rayleigh'):
+          jax.block_until_ready(fns[name](params, batch, hkey))
+        warmed = True
+      row = {'difficulty': d, 'reward': float(out.rewards.mean()),
+             'answer_tokens': float(np.asarray(batch.loss_mask).sum()
+                                    / len(out.rewards)),
+             'nll': float(nll_loss(model, batch)(params))}
+      for name in ('power', 'rayleigh'):
+        row[name], s = _timed(fns[name], params, batch, hkey)
+        seconds[name].append(s)
+        row[f'{name}_seconds'] = s
+      if check_iters:
+        row['check_signed'] = float(fns['check'](params, batch, hkey))
+        row['check_rel_diff'] = abs(row['power'] - abs(row['check_signed'])
+                                    ) / abs(row['check_signed'])
+      rows.append(row)
+      print(f'{workdir} d={d}: power {row["power"]:.4g} rayleigh '
+            f'{row["rayleigh"]:.4g} ({row["power_seconds"]:.2f} s, '
+            f'{row["rayleigh_seconds"]:.2f} s)', flush=True)
+    fits = {f'alpha_{name}': gas.fit_alpha(
+        difficulties, np.log([r[name] for r in rows]))
+            for name in ('power', 'rayleigh')}
+    if check_iters:
+      fits['alpha_check'] = gas.fit_alpha(
+          difficulties, np.log([abs(r['check_signed']) for r in rows]))
+    fits['spearman'] = spearman([r['power'] for r in rows],
+                                [r['rayleigh'] for r in rows])
+    runs.append({'sft_workdir': workdir, 'rows': rows, **fits})
+  return {
+      'settings': {'family': family, 'difficulties': difficulties,
+                   'prompts': prompts, 'samples': samples,
+                   'num_iters': num_iters, 'check_iters': check_iters,
+                   'seed': seed, 'length': length,
+                   'device': str(device), 'backend': jax.default_backend()},
+      'runs': runs,
+      'seconds_per_estimate': {k: float(np.mean(v)) for k, v in
+                               seconds.items()},
+  }
+
+
+def table(results: dict[str, Any]) -> str:
+  """The markdown report of `measure`'s results."""
+  st = results['settings']
+  check = st['check_iters']
+  head = ['warm start', 'd', 'reward', 'NLL',
+          f'lambda_max (power, {st["num_iters"]})', 'rayleigh proxy']
+  if check:
+    head += [f'signed, {check} products', 'rel. diff']
+  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  for run in results['runs']:
+    name = os.path.basename(os.path.normpath(run['sft_workdir']))
+    for r in run['rows']:
+      cells = [name, str(r['difficulty']), f'{r["reward"]:.2f}',
+               f'{r["nll"]:.3f}', f'{r["power"]:.4g}', f'{r["rayleigh"]:.4g}']
+      if check:
+        cells += [f'{r["check_signed"]:.4g}', f'{r["check_rel_diff"]:.1e}']
+      lines.append('| ' + ' | '.join(cells) + ' |')
+  lines += ['', '| warm start | alpha (power) | alpha (rayleigh) | '
+            + ('alpha (check) | ' if check else '')
+            + 'Spearman(power, rayleigh) over d |',
+            '|---|---|---|' + ('---|' if check else '') + '---|']
+  for run in results['runs']:
+    name = os.path.basename(os.path.normpath(run['sft_workdir']))
+    cells = [name, f'{run["alpha_power"]:.3f}', f'{run["alpha_rayleigh"]:.3f}']
+    if check:
+      cells.append(f'{run["alpha_check"]:.3f}')
+    cells.append(f'{run["spearman"]:.2f}')
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  sec = results['seconds_per_estimate']
+  lines += ['', f'Seconds per estimate (mean, compiled, {st["backend"]}): '
+            f'power {sec["power"]:.3f} s, rayleigh {sec["rayleigh"]:.3f} s '
+            f'({sec["power"] / max(sec["rayleigh"], 1e-12):.1f}x). '
+            f'{st["prompts"]} prompts x {st["samples"]} samples per '
+            f'difficulty, family {st["family"]!r}, temperature 1.0, seed '
+            f'{st["seed"]}.']
+  return '\n'.join(lines) + '\n'
+
+
+def main(argv):
+  del argv
+  entry.quiet_libraries()
+  results = measure(
+      _SFT_WORKDIRS.value, [int(d) for d in _DIFFICULTIES.value],
+      family=_FAMILY.value, prompts=_PROMPTS.value, samples=_SAMPLES.value,
+      num_iters=_NUM_ITERS.value, check_iters=_CHECK_ITERS.value,
+      seed=_SEED.value)
+  text = table(results)
+  results['table'] = text
+  os.makedirs(os.path.dirname(_OUT.value) or '.', exist_ok=True)
+  metrics.write_json_atomic(_OUT.value, results)
+  metrics.write_text_atomic(os.path.splitext(_OUT.value)[0] + '.md', text)
+  print(text)
+
+
+if __name__ == '__main__':
+  app.run(main)
