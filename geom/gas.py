@@ -27,9 +27,11 @@ One run, with buckets b = 0..B-1 of difficulties d_b (d_0 the easiest):
                seconds per version
     dispatch : draw b ~ p; if lag(b) > min(lead, s_max(b)) it cannot
                arrive in budget, so it is deferred (kept, not dropped) and
-               the most probable bucket that fits goes instead; a deferred
-               bucket goes first as soon as it fits, and unconditionally
-               after `max_defer` dispatches.
+               a bucket that fits goes instead (drawn from p over those
+               that fit), on credit (its next draw is skipped); a
+               deferred bucket goes first
+               as soon as it fits, and unconditionally after `max_defer`
+               dispatches.
 
 The paper's (ICML 2026, "Gradient-Aware Scheduling: Coupling Curriculum
 and Staleness for Async Reinforcement Learning"; only the abstract is
@@ -81,7 +83,12 @@ Ours, each with its reason:
 - Execution-aware dispatch defers rather than drops: a drawn bucket is
   always trained, at most `max_defer` dispatches later, so tighter
   budgets for hard tasks cannot starve them (discarding stale hard
-  samples and re-queuing them does). `lead` is how many versions remain
+  samples and re-queuing them does). The bucket sent in a deferred one's
+  place is dispatched on credit: its next draw is skipped (and drawn
+  again), so substitutes do not inflate the easy buckets either, and the
+  trained mix stays the curriculum's (measured: without the credit a
+  bucket that never fits trains p / (1 + p) of the batches instead of p).
+  `lead` is how many versions remain
   before the learner needs the slot being filled; a deterministic
   runtime, which generates each slot from exactly version k - s_max(b),
   passes lead=None.
@@ -225,6 +232,7 @@ class GasState(NamedTuple):
     step_time: EMA of the learner's seconds per version; NaN unmeasured.
     pending: deferred buckets, oldest first.
     pending_age: dispatches each pending bucket has waited.
+    credit: (B,) int64, substitutes sent ahead of their bucket's draws.
     counts: (len(COUNTS), B) int64 counters (see COUNTS).
   """
   pulls: np.ndarray
@@ -236,6 +244,7 @@ class GasState(NamedTuple):
   step_time: float
   pending: tuple[int, ...]
   pending_age: tuple[int, ...]
+  credit: np.ndarray
   counts: np.ndarray
 
 
@@ -248,7 +257,7 @@ def init(options: GasOptions) -> GasState:
                   log_curvature=nan.copy(), alpha=float(options.alpha),
                   slope=float('nan'), latency=nan.copy(),
                   step_time=float('nan'), pending=(), pending_age=(),
-                  counts=np.zeros((len(COUNTS), b), np.int64))
+                  credit=np.zeros(b, np.int64), counts=np.zeros((len(COUNTS), b), np.int64))
 
 
 def _offsets(options: GasOptions) -> np.ndarray:
@@ -392,20 +401,40 @@ def dispatch(state: GasState, options: GasOptions, u: float,
       chosen = b
       del pending[i], ages[i]
       break
+  credit = state.credit.copy()
   if chosen is None:
-    drawn = int(min(np.searchsorted(np.cumsum(probs), u, side='right'),
-                    len(probs) - 1))
-    if not options.execution_aware or fits[drawn] or not fits.any():
+    cumulative = np.cumsum(probs)
+    draws = None
+    for _ in range(4 * len(probs)):  # Bounded: credits are few.
+      drawn = int(min(np.searchsorted(cumulative, u, side='right'),
+                      len(probs) - 1))
+      if not credit[drawn]:
+        break
+      credit[drawn] -= 1  # A substitute already stood in for this draw.
+      if draws is None:
+        draws = np.random.default_rng(int(u * 2**53))
+      u = float(draws.random())
+    # A substitute fits and is not already owed more than max_defer + 1
+    # draws (else credits could grow without bound when most of the
+    # curriculum never fits: then the drawn bucket goes, and stalls).
+    stand_ins = fits & (credit <= options.max_defer)
+    if not options.execution_aware or fits[drawn] or not stand_ins.any():
       chosen = drawn
     else:
       counts[1, drawn] += 1
       pending.append(drawn)
       ages.append(-1)  # Aged to 0 below: it waited no dispatch yet.
-      chosen = int(np.argmax(np.where(fits, probs, -1.0)))
+      # In proportion to the curriculum, so credits are repaid evenly.
+      weights = np.where(stand_ins, probs, 0.0)
+      v = float(np.random.default_rng(int(u * 2**53) + 1).random())
+      chosen = int(min(np.searchsorted(np.cumsum(weights) / weights.sum(),
+                                       v, side='right'), len(probs) - 1))
+      credit[chosen] += 1
   counts[0, chosen] += 1
   ages = [a + 1 for a in ages]
   return chosen, state._replace(pending=tuple(pending),
-                                pending_age=tuple(ages), counts=counts)
+                                pending_age=tuple(ages), credit=credit,
+                                counts=counts)
 
 
 def record_admission(state: GasState, bucket: int, admitted: bool,
@@ -522,6 +551,7 @@ def diagnostics(state: GasState, options: GasOptions) -> dict[str, Any]:
                                                   np.float64)),
       'step_time': state.step_time,
       'pending': len(state.pending),
+      'credit': int(state.credit.sum()),
   }
   per_bucket = {
       'budget': budgets(state, options, probs),

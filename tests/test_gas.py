@@ -172,14 +172,15 @@ def test_a_bucket_that_cannot_arrive_in_budget_is_deferred_not_dropped():
   assert gas.budgets(state, options).tolist() == [4, 2, 1, 0, 0]
   hard = 0.9  # u = 0.9 draws bucket 4 from the uniform curriculum.
   b, state = gas.dispatch(state, options, hard)
-  assert b != 4 and state.pending == (4,)
+  assert b in (0, 1, 2) and state.pending == (4,)
   assert state.counts[1].tolist() == [0, 0, 0, 0, 1]  # Deferred once.
+  assert state.credit.tolist() == [int(i == b) for i in range(5)]
   # A deferred bucket waits at most max_defer dispatches, then goes.
   out = []
   for _ in range(4):
     b, state = gas.dispatch(state, options, 0.1)
     out.append(b)
-  assert out[:2] == [0, 0] and 4 in out[2:], out
+  assert set(out[:2]) <= {0, 1, 2} and 4 in out[2:], out
   assert state.pending == ()
   # Without the rule the drawn bucket goes at once.
   plain = options._replace(execution_aware=False)
@@ -218,6 +219,23 @@ def test_dispatch_never_starves_a_bucket():
     assert len(state.pending) <= options.max_defer + 1
   drawn = state.counts[0] + np.bincount(state.pending, minlength=5)
   assert drawn.min() > 0.15 * drawn.sum()
+
+
+def test_a_bucket_that_never_fits_still_trains_its_share():
+  # Bucket 4 can never arrive within budget (lag 3 > budget 0): it is
+  # always deferred, forced after max_defer, and its substitutes go on
+  # credit, so every bucket trains its curriculum share (0.2) rather than
+  # bucket 4 training p / (1 + p) = 1/6.
+  options = _options(s_base=4, alpha=1.2, coupling=0.0, bandit='uniform',
+                     max_defer=4, latency_decay=0.0)
+  state = _with_lags(options, [1, 1, 1, 1, 3], 1.0)
+  rng = np.random.default_rng(6)
+  for _ in range(6000):
+    _, state = gas.dispatch(state, options, float(rng.random()))
+    assert state.credit.max() <= options.max_defer + 1
+  share = state.counts[0] / state.counts[0].sum()
+  assert np.all(np.abs(share - 0.2) < 0.015), share
+  assert state.counts[1, 4] > 1000  # Deferred nearly every time.
 
 
 def test_fit_alpha_and_the_clamp_on_a_falling_curvature():

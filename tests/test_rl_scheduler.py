@@ -109,6 +109,7 @@ def test_deterministic_plans_use_the_state_at_version_k_minus_s():
         source = states[max(0, k - 3)]
         merged = source._replace(pending=dispatch.pending,
                                  pending_age=dispatch.pending_age,
+                                 credit=dispatch.credit,
                                  counts=np.concatenate(
                                      [dispatch.counts[:2],
                                       source.counts[2:]]))

@@ -183,8 +183,9 @@ def test_gas_defers_a_hard_bucket_that_cannot_arrive_but_trains_it():
   assert 0 < aware.deferral_mean and aware.deferral_max <= 5
   assert blind.deferral_max == 0
   assert aware.learner_stall_seconds < blind.learner_stall_seconds
-  # What the substitutes cost: the hard share falls from p to p / (1 + p).
-  assert aware.trained_mix[hard] / 400 == pytest.approx(1 / 3, abs=0.05)
+  # The substitutes go on credit: the hard bucket keeps its share p = 1/2
+  # (without the credit it fell to p / (1 + p) = 1/3).
+  assert aware.trained_mix[hard] / 400 == pytest.approx(1 / 2, abs=0.05)
   assert blind.trained_mix[hard] / 400 == pytest.approx(1 / 2, abs=0.07)
 
 
@@ -199,8 +200,11 @@ def test_gas_moves_a_hard_batch_to_a_slot_with_enough_lead():
       execution_aware=False)), 1, 400)
   per_hard = [r.learner_stall_seconds / r.trained_mix[1]
               for r in (aware, blind)]
-  assert per_hard[0] < 0.7 * per_hard[1]
-  assert aware.samples_per_second > 1.05 * blind.samples_per_second
+  # (Measured 0.39 against 0.46 s per hard batch; 0.26 before substitutes
+  # went on credit, when the hard share fell.)
+  assert per_hard[0] < 0.9 * per_hard[1]
+  assert aware.samples_per_second > 1.02 * blind.samples_per_second
+  assert abs(aware.trained_mix[1] - blind.trained_mix[1]) < 20
 
 
 def _write_sync_run(workdir, eval_seconds=0.5):

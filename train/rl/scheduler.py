@@ -178,6 +178,7 @@ def _decode(saved: dict[str, Any]) -> gas.GasState:
                  else float(saved['step_time'])),
       pending=tuple(int(b) for b in saved['pending']),
       pending_age=tuple(int(a) for a in saved['pending_age']),
+      credit=arr(saved['credit'], np.int64),
       counts=arr(saved['counts'], np.int64))
 
 
@@ -216,6 +217,7 @@ class Gas:
     counts[:2] = self._dispatch.counts[:2]
     return state._replace(pending=self._dispatch.pending,
                           pending_age=self._dispatch.pending_age,
+                          credit=self._dispatch.credit,
                           counts=counts)
 
   def plan(self, k: int, latest: int) -> Plan:
