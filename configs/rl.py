@@ -12,8 +12,14 @@ Variants through the config argument (comma-separated, combinable):
     --config.sft_workdir=/tmp/sft --workdir=/tmp/rl
 
 `staleness=` is the global bound s (0, the default: synchronous GRPO);
-`correction=` none | tis | decoupled; `runlocal` shrinks the run for
-tests. Every field can be overridden, e.g. `--config.runtime.num_actors=3
+`correction=` none | tis | decoupled; `gas=` full | no_bandit |
+no_execution | no_coupling | fixed_lambda schedules with GAS (geom.gas;
+s is then the easiest difficulty's budget), e.g.
+
+  python -m launch.rl --config=configs/rl.py:gas=full,staleness=4 \
+    --config.sft_workdir=workdirs/rl_sft --workdir=/tmp/rl_gas
+
+`runlocal` shrinks the run for tests. Every field can be overridden, e.g. `--config.runtime.num_actors=3
 --config.grpo.beta=0.04 --config.runtime.deterministic=True`.
 """
 
