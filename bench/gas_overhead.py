@@ -85,7 +85,7 @@ def _scheduler_steps(config, count: int, start: int, sched) -> list[float]:
     sched.admit(v, plan.difficulty, 1)
     sched.observe(v + 1, difficulty=plan.difficulty, rewards=rewards,
                   rows=rows, generation_seconds=float(rng.uniform(0.01, 0.03)),
-                  step_seconds=0.03, admitted=True, regenerated=False)
+                  step_seconds=0.03, regenerated=False)
     times.append(time.perf_counter() - begin)
   return times
 

@@ -50,7 +50,7 @@ def _drive(sched, config, start, stop, plans, cut=None):
     if sched.needs_curvature(v + 1):
       curvatures = {d: math.exp(0.5 * d + 0.1 * np.sin(v))
                     for d in config.difficulties}
-    sched.observe(v + 1, difficulty=plan.difficulty, admitted=admitted,
+    sched.observe(v + 1, difficulty=plan.difficulty,
                   regenerated=not admitted, curvatures=curvatures,
                   **_feedback(config, v + 1))
     if cut is not None and v + 1 == cut:
@@ -123,7 +123,7 @@ def test_deterministic_plans_use_the_state_at_version_k_minus_s():
     admitted = plans[('admitted', v)]
     curv = ({d: math.exp(0.5 * d + 0.1 * np.sin(v))
              for d in config.difficulties} if (v + 1) % 5 == 0 else None)
-    twin.observe(v + 1, difficulty=plan.difficulty, admitted=admitted,
+    twin.observe(v + 1, difficulty=plan.difficulty,
                  regenerated=not admitted, curvatures=curv,
                  **_feedback(config, v + 1))
     states[v + 1] = twin._states[v + 1]  # pylint: disable=protected-access

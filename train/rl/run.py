@@ -366,13 +366,13 @@ def _train(config, workdir: str) -> dict[str, Any]:
           item = buffer.take(k, actors.check)
           clock = time.perf_counter()
           admitted = scheduler.admit(k, item.difficulty, k - item.rollout.version)
+          scheduler_seconds = time.perf_counter() - clock
           if not admitted:
             # Over its budget (the budget tightened since it was planned):
             # generated again from the current version, so nothing trains
             # stale and no difficulty is skipped.
             counters['dropped'][item.difficulty] += 1
             item = generate(k, k, snapshots.held()[k])
-          scheduler_seconds = time.perf_counter() - clock
           out = item.rollout
           staleness = k - out.version
           if not 0 <= staleness <= s:
@@ -392,19 +392,18 @@ def _train(config, workdir: str) -> dict[str, Any]:
           state['params'], state['opt_state'] = params, opt_state
           version = k + 1
           curvatures, curvature_seconds = None, 0.0
-          if isinstance(scheduler, scheduler_lib.Gas):
-            scheduler.remember(item.difficulty, batch)
-            if scheduler.needs_curvature(version):
-              clock = time.perf_counter()
-              curvatures = scheduler.curvatures(model, params, version)
-              curvature_seconds = time.perf_counter() - clock
+          scheduler.remember(item.difficulty, batch)
+          if scheduler.needs_curvature(version):
+            clock = time.perf_counter()
+            curvatures = scheduler.curvatures(model, params, version)
+            curvature_seconds = time.perf_counter() - clock
           now = time.perf_counter()
           clock = now
           scheduler_scalars = scheduler.observe(
               version, difficulty=item.difficulty, rewards=out.rewards,
               rows=len(out.rewards), generation_seconds=item.seconds,
-              step_seconds=now - published, admitted=admitted,
-              regenerated=not admitted, curvatures=curvatures)
+              step_seconds=now - published, regenerated=not admitted,
+              curvatures=curvatures)
           scheduler_seconds += time.perf_counter() - clock
           snapshots.publish(version, jax.device_put(params, rollout_repl))
           published = time.perf_counter()
@@ -460,7 +459,7 @@ def _train(config, workdir: str) -> dict[str, Any]:
       save(config.num_versions, force=True)
     ckpts.wait_until_finished()
     results = _results(config, counters, curve, wall())
-    if isinstance(scheduler, scheduler_lib.Gas):
+    if scheduler.diagnostics():
       results['gas'] = scheduler.diagnostics()
     results['params_sha256'] = fingerprint(state['params'])
     metrics_lib.write_json_atomic(results_path, results)

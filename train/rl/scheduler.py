@@ -82,9 +82,19 @@ class FixedBound:
     del version
     return False
 
+  def remember(self, difficulty: int, batch: Any) -> None:
+    del difficulty, batch
+
+  def curvatures(self, model, params, version: int) -> dict[int, float]:
+    del model, params, version
+    return {}
+
   def loss_weight(self, difficulty: int) -> float:
     del difficulty
     return 1.0
+
+  def diagnostics(self) -> dict[str, Any]:
+    return {}
 
   def save(self, version: int) -> dict[str, Any]:
     del version
@@ -282,7 +292,7 @@ class Gas:
 
   def observe(self, version: int, *, difficulty: int, rewards: np.ndarray,
               rows: int, generation_seconds: float, step_seconds: float,
-              admitted: bool, regenerated: bool,
+              regenerated: bool,
               curvatures: dict[int, float] | None = None
               ) -> dict[str, float]:
     """Folds in the update that made `version`; returns its scalars."""
