@@ -195,8 +195,12 @@ GAS = ('--config.scheduler=gas', '--config.gas.latency_source=model',
        '--config.gas.curvature_every=3', '--config.gas.curvature_iters=3')
 
 
+# The GAS case is slow (`make test-all`): test_rl_scheduler covers GAS's
+# checkpointed state (saved through JSON, restored, planning the same),
+# and the SIGKILL case here the kill and resume of the same loop.
 @pytest.mark.parametrize('sig,extra', [
-    (signal.SIGTERM, ()), (signal.SIGKILL, ()), (signal.SIGKILL, GAS)],
+    (signal.SIGTERM, ()), (signal.SIGKILL, ()),
+    pytest.param(signal.SIGKILL, GAS, marks=pytest.mark.slow)],
     ids=['SIGTERM', 'SIGKILL', 'SIGKILL-gas'])
 def test_an_interrupted_run_resumes_bit_for_bit(sft_workdir, tmp_path, sig,
                                                 extra):
