@@ -103,9 +103,6 @@ class FixedBound:
   def restore(self, version: int, saved: dict[str, Any]) -> None:
     del version, saved
 
-  def stop(self) -> None:
-    pass
-
 
 def options_from_config(config) -> gas.GasOptions:
   """`geom.gas.GasOptions` from config.gas (s_base = runtime.max_staleness)."""
@@ -370,10 +367,6 @@ class Gas:
     """`geom.gas.diagnostics` of the learner's current state."""
     with self._cond:
       return gas.diagnostics(self._merged(self._current()), self.options)
-
-  def stop(self) -> None:
-    with self._cond:
-      self._cond.notify_all()
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
