@@ -15,6 +15,7 @@ method's factory shares its module's name:
 Modules:
   sam            SAM, ASAM, m-sharpness, warm-start, step windows.
   conga          CONGA, a learning rate for test-time adaptation.
+  curvature      the Hessian's top eigenvalue and trace (sharpness).
   gas            GAS: staleness budgets by difficulty, a bandit curriculum
                  and execution-aware dispatch for asynchronous RL.
   hallucination  the detector of SAM's hallucinated minimizers.
@@ -27,6 +28,7 @@ Modules:
 """
 
 from geom import conga
+from geom import curvature
 from geom import gas
 from geom import hallucination
 from geom import kernels
@@ -54,7 +56,7 @@ __all__ = [
     'ArgumentError', 'BlockSizes', 'CongaState', 'DetectorConfig',
     'DetectorState', 'GasOptions', 'GasState', 'MethodHooks', 'SAMOptions',
     'SAMState', 'StepVariants',
-    'SteerStats', 'Steering', 'conga', 'gas', 'hallucination', 'kernels',
+    'SteerStats', 'Steering', 'conga', 'curvature', 'gas', 'hallucination', 'kernels',
     'landscapes', 'method_hooks', 'sam', 'steering', 'tree_norm',
     'validation',
 ]

@@ -122,15 +122,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from geom import curvature as curvature_lib
 from geom import validation
 
 __all__ = [
     'BANDITS', 'COUNTS', 'CURVATURE_METHODS', 'GasOptions', 'GasState', 'SIGNALS',
     'admit', 'budgets', 'curvature', 'diagnostics', 'dispatch',
-    'expected_lag', 'fit_alpha', 'hvp', 'init', 'learning_signal',
+    'expected_lag', 'fit_alpha', 'init', 'learning_signal',
     'loss_weight', 'observe_curvature', 'observe_latency',
-    'observe_signal', 'power_iteration', 'probabilities', 'rayleigh',
-    'record_admission',
+    'observe_signal', 'probabilities', 'record_admission',
 ]
 
 BANDITS = ('boltzmann', 'ucb', 'uniform')
@@ -476,68 +476,18 @@ def observe_curvature(state: GasState, options: GasOptions, bucket: int,
                         slope=slope)
 
 
-def hvp(loss_fn: Callable[[Any], jax.Array], params: Any, v: Any) -> Any:
-  """H v, the Hessian of `loss_fn` at `params` times `v` (forward over
-  reverse: one jvp of the gradient)."""
-  return jax.jvp(jax.grad(loss_fn), (params,), (v,))[1]
-
-
-def _dot(a: Any, b: Any) -> jax.Array:
-  return sum(jnp.vdot(x.astype(jnp.float32), y.astype(jnp.float32))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
-def _normalise(v: Any) -> Any:
-  norm = jnp.sqrt(_dot(v, v))
-  return jax.tree.map(lambda x: x / jnp.maximum(norm, 1e-30).astype(x.dtype),
-                      v)
-
-
-def power_iteration(loss_fn: Callable[[Any], jax.Array], params: Any,
-                    key: jax.Array, num_iters: int = 20
-                    ) -> tuple[jax.Array, Any]:
-  """The Hessian's eigenvalue of largest magnitude, and its eigenvector.
-
-  Args:
-    loss_fn: a scalar function of `params`.
-    params: where the Hessian is taken.
-    key: for the random start.
-    num_iters: Hessian-vector products.
-
-  Returns:
-    (Rayleigh quotient v^T H v of the last unit vector, that vector).
-  """
-  validation.check('geom.gas.power_iteration', 'num_iters', num_iters,
-                   lambda n: isinstance(n, int) and n >= 1,
-                   'an integer >= 1')
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(key, len(leaves))
-  v = _normalise(jax.tree.unflatten(treedef, [
-      jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype)
-      for k, x in zip(keys, leaves)]))
-
-  def body(_, v):
-    return _normalise(hvp(loss_fn, params, v))
-
-  v = jax.lax.fori_loop(0, num_iters - 1, body, v)
-  return _dot(v, hvp(loss_fn, params, v)), v
-
-
-def rayleigh(loss_fn: Callable[[Any], jax.Array], params: Any) -> jax.Array:
-  """u^T H u along u = g / |g|, the gradient's direction (one product)."""
-  u = _normalise(jax.grad(loss_fn)(params))
-  return _dot(u, hvp(loss_fn, params, u))
-
-
 def curvature(loss_fn: Callable[[Any], jax.Array], params: Any,
               key: jax.Array, method: str = 'power',
               num_iters: int = 20) -> jax.Array:
-  """|lambda_max| by `method` ('power' or 'rayleigh', the proxy)."""
+  """|lambda_max| by `method`: 'power' (`geom.curvature.power_iteration`
+  with `num_iters` products) or 'rayleigh' (`geom.curvature.rayleigh`, the
+  one-product proxy)."""
   validation.check_choice('geom.gas.curvature', 'method', method,
                           CURVATURE_METHODS)
   if method == 'power':
-    return jnp.abs(power_iteration(loss_fn, params, key, num_iters)[0])
-  return jnp.abs(rayleigh(loss_fn, params))
+    return jnp.abs(curvature_lib.power_iteration(
+        loss_fn, params, key, num_iters).eigenvalue)
+  return jnp.abs(curvature_lib.rayleigh(loss_fn, params))
 
 
 def diagnostics(state: GasState, options: GasOptions) -> dict[str, Any]:

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from geom import curvature
 from geom import gas
 from launch import entry
 from train import metrics
@@ -96,8 +97,8 @@ def estimators(model: Any, num_iters: int, check_iters: int
     return gas.curvature(nll_loss(model, batch), params, key, 'rayleigh')
 
   def check(params, batch, key):
-    return gas.power_iteration(nll_loss(model, batch), params, key,
-                               check_iters)[0]
+    return curvature.power_iteration(nll_loss(model, batch), params, key,
+                                     check_iters).eigenvalue
 
   out = {'power': jax.jit(power), 'rayleigh': jax.jit(proxy)}
   if check_iters:

@@ -1,6 +1,6 @@
 """geom.gas: budgets and admission, the bandit, the execution-aware rule,
 the curvature fit, diagnostics and argument errors (the estimators'
-numerics are in test_gas_curvature.py)."""
+numerics are in test_curvature.py)."""
 
 import math
 
@@ -277,3 +277,26 @@ def test_diagnostics_name_every_bucket_and_counter():
 def test_bad_options_name_the_field(field, value):
   with pytest.raises(validation.ArgumentError, match=field):
     gas.init(_options(**{field: value}))
+
+
+def test_fit_alpha_recovers_the_slope():
+  d = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
+  for c, alpha in ((0.3, 0.7), (-2.0, -0.25), (1.0, 0.0)):
+    assert gas.fit_alpha(d, c + alpha * d) == pytest.approx(alpha, abs=1e-12)
+  # Unmeasured (NaN) buckets are left out of the fit.
+  y = -1.0 + 0.9 * d
+  y[[1, 3]] = np.nan
+  assert gas.fit_alpha(d, y) == pytest.approx(0.9, abs=1e-12)
+  # Unequal spacing: the least-squares slope, not an endpoint difference.
+  d2 = np.array([1.0, 2.0, 4.0])
+  y2 = np.array([0.0, 1.0, 1.0])
+  dc = d2 - d2.mean()
+  assert gas.fit_alpha(d2, y2) == pytest.approx(
+      float(dc @ (y2 - y2.mean()) / (dc @ dc)), abs=1e-12)
+
+
+@pytest.mark.parametrize('log_curvature', [
+    [np.nan] * 5, [np.nan, 2.0, np.nan, np.nan, np.nan], [1.0], []])
+def test_fit_alpha_is_nan_with_fewer_than_two_buckets(log_curvature):
+  d = np.arange(1.0, len(log_curvature) + 1)
+  assert np.isnan(gas.fit_alpha(d, log_curvature))

@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import geom
+from geom import curvature
 from geom import gas
 from geom import hallucination
 from geom import kernels
@@ -24,7 +25,7 @@ from tests.conftest import REPO_ROOT
 
 GEOM_ROOT = os.path.join(REPO_ROOT, 'geom')
 ALLOWED = {'geom', 'jax', 'numpy', 'optax'}
-MODULES = (gas, hallucination, landscapes, method_hooks, sam, steering,
+MODULES = (curvature, gas, hallucination, landscapes, method_hooks, sam, steering,
            validation, sam_perturb, kernels, geom)
 
 
@@ -94,7 +95,8 @@ def test_package_exports_the_method_modules_and_their_classes():
   assert issubclass(geom.ArgumentError, ValueError)
 
 
-@pytest.mark.parametrize('module', (geom, gas, method_hooks, validation),
+@pytest.mark.parametrize('module', (geom, curvature, gas, method_hooks,
+                                    validation),
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
   result = doctest.testmod(module, verbose=False)

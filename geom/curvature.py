@@ -1,0 +1,214 @@
+r"""The loss's curvature from Hessian-vector products: top eigenvalue and trace.
+
+Sharpness in the SAM sense is read from the Hessian H of a loss at the
+parameters. H is never formed: every estimator here needs only products
+H v, computed forward-over-reverse (one `jax.jvp` of `jax.grad`, about
+the cost of two to three gradients), on any parameter pytree:
+
+  hvp(loss, w, v)            H v
+  power_iteration(loss, w)   the eigenvalue of largest magnitude and its
+                             unit eigenvector (v <- H v / |H v|, with the
+                             Rayleigh quotient v^T H v as the estimate)
+  hutchinson_trace(loss, w)  tr H = E[z^T H z] for Rademacher z, with the
+                             estimate's standard error
+  rayleigh(loss, w)          u^T H u along u = g / |g| (one product): the
+                             curvature the gradient step sees
+
+All are pure functions of `(loss_fn, params, key)` and run under `jax.jit`.
+Sharded: under `jit` with parameters and batch placed by `NamedSharding`
+(for example through the loss's closure over a sharded batch), XLA
+partitions each product as it partitions a gradient: data-parallel
+batches are reduced across devices and model-sharded weights stay
+sharded (tested equal to the unsharded result on an 8-device mesh; the
+cost of one product against a gradient is in BENCHMARKS.md).
+
+Numerics: vectors are normalised with `geom.tree_norm.tree_norm_f32` (no
+overflow at |H v| = 1e20, no division by zero when H v = 0, which gives
+the eigenvalue 0) and inner products accumulate in float32 whatever the
+parameters' dtype; the vectors keep each leaf's dtype, so bfloat16
+parameters give bfloat16 products.
+
+Power iteration converges at the rate |lambda_2 / lambda_1| per product;
+with `tol` it stops early once the Rayleigh quotient changes by less than
+`tol` (relative) between two products. It returns the eigenvalue of
+largest *magnitude*, which is negative where the loss is concave in some
+direction more than it is convex in any: the sign is kept.
+
+Example:
+
+  >>> import jax, jax.numpy as jnp
+  >>> from geom import curvature
+  >>> loss = lambda w: 0.5 * (3.0 * w['a'][0] ** 2 + w['a'][1] ** 2)
+  >>> w = {'a': jnp.ones(2)}
+  >>> top = curvature.power_iteration(loss, w, jax.random.key(0), 50)
+  >>> round(float(top.eigenvalue), 4)
+  3.0
+  >>> trace = curvature.hutchinson_trace(loss, w, jax.random.key(1), 64)
+  >>> round(float(trace.mean), 4)   # Exact for a diagonal H (z_i^2 = 1).
+  4.0
+
+References:
+  Pearlmutter, Fast exact multiplication by the Hessian, 1994.
+  Hutchinson, A stochastic estimator of the trace of the influence matrix
+  for Laplacian smoothing splines, 1989.
+  Yao, Gholami, Keutzer & Mahoney, PyHessian: neural networks through the
+  lens of the Hessian, 2020 (power iteration and Hutchinson on networks).
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from geom import tree_norm
+from geom import validation
+
+__all__ = ['TopEigen', 'TraceEstimate', 'hvp', 'hutchinson_trace',
+           'power_iteration', 'rayleigh', 'tree_dot']
+
+LossFn = Callable[[Any], jax.Array]
+
+
+class TopEigen(NamedTuple):
+  """The result of `power_iteration`.
+
+  Attributes:
+    eigenvalue: v^T H v for the returned unit vector (float32 scalar).
+    vector: that unit vector, a pytree like the parameters.
+    iterations: Hessian-vector products used (int32; fewer than
+      `num_iters` when `tol` stopped it).
+  """
+  eigenvalue: jax.Array
+  vector: Any
+  iterations: jax.Array
+
+
+class TraceEstimate(NamedTuple):
+  """The result of `hutchinson_trace` (float32 scalars).
+
+  Attributes:
+    mean: the estimate of tr H, the mean of z^T H z over the probes.
+    stderr: its standard error, std(z^T H z) / sqrt(num_samples) (0 for
+      one probe).
+  """
+  mean: jax.Array
+  stderr: jax.Array
+
+
+def hvp(loss_fn: LossFn, params: Any, v: Any) -> Any:
+  """H v: the Hessian of `loss_fn` at `params` times `v` (a pytree like
+  `params`), forward over reverse (one jvp of the gradient)."""
+  return jax.jvp(jax.grad(loss_fn), (params,), (v,))[1]
+
+
+def tree_dot(a: Any, b: Any) -> jax.Array:
+  """sum over leaves of <a, b>, accumulated in float32."""
+  return sum((jnp.vdot(x.astype(jnp.float32), y.astype(jnp.float32))
+              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))),
+             jnp.zeros((), jnp.float32))
+
+
+def _normalise(v: Any) -> Any:
+  norm = tree_norm.tree_norm_f32(v)
+  inverse = jnp.where(norm > 0, 1.0 / norm, 0.0)
+  return jax.tree.map(lambda x: (x.astype(jnp.float32) * inverse
+                                 ).astype(x.dtype), v)
+
+
+def _probes(key: jax.Array, params: Any, sampler) -> Any:
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(key, max(len(leaves), 1))
+  return jax.tree.unflatten(treedef, [
+      sampler(k, x.shape).astype(x.dtype) for k, x in zip(keys, leaves)])
+
+
+def power_iteration(loss_fn: LossFn, params: Any, key: jax.Array,
+                    num_iters: int = 20, tol: float | None = None
+                    ) -> TopEigen:
+  """The Hessian's eigenvalue of largest magnitude, and its eigenvector.
+
+  Args:
+    loss_fn: a scalar function of `params`.
+    params: where the Hessian is taken (a pytree of float arrays).
+    key: for the random (Gaussian) start.
+    num_iters: the most Hessian-vector products (>= 1).
+    tol: stop once |q_k - q_{k-1}| <= tol |q_k| for the Rayleigh quotients
+      q of two successive products; None runs all `num_iters`.
+
+  Returns:
+    `TopEigen(eigenvalue, vector, iterations)`: the Rayleigh quotient
+    v^T H v of the last unit vector v, v, and the products used.
+  """
+  owner = 'geom.curvature.power_iteration'
+  validation.check(owner, 'num_iters', num_iters,
+                   lambda n: isinstance(n, int) and n >= 1,
+                   'an integer >= 1')
+  if tol is not None:
+    validation.check(owner, 'tol', tol, lambda t: 0 <= t < 1,
+                     'None or in [0, 1)')
+  v = _normalise(_probes(key, params, jax.random.normal))
+  zero = jnp.zeros((), jnp.float32)
+
+  def cond(carry):
+    i, _, _, q, q_prev = carry
+    running = i < num_iters
+    if tol is None:
+      return running
+    converged = (i >= 2) & (jnp.abs(q - q_prev) <= tol * jnp.abs(q))
+    return running & ~converged
+
+  def body(carry):
+    i, v, _, q, _ = carry
+    hv = hvp(loss_fn, params, v)
+    return i + 1, _normalise(hv), v, tree_dot(v, hv), q
+
+  # The carry keeps the vector whose quotient is q beside the next one.
+  iterations, _, vector, q, _ = jax.lax.while_loop(
+      cond, body, (jnp.zeros((), jnp.int32), v, v, zero, zero))
+  return TopEigen(q, vector, iterations)
+
+
+def rayleigh(loss_fn: LossFn, params: Any) -> jax.Array:
+  """u^T H u along u = g / |g|, the gradient's direction (one product;
+  0 where g = 0). For a positive semi-definite H it lies between the
+  smallest and the largest eigenvalue."""
+  u = _normalise(jax.grad(loss_fn)(params))
+  return tree_dot(u, hvp(loss_fn, params, u))
+
+
+def hutchinson_trace(loss_fn: LossFn, params: Any, key: jax.Array,
+                     num_samples: int = 32) -> TraceEstimate:
+  """tr H by Hutchinson's estimator with Rademacher probes.
+
+  E[z^T H z] = tr H for z with independent +-1 entries; its variance is
+  2 sum_{i != j} H_ij^2 (zero for a diagonal H), lower than Gaussian
+  probes' 2 |H|_F^2. The probes run one after another (`lax.fori_loop`),
+  so memory is that of one product whatever `num_samples`.
+
+  Args:
+    loss_fn: a scalar function of `params`.
+    params: where the Hessian is taken.
+    key: for the probes.
+    num_samples: the number of probes (Hessian-vector products), >= 1.
+
+  Returns:
+    `TraceEstimate(mean, stderr)`.
+  """
+  validation.check('geom.curvature.hutchinson_trace', 'num_samples',
+                   num_samples, lambda n: isinstance(n, int) and n >= 1,
+                   'an integer >= 1')
+
+  def body(i, sums):
+    z = _probes(jax.random.fold_in(key, i), params, jax.random.rademacher)
+    s = tree_dot(z, hvp(loss_fn, params, z))
+    return sums[0] + s, sums[1] + s * s
+
+  zero = jnp.zeros((), jnp.float32)
+  total, squares = jax.lax.fori_loop(0, num_samples, body, (zero, zero))
+  mean = total / num_samples
+  if num_samples == 1:
+    return TraceEstimate(mean, zero)
+  variance = jnp.maximum(squares - num_samples * mean * mean, 0.0) / (
+      num_samples - 1)
+  return TraceEstimate(mean, jnp.sqrt(variance / num_samples))
