@@ -13,7 +13,10 @@ Variants through the config argument (comma-separated, combinable):
   python -m launch.train --config=configs/digits.py --workdir=/tmp/sam \
     --config.optimizer.sam.enabled=True --config.optimizer.sam.rho=0.1
 
-`runlocal` shrinks the run for tests and laptops. `dataset=mnist5k` trains
+`runlocal` shrinks the run for tests and laptops. `label_noise=0.4`
+corrupts 40% of the training labels (symmetric; validation and test stay
+clean), the setting of configs/digits.py's SAM label-noise study
+(`launch.sam_study --config_arg=dataset=mnist5k,label_noise=0.4`). `dataset=mnist5k` trains
 on 5,000 real 28x28 MNIST images (offline; the source model of
 configs/tta.py); `norm=` picks the CNN's normalisation. Sweeps (`get_sweep`):
 
@@ -40,7 +43,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The digits experiment; `arg` selects variants (see module docstring)."""
   args = config_args.parse(arg, 'configs/digits.py', {
       'runlocal': 'runlocal', 'model': 'model=cnn|mlp',
-      'dataset': 'dataset=NAME', 'norm': 'norm=batch|group|layer'})
+      'dataset': 'dataset=NAME', 'norm': 'norm=batch|group|layer',
+      'label_noise': 'label_noise=RATE'})
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.dataset = args.get('dataset', 'digits')
@@ -85,6 +89,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Momentum SGD, lr 0.1, cosine after 30 warm-up steps, weight decay 5e-4.
   config.optimizer = optimizer_block.optimizer_block()
   config.nonfinite = 'stop'  # stop | skip
+  if 'label_noise' in args:  # Absent by default: older runs' configs stay equal.
+    # Symmetric noise on the training labels (train/vision/label_noise.py);
+    # the corrupted set is fixed by label_noise_seed, not by config.seed.
+    config.label_noise = float(args['label_noise'])
+    config.label_noise_seed = 0
 
   config.log_every = 50
   config.eval_every = 100

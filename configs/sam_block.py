@@ -24,6 +24,7 @@ def sam_block() -> ml_collections.ConfigDict:
       response='flag',  # flag | warm_restart | shrink_rho
       restart_steps=100,
       shrink_factor=0.5,
-      detector=dict(enabled=True, ema_decay=0.9, ratio_threshold=0.1,
-                    min_grad_norm=1e-3, patience=20, track_cosine=False),
+      detector=dict(enabled=True, ema_decay=0.9, ratio_threshold=0.5,
+                    min_grad_fraction=0.1, scale_decay=0.99,
+                    min_grad_norm=0.0, patience=20, track_cosine=False),
   ))

@@ -688,7 +688,8 @@ def diagnostics(opt_state: optax.OptState) -> dict[str, jax.Array]:
     A dict of scalars: `sam_active` (the last step used SAM), `rho` (its
     rho), `grad_norm` |g|, `perturbed_grad_norm` |g+|, `grad_ratio`
     |g+|/|g| and `cosine` cos(g, g+) of the last SAM step, their moving
-    averages `grad_norm_ema`, `grad_ratio_ema`, `cosine_ema`,
+    averages `grad_norm_ema`, `grad_ratio_ema`, `cosine_ema`, the slow
+    average `grad_norm_scale` (the detector's scale of |g|),
     `hallucination` (flagged now), `hallucination_steps` (steps flagged so
     far), `sam_steps` (SAM steps so far) and `cooldown` (plain steps left
     of a warm restart). The cosines only when the detector tracks them.
@@ -711,7 +712,7 @@ def diagnostics(opt_state: optax.OptState) -> dict[str, jax.Array]:
     out.update(
         grad_norm=det.grad_norm, perturbed_grad_norm=det.perturbed_grad_norm,
         grad_ratio=ratio, grad_norm_ema=det.grad_norm_ema,
-        grad_ratio_ema=det.ratio_ema, hallucination=det.flagged,
+        grad_norm_scale=det.grad_norm_scale, grad_ratio_ema=det.ratio_ema, hallucination=det.flagged,
         hallucination_steps=det.flagged_steps, sam_steps=det.sam_steps)
     if det.cosine is not None:
       out.update(cosine=det.cosine, cosine_ema=det.cosine_ema)

@@ -6,8 +6,17 @@ Trains `configs/digits.py` (600 steps of momentum SGD, cosine schedule) once
 per method, rho and seed, each run in its own workdir below `--workdir`
 (a finished run is not trained again, an interrupted one resumes), then
 writes `study.md` and `study.json`: test accuracy mean +- std over seeds,
-and the detector's statistics at the end of training (steps flagged as
-hallucinations, the smoothed |g+|/|g|). With data for a standard TFDS set:
+and the detector's statistics (runs flagged at least once, steps flagged
+as hallucinations, the smoothed |g+|/|g| at the end; and whether the
+training loss stalled: its mean over the last fifth of training above
+half its mean over the first fifth). With symmetric label noise on the
+training labels (test labels clean; the SAM label-noise study of
+RESULTS.md):
+
+  python -m launch.sam_study --workdir=workdirs/sam_noise40 \
+    --config_arg=label_noise=0.4 --rhos=0.05,0.2,0.5,1.0,2.0
+
+With data for a standard TFDS set:
 
   python -m launch.sam_study --workdir=/tmp/c10 --dataset=cifar10 \
     --data_dir=gs://BUCKET/tensorflow_datasets
@@ -31,8 +40,9 @@ _WARMSTART = flags.DEFINE_integer(
     'warmstart_steps', 100, 'Plain steps before SAM for sam_warmstart.')
 _DATASET = flags.DEFINE_string('dataset', 'digits', 'config.dataset')
 _DATA_DIR = flags.DEFINE_string('data_dir', None, 'config.data_dir')
-_CONFIG_ARG = flags.DEFINE_string('config_arg', '',
-                                  'Argument of configs/digits.py (e.g. runlocal).')
+_CONFIG_ARG = flags.DEFINE_string(
+    'config_arg', '', 'Argument of configs/digits.py (e.g. runlocal, '
+    'dataset=mnist5k, label_noise=0.4).')
 
 
 def run_config(method: str, rho: float, seed: int):
@@ -52,10 +62,18 @@ def run_config(method: str, rho: float, seed: int):
   return config
 
 
-def final_train_record(workdir: str) -> dict:
+def train_records(workdir: str) -> list[dict]:
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     records = [json.loads(line) for line in f]
-  return [r for r in records if 'train_loss' in r][-1]
+  return [r for r in records if 'train_loss' in r]
+
+
+def stalled(records: list[dict]) -> bool:
+  """The training loss's mean over the last fifth of the logged steps is
+  above half its mean over the first fifth (it did not come down)."""
+  losses = [r['train_loss'] for r in records]
+  k = max(1, len(losses) // 5)
+  return statistics.mean(losses[-k:]) > 0.5 * statistics.mean(losses[:k])
 
 
 def summarize(results: dict) -> str:
@@ -65,11 +83,14 @@ def summarize(results: dict) -> str:
     return f'{100 * m:.2f} +- {100 * s:.2f}'
 
   lines = ['| method | rho | test accuracy % (mean +- std) | seeds | '
-           'val accuracy % | SAM steps | flagged steps (mean) | '
-           '\\|g+\\|/\\|g\\| EMA at end |',
-           '|---|---|---|---|---|---|---|---|']
+           'val accuracy % | SAM steps | runs flagged | flagged steps '
+           '(mean) | \\|g+\\|/\\|g\\| EMA at end | runs whose loss '
+           'stalled |',
+           '|---|---|---|---|---|---|---|---|---|---|']
   for (method, rho), runs in results.items():
     flagged = [r.get('opt/hallucination_steps', 0.0) for r in runs]
+    n_flagged = sum(f > 0 for f in flagged)
+    n_stalled = sum(bool(r.get('stalled')) for r in runs)
     sam_steps = [r.get('opt/sam_steps', 0.0) for r in runs]
     ratio = [r['opt/grad_ratio_ema'] for r in runs
              if r.get('opt/sam_steps', 0) > 0]
@@ -77,9 +98,10 @@ def summarize(results: dict) -> str:
         f'| {method} | {"-" if method == "sgd" else f"{rho:g}"} | '
         f'{mean_std([r["test_accuracy"] for r in runs])} | {len(runs)} | '
         f'{mean_std([r["val_accuracy"] for r in runs])} | '
-        f'{statistics.mean(sam_steps):.0f} | '
+        f'{statistics.mean(sam_steps):.0f} | {n_flagged}/{len(runs)} | '
         f'{statistics.mean(flagged):.1f} | '
-        f'{f"{statistics.mean(ratio):.3f}" if ratio else "-"} |')
+        f'{f"{statistics.mean(ratio):.3f}" if ratio else "-"} | '
+        f'{n_stalled}/{len(runs)} |')
   return '\n'.join(lines) + '\n'
 
 
@@ -99,8 +121,10 @@ def main(argv):
         final = trainer.train_and_evaluate(run_config(method, rho, seed),
                                            workdir)
         record = dict(final)
-        record.update({k: v for k, v in final_train_record(workdir).items()
+        records = train_records(workdir)
+        record.update({k: v for k, v in records[-1].items()
                        if k.startswith('opt/')})
+        record['stalled'] = stalled(records)
         runs.append(record)
         logging.info('%s: test accuracy %.4f', name, final['test_accuracy'])
       results[(method, rho)] = runs

@@ -13,6 +13,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from train import errors
 from train import experiment as experiment_lib
 from train.vision import datasets
 from train.vision import loss
@@ -28,6 +29,11 @@ def build(config: ml_collections.ConfigDict,
           workdir: str) -> experiment_lib.Experiment:
   """Validates `config` and builds the run's parts (see module docstring)."""
   spec = datasets.get_spec(config.dataset)
+  rate = config.get('label_noise', 0.0)
+  if not (isinstance(rate, (int, float)) and 0.0 <= rate < 1.0):
+    raise errors.ConfigError('label_noise', rate,
+                             'the fraction of training labels to corrupt '
+                             'must be in [0, 1)')
   model = models.create_model(config.model, spec.num_classes, spec.pixel_max)
   example = np.zeros((1, *spec.image_shape), np.uint8)
   return experiment_lib.assemble(

@@ -15,15 +15,25 @@ import ml_collections
 from train import loop
 from train.vision import datasets
 from train.vision import experiment
+from train.vision import label_noise
 
 FINAL_METRICS = loop.FINAL_METRICS
 
 
 def load_data(config: ml_collections.ConfigDict) -> loop.Data:
-  """The training and validation splits now; validation and test at the end."""
+  """The training and validation splits now; validation and test at the end.
+
+  With `config.label_noise` > 0 the training split's labels are corrupted
+  (`train.vision.label_noise.symmetric`); validation and test stay clean.
+  """
   train, validation = (
       datasets.load_split(config.dataset, split, config.data_dir)
       for split in ('train', 'validation'))
+  rate = config.get('label_noise', 0.0)
+  if rate:
+    train = datasets.ArraySplit(train.images, label_noise.symmetric(
+        train.labels, datasets.get_spec(config.dataset).num_classes, rate,
+        config.get('label_noise_seed', 0)))
   return loop.Data(
       train=train, validation=validation,
       final=lambda: {'val': validation,
