@@ -12,7 +12,9 @@ Variants through the config argument (comma-separated, combinable):
   python -m launch.train --config=configs/lm.py:english=/data/books \
     --workdir=/tmp/b
 
-`english=` picks the real-text source: 'fortunes' (Debian's `fortunes`
+`forgetting` is the smaller pretraining of the forgetting study
+(`python -m launch.forgetting_study`). `english=` picks the real-text
+source: 'fortunes' (Debian's `fortunes`
 package, `apt-get install fortunes`; the default), 'pydoc' (Python's own
 documentation, always present) or a directory of .txt files. `runlocal`
 shrinks everything for tests. The steering evaluation reads this run's
@@ -29,7 +31,8 @@ from configs import optimizer_block
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The LM experiment; `arg` selects variants (see module docstring)."""
   args = config_args.parse(arg, 'configs/lm.py', {
-      'runlocal': 'runlocal', 'english': 'english=SOURCE'})
+      'runlocal': 'runlocal', 'english': 'english=SOURCE',
+      'forgetting': 'forgetting'})
   config = ml_collections.ConfigDict()
   config.task = 'lm'
   config.seed = 0
@@ -68,11 +71,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.checkpoint_every = 500
   config.keep_checkpoints = 2
 
+  if 'forgetting' in args:
+    # The pretraining of the forgetting study (launch.forgetting_study):
+    # a smaller LM on Python's documentation alone (always present), so
+    # that 5 variants x 3 seeds fit on a CPU; post-training then moves it
+    # to another distribution.
+    config.model.update(dict(d_model=64, num_layers=2, num_heads=2,
+                             mlp_dim=192, max_len=128))
+    config.data.update(dict(mix=(('pydoc', 1.0),), train_bytes=1_000_000,
+                            eval_bytes=50_000, seq_len=64))
+    config.num_steps = 2000
+
   if 'runlocal' in args:
     config.model.update(dict(d_model=32, num_layers=2, num_heads=2,
                              mlp_dim=64, max_len=256))
     config.data.update(dict(train_bytes=40_000, eval_bytes=6_000, seq_len=32))
-    if 'english' not in args:
+    if 'english' not in args and 'forgetting' not in args:
       config.data.mix = (('attribute', 0.5), ('pydoc', 0.5))
     config.batch_size = 16
     config.eval_batch_size = 32

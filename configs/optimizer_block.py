@@ -15,7 +15,7 @@ def optimizer_block(**changes) -> ml_collections.ConfigDict:
   block = dict(
       name='momentum',  # sgd | momentum | adamw
       learning_rate=0.1,
-      schedule='cosine',  # cosine | constant
+      schedule='cosine',  # cosine | constant | wsd (see train/optim.py)
       warmup_steps=30,
       end_lr_fraction=0.0,
       momentum=0.9,

@@ -44,11 +44,13 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from geom import hallucination
-from geom import landscapes
-from geom import sam
+from launch.noisy_landscape_runs import KINDS
+from launch.noisy_landscape_runs import noiseless_stalls
+from launch.noisy_landscape_runs import PREVIOUS
+from launch.noisy_landscape_runs import run
+from launch.noisy_landscape_runs import STALL_RADIUS
 
 _WORKDIR = flags.DEFINE_string('workdir', 'workdirs/detector_noise',
                                'Where the table and JSON go.')
@@ -59,59 +61,7 @@ _RHOS = flags.DEFINE_list('rhos', ['0.6', '0.8', '1.0', '1.2'], 'SAM radii.')
 _SEEDS = flags.DEFINE_integer('seeds', 20, 'Seeds per setting.')
 _STEPS = flags.DEFINE_integer('steps', 2000, 'Steps per run.')
 
-LR = 0.01
-WARM_STEPS = 100
-STALL_RADIUS = 0.15
-SCALE = 1e-4
-QUADRATIC = jnp.asarray([4.0, 1.0])
-PREVIOUS = hallucination.DetectorConfig(
-    ratio_threshold=0.1, min_grad_fraction=0.0, min_grad_norm=1e-3)
 DETECTORS = {'default': hallucination.DetectorConfig(), 'previous': PREVIOUS}
-KINDS = ('stall', 'warm', 'quadratic', 'scaled')
-
-
-def _quadratic(x):
-  return 0.5 * jnp.sum(QUADRATIC * x ** 2)
-
-
-def run(kind: str, rho: float, sigma: float, key: jax.Array,
-        detector: hallucination.DetectorConfig, steps: int) -> dict:
-  """One noisy SAM run; jit- and vmap-friendly in rho, sigma and key."""
-  f = _quadratic if kind == 'quadratic' else landscapes.valley_with_bump
-  scale = SCALE if kind == 'scaled' else 1.0
-  tx = sam.sam(optax.sgd(LR / scale), rho=rho,
-               warmup_steps=WARM_STEPS if kind == 'warm' else 0,
-               detector=detector)
-  x0 = jnp.asarray((1.0, 1.0) if kind == 'quadratic' else landscapes.START,
-                   jnp.float32)
-
-  def body(carry, k):
-    x, state = carry
-    xi = jax.random.normal(k, (2,))
-    grad = lambda y: scale * (jax.grad(f)(y) + sigma * xi)
-    updates, state = tx.update(grad(x), state, x, grad_fn=grad)
-    x = optax.apply_updates(x, updates)
-    return (x, state), x
-
-  (x, state), path = jax.lax.scan(body, (x0, tx.init(x0)), jax.random.split(
-      key, steps))
-  d = sam.diagnostics(state)
-  return dict(x=x, tail_mean=path[-200:].mean(0),
-              flagged_steps=d['hallucination_steps'],
-              ratio_ema=d['grad_ratio_ema'])
-
-
-def noiseless_stalls(rhos, steps: int) -> dict:
-  """rho -> (x*, |grad f(x*)|) of SAM's noiseless stall."""
-  out = {}
-  for rho in rhos:
-    r = jax.jit(lambda: run('stall', rho, 0.0, jax.random.key(0),
-                            DETECTORS['default'], steps))()
-    x = np.asarray(r['x'])
-    out[rho] = (x, float(jnp.linalg.norm(jax.grad(
-        landscapes.valley_with_bump)(jnp.asarray(x)))))
-  return out
-
 
 def study(levels, rhos, seeds: int, steps: int) -> dict:
   stalls = noiseless_stalls(rhos, steps)

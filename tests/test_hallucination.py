@@ -18,7 +18,7 @@ import pytest
 
 from geom import hallucination
 from geom import validation
-from launch import detector_noise
+from launch import noisy_landscape_runs as detector_noise
 
 SEEDS = 8
 

@@ -84,6 +84,28 @@ def test_sgd_matches_optax_sgd_without_decay():
                want)
 
 
+def test_wsd_closed_form():
+  """Warmup 4, stable, then a linear anneal over the last 30% of 20 steps
+  (6 steps) from 0.1 to 0.1 * 0.2."""
+  cfg = _cfg(schedule='wsd', warmup_steps=4, end_lr_fraction=0.2)
+  cfg.decay_fraction = 0.3
+  lr = optim.learning_rate_schedule(cfg, 20)
+  want = [0.1 * t / 4 for t in range(4)] + [0.1] * 10 + [
+      0.1 - (0.1 - 0.02) * k / 6 for k in range(7)]
+  np.testing.assert_allclose([float(lr(t)) for t in range(21)], want,
+                             rtol=1e-6)
+
+
+@pytest.mark.parametrize('fraction', [None, 0.0, 1.2, 0.95, 'x'])
+def test_wsd_needs_a_fraction_that_fits(fraction):
+  cfg = _cfg(schedule='wsd', warmup_steps=4)
+  if fraction is not None:
+    cfg.decay_fraction = fraction
+  with pytest.raises(ConfigError,
+                     match=r'^config.optimizer.decay_fraction=.*in \(0, 1\]'):
+    optim.learning_rate_schedule(cfg, 20)
+
+
 def test_warmup_then_cosine_closed_form():
   cfg = _cfg(learning_rate=0.4, warmup_steps=10, end_lr_fraction=0.1)
   schedule = optim.learning_rate_schedule(cfg, 110)
@@ -194,6 +216,12 @@ def test_bad_optimizer_settings_name_the_field(field, value, match):
      r'^config.optimizer.sam.rho=inf: must be finite and >= 0'),
     ({'window_start': 5, 'window_stop': 5},
      r'^config.optimizer.sam.window_start/window_stop=\(5, 5\): empty'),
+    # A window outside the 10-step run.
+    ({'window_start': 10},
+     r'^config.optimizer.sam.window_start/window_stop=\(10, -1\): outside '
+     r'the run \(num_steps=10\)'),
+    ({'window_start': 8, 'window_stop': 12},
+     r'^config.optimizer.sam.window_start/window_stop=\(8, 12\): outside'),
     # The config's own values (-1: no end), not geom's (None).
     ({'window_start': -2},
      r'^config.optimizer.sam.window_start/window_stop=\(-2, -1\): empty or '

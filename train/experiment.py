@@ -82,12 +82,27 @@ class Experiment:
   batch_sharding: NamedSharding
   abstract_state: steps.TrainState
 
-  def init_state(self) -> steps.TrainState:
-    """A fresh state from `config.seed`, created directly with its shardings."""
-    fn = jax.jit(
-        functools.partial(steps.init_state, self.init_variables, self.tx),
-        out_shardings=self.state_shardings)
-    return fn(jax.random.key(self.config.seed))
+  def init_state(self, variables: dict[str, Any] | None = None
+                 ) -> steps.TrainState:
+    """A fresh state, created directly with its shardings: from
+    `config.seed`, or around given `variables` ({'params': ...} and
+    optionally 'batch_stats', e.g. another run's; the optimizer state
+    starts fresh). Given variables must match the model's tree and
+    shapes (ConfigError naming `config.init_from` otherwise)."""
+    if variables is None:
+      fn = jax.jit(
+          functools.partial(steps.init_state, self.init_variables, self.tx),
+          out_shardings=self.state_shardings)
+      return fn(jax.random.key(self.config.seed))
+    variables = {'params': variables['params'],
+                 'batch_stats': variables.get('batch_stats', {})}
+    want = {'params': self.abstract_state.params,
+            'batch_stats': self.abstract_state.batch_stats}
+    _check_same_shapes(variables, want, self.config.get('init_from'))
+    # The variables are an argument, not a constant baked into the program.
+    fn = jax.jit(lambda v, rng: steps.init_state(lambda _: v, self.tx, rng),
+                 out_shardings=self.state_shardings)
+    return fn(variables, jax.random.key(self.config.seed))
 
   def abstract_batch(self, batch_size: int, with_mask: bool = False
                      ) -> dict[str, jax.ShapeDtypeStruct]:
@@ -106,6 +121,26 @@ class Experiment:
     """A batch of example indices (for training data kept on the devices)."""
     return {'index': jax.ShapeDtypeStruct((batch_size,), np.int32,
                                           sharding=self.batch_sharding)}
+
+
+def _check_same_shapes(got: Any, want: Any, source: Any) -> None:
+  """ConfigError naming config.init_from unless `got` has `want`'s tree,
+  shapes and dtypes."""
+  got_leaves = jax.tree_util.tree_leaves_with_path(got)
+  want_leaves = jax.tree_util.tree_leaves_with_path(want)
+  if jax.tree.structure(got) != jax.tree.structure(want):
+    got_paths = {jax.tree_util.keystr(p) for p, _ in got_leaves}
+    want_paths = {jax.tree_util.keystr(p) for p, _ in want_leaves}
+    odd = sorted(got_paths ^ want_paths)
+    raise ConfigError('init_from', source, 'holds a model with other '
+                      f'parameters than this config\'s (first difference: '
+                      f'{odd[0] if odd else "the tree"})')
+  for (path, a), (_, b) in zip(got_leaves, want_leaves):
+    if a.shape != b.shape or a.dtype != b.dtype:
+      raise ConfigError('init_from', source, 'holds a model of another '
+                        f'shape: {jax.tree_util.keystr(path)} is '
+                        f'{a.dtype}{list(a.shape)}, this config needs '
+                        f'{b.dtype}{list(b.shape)}')
 
 
 def check_positive(config: ml_collections.ConfigDict, *fields: str) -> None:

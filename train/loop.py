@@ -109,12 +109,17 @@ def evaluate(exp: experiment_lib.Experiment, compiled_eval: aot.EvalFn,
 
 
 def train_and_evaluate(exp: experiment_lib.Experiment,
-                       load_data: Callable[[], Data]) -> dict[str, float]:
+                       load_data: Callable[[], Data],
+                       initial_variables: Callable[[], dict] | None = None
+                       ) -> dict[str, float]:
   """Trains, evaluates and checkpoints into `exp.workdir`; returns final metrics.
 
   Args:
     exp: the built experiment.
     load_data: gives the splits; not called for a finished run.
+    initial_variables: for a new run, gives the variables to start from
+      (e.g. another run's, `config.init_from`) instead of `config.seed`'s
+      initialisation; not called when the run resumes or is finished.
 
   Raises:
     WorkdirBusy: another run holds the workdir.
@@ -125,7 +130,7 @@ def train_and_evaluate(exp: experiment_lib.Experiment,
     Preempted: SIGTERM or SIGINT arrived; a checkpoint was saved first.
   """
   try:
-    return _train_and_evaluate(exp, load_data)
+    return _train_and_evaluate(exp, load_data, initial_variables)
   except (UsageError, RunError, Preempted, Interrupted):
     raise
   except Exception as e:  # pylint: disable=broad-except
@@ -138,7 +143,9 @@ def train_and_evaluate(exp: experiment_lib.Experiment,
 
 
 def _train_and_evaluate(exp: experiment_lib.Experiment,
-                        load_data: Callable[[], Data]) -> dict[str, float]:
+                        load_data: Callable[[], Data],
+                        initial_variables: Callable[[], dict] | None
+                        ) -> dict[str, float]:
   config, workdir = exp.config, exp.workdir
   final_path = fileio.join(workdir, FINAL_METRICS)
   check_config = functools.partial(
@@ -165,8 +172,11 @@ def _train_and_evaluate(exp: experiment_lib.Experiment,
                                         check_meta=check_config)
       if found is None:
         latest, meta = None, {}
-        state = exp.init_state()
-        logging.info('Initialised a new run in %s', workdir)
+        state = exp.init_state(None if initial_variables is None
+                               else initial_variables())
+        logging.info('Initialised a new run in %s%s', workdir,
+                     '' if initial_variables is None else
+                     f' from {config.get("init_from")}')
       else:
         latest, state, meta = found
         logging.info('Resumed from the checkpoint at step %d', latest)

@@ -43,13 +43,15 @@ from geom.validation import ArgumentError
 from train.errors import ConfigError
 
 OPTIMIZERS = ('sgd', 'momentum', 'adamw')
-SCHEDULES = ('cosine', 'constant')
+SCHEDULES = ('cosine', 'constant', 'wsd')
 
 
 def learning_rate_schedule(cfg: ml_collections.ConfigDict,
                            total_steps: int) -> optax.Schedule:
   """Linear warmup from 0 over `warmup_steps`, then cosine to
-  `end_lr_fraction` or constant."""
+  `end_lr_fraction`, constant, or 'wsd' (warmup-stable-decay): constant,
+  then a linear anneal to `end_lr_fraction` over the last
+  `decay_fraction` of all steps (a field read only by 'wsd')."""
   if cfg.schedule not in SCHEDULES:
     raise ConfigError('optimizer.schedule', cfg.schedule, 'unknown schedule',
                       SCHEDULES)
@@ -66,6 +68,21 @@ def learning_rate_schedule(cfg: ml_collections.ConfigDict,
   if cfg.schedule == 'cosine':
     decay = optax.cosine_decay_schedule(
         peak, total_steps - cfg.warmup_steps, alpha=cfg.end_lr_fraction)
+  elif cfg.schedule == 'wsd':
+    fraction = cfg.get('decay_fraction', None)
+    anneal = (0 if not isinstance(fraction, (int, float))
+              else int(round(fraction * total_steps)))
+    if not (isinstance(fraction, (int, float)) and 0 < fraction <= 1
+            and 1 <= anneal <= total_steps - cfg.warmup_steps):
+      raise ConfigError('optimizer.decay_fraction', fraction,
+                        "schedule 'wsd' needs the fraction of num_steps "
+                        'to anneal over, in (0, 1], at least one step and '
+                        'no more than the steps after warmup')
+    stable = total_steps - cfg.warmup_steps - anneal
+    decay = optax.join_schedules(
+        [optax.constant_schedule(peak),
+         optax.linear_schedule(peak, peak * cfg.end_lr_fraction, anneal)],
+        [stable])
   else:
     decay = optax.constant_schedule(peak)
   if cfg.warmup_steps == 0:
@@ -147,6 +164,8 @@ def build(cfg: ml_collections.ConfigDict, total_steps: int) -> Optimizer:
   """The chain from `config.optimizer`, wrapped by the enabled methods."""
   schedule = learning_rate_schedule(cfg, total_steps)
   tx = _base_chain(cfg, schedule)
+  if 'sam' in cfg and cfg.sam.enabled:
+    _check_sam_window(cfg.sam, total_steps)
   all_hooks, per_device_field = [], None
   for name, method in METHODS.items():
     if name in cfg and cfg[name].enabled:
@@ -183,6 +202,19 @@ def _sam_config_error(e: ArgumentError, cfg: ml_collections.ConfigDict,
   return ConfigError(f'{prefix}.{field}', value,
                      e.problem or f'unknown {e.argument}',
                      e.choices)
+
+
+def _check_sam_window(cfg: ml_collections.ConfigDict, total_steps: int
+                      ) -> None:
+  """A SAM window must lie inside the run: one that starts at or after
+  num_steps, or stops after it, would silently do less than it says."""
+  start, stop = cfg.window_start, cfg.window_stop
+  if (isinstance(start, int) and start >= total_steps) or (
+      isinstance(stop, int) and stop > total_steps):
+    raise ConfigError('optimizer.sam.window_start/window_stop',
+                      (start, stop), f'outside the run (num_steps='
+                      f'{total_steps}): need start < num_steps and stop <= '
+                      'num_steps (-1 for no end)')
 
 
 def _sam(base: optax.GradientTransformation, cfg: ml_collections.ConfigDict

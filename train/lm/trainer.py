@@ -8,6 +8,11 @@ resume. The final evaluation reports held-out cross-entropy per source
 (`val_<source>_loss`, nats per byte) next to the mixture's. The mesh and
 shardings, the optax chain (SAM included), the step, checkpoints with
 resume and SIGTERM, metrics and plots are the shared ones.
+
+`config.init_from` (absent by default) names another LM run's workdir: a
+new run starts from its latest verified parameters (fine-tuning,
+continued training) with a fresh optimizer state; the field is part of
+the config, so a resume checks it like any other.
 """
 
 import functools
@@ -58,6 +63,10 @@ def build(config: ml_collections.ConfigDict,
   """Validates `config` (data sources, model, then what every run shares)
   and builds the parts; nothing is placed or compiled."""
   lm_data.check_config(config.data)
+  if config.get('init_from'):
+    experiment_lib.require_checkpoints(
+        config.init_from, field='config.init_from',
+        hint='train the run to start from first')
   model = create_model(config)
   return experiment_lib.assemble(
       config, workdir, model=model,
@@ -94,7 +103,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   source, `test_loss` on the test mixture, and `step`.
   """
   exp = build(config, workdir)
-  return loop.train_and_evaluate(exp, functools.partial(load_data, config))
+  initial = None
+  if config.get('init_from'):
+    initial = lambda: {'params': load_trained(config.init_from)[2]}
+  return loop.train_and_evaluate(exp, functools.partial(load_data, config),
+                                 initial)
 
 
 def load_trained(lm_workdir: str) -> tuple[ml_collections.ConfigDict,

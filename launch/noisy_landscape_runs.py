@@ -1,0 +1,71 @@
+"""SAM with its detector on the 2-D landscape under minibatch-like noise.
+
+The runs behind `launch.detector_noise` (which describes the noise model
+and the four kinds of run), importable without that launcher's flags:
+`run(kind, rho, sigma, key, detector, steps)` is jit- and vmap-friendly,
+`noiseless_stalls(rhos, steps)` gives each rho's stall point and its
+|grad f|, `PREVIOUS` is the detector configuration before 2026-11-30.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from geom import hallucination
+from geom import landscapes
+from geom import sam
+
+__all__ = ['KINDS', 'PREVIOUS', 'STALL_RADIUS', 'noiseless_stalls', 'run']
+
+LR = 0.01
+WARM_STEPS = 100
+STALL_RADIUS = 0.15
+SCALE = 1e-4
+QUADRATIC = (4.0, 1.0)  # The convex run's diagonal Hessian.
+PREVIOUS = hallucination.DetectorConfig(
+    ratio_threshold=0.1, min_grad_fraction=0.0, min_grad_norm=1e-3)
+KINDS = ('stall', 'warm', 'quadratic', 'scaled')
+
+
+def _quadratic(x):
+  return 0.5 * jnp.sum(jnp.asarray(QUADRATIC) * x ** 2)
+
+
+def run(kind: str, rho: float, sigma: float, key: jax.Array,
+        detector: hallucination.DetectorConfig, steps: int) -> dict:
+  """One noisy SAM run; jit- and vmap-friendly in rho, sigma and key."""
+  f = _quadratic if kind == 'quadratic' else landscapes.valley_with_bump
+  scale = SCALE if kind == 'scaled' else 1.0
+  tx = sam.sam(optax.sgd(LR / scale), rho=rho,
+               warmup_steps=WARM_STEPS if kind == 'warm' else 0,
+               detector=detector)
+  x0 = jnp.asarray((1.0, 1.0) if kind == 'quadratic' else landscapes.START,
+                   jnp.float32)
+
+  def body(carry, k):
+    x, state = carry
+    xi = jax.random.normal(k, (2,))
+    grad = lambda y: scale * (jax.grad(f)(y) + sigma * xi)
+    updates, state = tx.update(grad(x), state, x, grad_fn=grad)
+    x = optax.apply_updates(x, updates)
+    return (x, state), x
+
+  (x, state), path = jax.lax.scan(body, (x0, tx.init(x0)), jax.random.split(
+      key, steps))
+  d = sam.diagnostics(state)
+  return dict(x=x, tail_mean=path[-200:].mean(0),
+              flagged_steps=d['hallucination_steps'],
+              ratio_ema=d['grad_ratio_ema'])
+
+
+def noiseless_stalls(rhos, steps: int) -> dict:
+  """rho -> (x*, |grad f(x*)|) of SAM's noiseless stall."""
+  out = {}
+  for rho in rhos:
+    r = jax.jit(lambda: run('stall', rho, 0.0, jax.random.key(0),
+                            hallucination.DetectorConfig(), steps))()
+    x = np.asarray(r['x'])
+    out[rho] = (x, float(jnp.linalg.norm(jax.grad(
+        landscapes.valley_with_bump)(jnp.asarray(x)))))
+  return out
