@@ -21,8 +21,9 @@ $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 run: $(STAMP)
 	$(PY) -m launch.train --config=$(CONFIG) --workdir=$(WORKDIR)
 
+# The slowest tests are listed at the end, to keep the suite's time in view.
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m '' $(PYTEST_ARGS)

@@ -50,6 +50,10 @@ def test_init_from_starts_at_the_other_runs_parameters(pretrained):
     assert leaf.sharding.is_equivalent_to(want, leaf.ndim)
 
 
+# Slow (three LM runs): test_init_from_starts_at_the_other_runs_parameters
+# checks the state a run starts from, and the study's end-to-end test
+# trains from init_from.
+@pytest.mark.slow
 def test_a_run_from_init_from_begins_where_the_other_ended(pretrained,
                                                            tmp_path):
   with open(os.path.join(pretrained, 'final_metrics.json')) as f:
