@@ -7,9 +7,11 @@ per method, rho and seed, each run in its own workdir below `--workdir`
 (a finished run is not trained again, an interrupted one resumes), then
 writes `study.md` and `study.json`: test accuracy mean +- std over seeds,
 and the detector's statistics (runs flagged at least once, steps flagged
-as hallucinations, the smoothed |g+|/|g| at the end; and whether the
-training loss stalled: its mean over the last fifth of training above
-half its mean over the first fifth). With symmetric label noise on the
+as hallucinations, the smoothed |g+|/|g| at the end; and whether the run
+stalled: its training loss over the last fifth of the logged steps
+stayed above 0.9 ln K, K classes, near the loss of a uniform guess, so
+that it learned next to nothing; a run that learns the clean labels but
+not the noisy ones ends well below that). With symmetric label noise on the
 training labels (test labels clean; the SAM label-noise study of
 RESULTS.md):
 
@@ -23,6 +25,7 @@ With data for a standard TFDS set:
 """
 
 import json
+import math
 import os
 import statistics
 
@@ -68,12 +71,12 @@ def train_records(workdir: str) -> list[dict]:
   return [r for r in records if 'train_loss' in r]
 
 
-def stalled(records: list[dict]) -> bool:
+def stalled(records: list[dict], num_classes: int) -> bool:
   """The training loss's mean over the last fifth of the logged steps is
-  above half its mean over the first fifth (it did not come down)."""
+  above 0.9 ln(num_classes): near a uniform guess's, nothing learned."""
   losses = [r['train_loss'] for r in records]
   k = max(1, len(losses) // 5)
-  return statistics.mean(losses[-k:]) > 0.5 * statistics.mean(losses[:k])
+  return statistics.mean(losses[-k:]) > 0.9 * math.log(num_classes)
 
 
 def summarize(results: dict) -> str:
@@ -109,6 +112,7 @@ def main(argv):
   del argv
   from train import host_devices  # pylint: disable=g-import-not-at-top
   host_devices.configure_cpu_devices(run_config('sgd', 0.0, 0).cpu_devices)
+  from train.vision import datasets  # pylint: disable=g-import-not-at-top
   from train.vision import trainer  # pylint: disable=g-import-not-at-top
   results = {}
   for method in _METHODS.value:
@@ -124,7 +128,8 @@ def main(argv):
         records = train_records(workdir)
         record.update({k: v for k, v in records[-1].items()
                        if k.startswith('opt/')})
-        record['stalled'] = stalled(records)
+        record['stalled'] = stalled(records, datasets.get_spec(
+            _DATASET.value).num_classes)
         runs.append(record)
         logging.info('%s: test accuracy %.4f', name, final['test_accuracy'])
       results[(method, rho)] = runs

@@ -93,3 +93,26 @@ def test_a_bad_rate_in_the_config_is_one_line_before_any_work(rate,
   assert str(e.value).startswith(f'config.label_noise={rate!r}')
   assert 'in [0, 1)' in str(e.value) and '\n' not in str(e.value)
   assert not os.path.exists(workdir)
+
+
+def test_the_sam_study_runs_under_label_noise_and_reports_the_detector(
+    tmp_path):
+  """`launch.sam_study` as a user runs it (a subprocess: the launchers'
+  flags share names), one tiny SAM run at 40% noise."""
+  import json  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run(
+      [sys.executable, '-m', 'launch.sam_study', f'--workdir={tmp_path}',
+       '--seeds=1', '--rhos=0.5', '--methods=sam',
+       '--config_arg=runlocal,label_noise=0.4'],
+      cwd=root, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  table = (tmp_path / 'study.md').read_text()
+  assert '| sam | 0.5 |' in table
+  assert 'runs flagged' in table and 'stalled' in table
+  runs = json.loads((tmp_path / 'study.json').read_text())
+  sam_run = runs['sam/0.5'][0]
+  assert sam_run['opt/sam_steps'] == 40 and isinstance(sam_run['stalled'],
+                                                       bool)
