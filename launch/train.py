@@ -19,6 +19,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from launch import entry
+from launch import trainers
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Experiment config file (get_config(arg)).',
@@ -57,26 +58,6 @@ def _init_jax(config) -> None:
         heartbeat_timeout_seconds=_HEARTBEAT.value, **kwargs)
 
 
-TASKS = ('classification', 'lm', 'rl_sft')
-
-
-def _train_and_evaluate(config, workdir: str) -> dict[str, float]:
-  """The product's trainer for `config.task` (imported after _init_jax:
-  importing a trainer must not fix the devices)."""
-  # pylint: disable=g-import-not-at-top
-  from train.errors import ConfigError
-  task = config.get('task', 'classification')
-  if task == 'classification':
-    from train.vision import trainer
-  elif task == 'lm':
-    from train.lm import trainer
-  elif task == 'rl_sft':
-    from train.rl import sft as trainer
-  else:
-    raise ConfigError('task', task, 'unknown task', TASKS)
-  return trainer.train_and_evaluate(config, workdir)
-
-
 def main(argv):
   del argv
   config = _CONFIG.value
@@ -84,7 +65,7 @@ def main(argv):
 
   def job():
     _init_jax(config)
-    return _train_and_evaluate(config, _WORKDIR.value)
+    return trainers.train_and_evaluate(config, _WORKDIR.value)
 
   final = entry.run_job(job)
   print(f'test accuracy: {final["test_accuracy"]:.4f} '

@@ -95,14 +95,15 @@ def test_a_bad_rate_in_the_config_is_one_line_before_any_work(rate,
 def test_the_sam_study_runs_under_label_noise_and_reports_the_detector(
     tmp_path):
   """`launch.sam_study` as a user runs it (a subprocess: the launchers'
-  flags share names), one tiny SAM run at 40% noise."""
+  flags share names), one tiny SAM and one ASAM run (on its own radius)
+  at 40% noise."""
   import json  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run(
       [sys.executable, '-m', 'launch.sam_study', f'--workdir={tmp_path}',
-       '--seeds=1', '--rhos=0.5', '--methods=sam',
+       '--seeds=1', '--rhos=0.5', '--methods=sam,asam', '--asam_rhos=3.0',
        '--config_arg=runlocal,label_noise=0.4'],
       cwd=root, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -113,3 +114,5 @@ def test_the_sam_study_runs_under_label_noise_and_reports_the_detector(
   sam_run = runs['sam/0.5'][0]
   assert sam_run['opt/sam_steps'] == 40 and isinstance(sam_run['stalled'],
                                                        bool)
+  assert sorted(runs) == ['asam/3.0', 'sam/0.5']
+  assert runs['asam/3.0'][0]['opt/rho'] == pytest.approx(3.0)
