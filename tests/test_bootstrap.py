@@ -1,0 +1,91 @@
+"""train.bootstrap against direct computations: exact enumeration on tiny
+data, the closed-form variance of the two-level bootstrap, and edges."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from train import bootstrap
+
+
+def test_nested_mean_weighs_every_unit_the_same():
+  data = [[np.array([1.0, 0.0]), np.array([1.0])],  # Seed 0: sets 0.5, 1.
+          [np.array([0.0, 0.0, 0.0, 1.0])]]  # Seed 1: 0.25.
+  assert bootstrap.nested_mean(data) == pytest.approx((0.75 + 0.25) / 2)
+
+
+def test_one_level_matches_the_exact_bootstrap_distribution():
+  items = np.array([0.0, 1.0, 3.0])
+  # Every one of the 27 equally likely resamples, enumerated.
+  exact = np.array([items[list(i)].mean()
+                    for i in itertools.product(range(3), repeat=3)])
+  reps = bootstrap.replicates(items, num_samples=200_000, seed=1)
+  assert reps.mean() == pytest.approx(exact.mean(), abs=0.01)
+  assert reps.var() == pytest.approx(exact.var(), rel=0.02)
+  for q in (0.1, 0.5, 0.9):
+    assert abs(np.quantile(reps, q) - np.quantile(exact, q)) <= 1 / 3 + 1e-9
+
+
+def test_two_levels_match_the_closed_form_variance():
+  # Var of a two-stage bootstrap mean with S seeds of n items each:
+  # (1/S) [ pop. var of the seed means + mean over seeds of (var_s / n) ].
+  rng = np.random.default_rng(0)
+  # Both levels weigh about the same here, so dropping either shows.
+  s, n = 3, 4
+  seeds = [rng.normal(mu, 1.0, size=n) for mu in (0.0, 0.5, 1.0)]
+  means = np.array([x.mean() for x in seeds])
+  expected = (means.var() + np.mean([x.var() / n for x in seeds])) / s
+  reps = bootstrap.replicates(seeds, num_samples=100_000, seed=2)
+  assert reps.var() == pytest.approx(expected, rel=0.03)
+  assert reps.mean() == pytest.approx(means.mean(), abs=0.02)
+
+
+def test_identical_methods_give_a_zero_width_paired_interval():
+  rng = np.random.default_rng(3)
+  correct = [[rng.integers(0, 2, 50).astype(float) for _ in range(3)]
+             for _ in range(3)]
+  diff = [[c - c for c in seed] for seed in correct]
+  assert bootstrap.interval(diff, 500) == (0.0, 0.0, 0.0)
+
+
+def test_constant_data_and_the_interval_contains_the_mean():
+  const = [[np.full(5, 0.7)], [np.full(9, 0.7)]]
+  m, lo, hi = bootstrap.interval(const, 300)
+  assert m == pytest.approx(0.7) and lo == pytest.approx(0.7)
+  assert hi == pytest.approx(0.7)
+  rng = np.random.default_rng(4)
+  data = [rng.integers(0, 2, 200).astype(float) for _ in range(3)]
+  m, lo, hi = bootstrap.interval(data, 2000, seed=5)
+  assert lo < m < hi
+  # A 95% interval of three seeds of 200 coin flips: about +-1.96 SE.
+  se = np.sqrt(0.25 / 600)
+  assert 2 * 1.96 * se * 0.6 < hi - lo < 2 * 1.96 * se * 1.8
+
+
+def test_the_interval_is_a_function_of_its_seed():
+  data = [np.arange(10.0), np.arange(5.0)]
+  assert bootstrap.interval(data, 400, seed=7) == bootstrap.interval(
+      data, 400, seed=7)
+  assert bootstrap.interval(data, 400, seed=7) != bootstrap.interval(
+      data, 400, seed=8)
+
+
+@pytest.mark.parametrize('data, message', [
+    ([], 'data: a level must be a non-empty list'),
+    ([np.array([1.0]), []], r'data\[1\]: a level must be a non-empty list'),
+    ([np.array([1.0]), [np.array([1.0])]], 'data: children differ in depth'),
+    ([np.zeros(0)], r'data\[0\]: a leaf must be a non-empty 1-D array'),
+    ([np.zeros((2, 2))], r'data\[0\]: a leaf must be a non-empty 1-D'),
+    ([np.array([1.0, np.nan])], r'data\[0\]: item scores must be finite'),
+])
+def test_malformed_data_is_one_line_naming_the_position(data, message):
+  with pytest.raises(ValueError, match=message):
+    bootstrap.interval(data, 10)
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match='num_samples=0'):
+    bootstrap.replicates([np.ones(3)], 0)
+  with pytest.raises(ValueError, match='level=1'):
+    bootstrap.interval([np.ones(3)], 10, level=1)
