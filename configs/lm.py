@@ -12,7 +12,11 @@ Variants through the config argument (comma-separated, combinable):
   python -m launch.train --config=configs/lm.py:english=/data/books \
     --workdir=/tmp/b
 
-`forgetting` is the smaller pretraining of the forgetting study
+`tokenizer=sentencepiece` trains the LM on subwords: a SentencePiece BPE
+model of `tokenizer.vocab_size` pieces (1024; 384 with `runlocal`),
+trained offline on the run's own training text at its first start and
+kept beside its checkpoints (`train.lm.tokenizer`); `tokenizer=byte` (the
+default) is ASCII bytes. `forgetting` is the smaller pretraining of the forgetting study
 (`python -m launch.forgetting_study`). `english=` picks the real-text
 source: 'fortunes' (Debian's `fortunes`
 package, `apt-get install fortunes`; the default), 'pydoc' (Python's own
@@ -32,7 +36,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The LM experiment; `arg` selects variants (see module docstring)."""
   args = config_args.parse(arg, 'configs/lm.py', {
       'runlocal': 'runlocal', 'english': 'english=SOURCE',
-      'forgetting': 'forgetting'})
+      'forgetting': 'forgetting', 'tokenizer': 'tokenizer=byte|sentencepiece'})
   config = ml_collections.ConfigDict()
   config.task = 'lm'
   config.seed = 0
@@ -81,6 +85,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.data.update(dict(mix=(('pydoc', 1.0),), train_bytes=1_000_000,
                             eval_bytes=50_000, seq_len=64))
     config.num_steps = 2000
+
+  tokenizer = args.get('tokenizer', 'byte')
+  if tokenizer == 'sentencepiece':
+    # Absent for bytes: the configs of runs from before subwords stay equal.
+    vocab = 384 if 'runlocal' in args else 1024
+    config.tokenizer = ml_collections.ConfigDict(dict(
+        kind='sentencepiece', vocab_size=vocab, model_type='bpe'))
+    config.model.vocab_size = vocab
+  elif tokenizer != 'byte':
+    raise ValueError(f'configs/lm.py: tokenizer={tokenizer!r}; valid: byte, '
+                     'sentencepiece')
 
   if 'runlocal' in args:
     config.model.update(dict(d_model=32, num_layers=2, num_heads=2,

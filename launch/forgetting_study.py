@@ -50,6 +50,7 @@ Writes `forgetting.md`, `forgetting.json` and `forgetting.png`; each
 computes what is missing.
 """
 
+import functools
 import json
 import os
 import statistics
@@ -218,11 +219,14 @@ def measure(variant: str, seed: int) -> dict:
   post_final = trainer.train_and_evaluate(post, post_dir)
   with open(os.path.join(pre_dir, 'metrics.jsonl')) as f:
     last = [r for r in map(json.loads, f) if 'train_loss' in r][-1]
-  _, model, pre_params = trainer.load_trained(pre_dir)
-  _, _, post_params = trainer.load_trained(post_dir)
-  held_out = lm_data.load_windows(pre_config.data, 'validation', seed).tokens
-  target = lm_data.load_windows(post.data, 'validation', seed).tokens
-  train_windows = lm_data.load_windows(pre_config.data, 'train', seed).tokens
+  pre = trainer.load_trained(pre_dir)
+  model, pre_params = pre.model, pre.params
+  post_params = trainer.load_trained(post_dir).params
+  windows = functools.partial(lm_data.load_windows, seed=seed,
+                              tokenizer=pre.tokenizer)
+  held_out = windows(pre_config.data, 'validation').tokens
+  target = windows(post.data, 'validation').tokens
+  train_windows = windows(pre_config.data, 'train').tokens
   before = _held_out_ce(model, pre_params, held_out)
   after_post = _held_out_ce(model, post_params, held_out)
   quantised = quantization.fake_quantize(pre_params, _BITS.value)

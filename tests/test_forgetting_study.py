@@ -34,7 +34,7 @@ def _continued(init_from, **changes):
 
 
 def test_init_from_starts_at_the_other_runs_parameters(pretrained):
-  _, _, params = trainer.load_trained(pretrained)
+  params = trainer.load_trained(pretrained).params
   config = _continued(pretrained, seed=7)
   exp = trainer.build(config, '/tmp/unused')
   state = exp.init_state({'params': params})

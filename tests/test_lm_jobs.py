@@ -72,7 +72,7 @@ def test_steering_evaluation_writes_table_plot_and_vector(lm_workdir,
   table = open(tmp_path / 'results.md').read()
   assert table.count('\n') == 2 + len(rows)
   # The saved vector loads into this model, and reusing it gives the same rows.
-  _, _, params = lm_trainer.load_trained(lm_workdir[0])
+  params = lm_trainer.load_trained(lm_workdir[0]).params
   vec = steering_vectors.load(str(tmp_path / 'steering_vector.npz'), params)
   assert vec.layer_path == 'block_1' and vec.hidden_size == 32
   again = steering_eval.evaluate(

@@ -19,7 +19,7 @@ import json
 import math
 import os
 import tempfile
-from typing import Any
+from typing import Any, NamedTuple
 
 from etils import epath
 import flax.linen as nn
@@ -287,14 +287,21 @@ def require_checkpoints(workdir: str, *, field: str, hint: str) -> None:
     raise UsageError(field, workdir, f'holds no checkpoints; {hint}')
 
 
+class TrainedRun(NamedTuple):
+  config: ml_collections.ConfigDict
+  exp: Experiment
+  step: int
+  state: Any  # The train state.
+  meta: dict[str, Any]  # The checkpoint's metadata.
+
+
 def load_trained(workdir: str,
                  build: Callable[[ml_collections.ConfigDict, str],
                                  Experiment], *,
-                 field: str, task: str, what: str, hint: str
-                 ) -> tuple[ml_collections.ConfigDict, Experiment, int, Any]:
+                 field: str, task: str, what: str, hint: str) -> TrainedRun:
   """Another run's newest checkpoint that verifies, rebuilt from its saved
-  config: (config, experiment, step, train state). A damaged checkpoint is
-  skipped but left in place: the workdir belongs to the run that wrote it.
+  config. A damaged checkpoint is skipped but left in place: the workdir
+  belongs to the run that wrote it.
 
   Args:
     workdir: the trained run's workdir.
@@ -325,5 +332,5 @@ def load_trained(workdir: str,
     found = ckpts.restore_latest_good(abstract_state, move_damaged=False)
   if found is None:
     raise UsageError(field, workdir, f'holds no checkpoints; {hint}')
-  step, state, _ = found
-  return built['config'], built['exp'], step, state
+  step, state, meta = found
+  return TrainedRun(built['config'], built['exp'], step, state, meta)

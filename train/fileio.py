@@ -55,6 +55,13 @@ def read_text(path: str) -> str:
     return f.read()
 
 
+def read_bytes(path: str) -> bytes:
+  if is_remote(path):
+    return epath.Path(path).read_bytes()
+  with open(path, 'rb') as f:
+    return f.read()
+
+
 def write_bytes_atomic(path: str, data: bytes) -> None:
   if is_remote(path):
     epath.Path(path).write_bytes(data)

@@ -83,10 +83,14 @@ class Data:
     final: `() -> {prefix: split}`, evaluated once at the end (loaded only
       then), e.g. {'val': ..., 'test': ...}; metrics are `<prefix>_loss`
       and `<prefix>_accuracy`, in this order.
+    fingerprints: {name: fingerprint} of files the data depends on beyond
+      the config (a trained tokenizer); saved with every checkpoint, and a
+      resume with other ones is refused (`resume_check.check_fingerprints`).
   """
   train: input_pipeline.Split
   validation: input_pipeline.Split
   final: Callable[[], Mapping[str, input_pipeline.Split]]
+  fingerprints: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def evaluate(exp: experiment_lib.Experiment, compiled_eval: aot.EvalFn,
@@ -168,8 +172,14 @@ def _train_and_evaluate(exp: experiment_lib.Experiment,
       # Read before anything is computed: a damaged data file ends the run
       # here, with one line.
       data = load_data()
+
+      def check_meta(step: int, meta: dict) -> None:
+        check_config(step, meta)
+        resume_check.check_fingerprints(workdir, step, meta,
+                                        data.fingerprints)
+
       found = ckpts.restore_latest_good(exp.abstract_state,
-                                        check_meta=check_config)
+                                        check_meta=check_meta)
       if found is None:
         latest, meta = None, {}
         state = exp.init_state(None if initial_variables is None
@@ -187,7 +197,8 @@ def _train_and_evaluate(exp: experiment_lib.Experiment,
           keep_records=meta.get(METRICS_RECORDS))) as writer:
         state = train_loop(exp, state, compiled, data.train, data.validation,
                            ckpts, writer, latest,
-                           carried=meta.get(INTERVAL_MEANS, []))
+                           carried=meta.get(INTERVAL_MEANS, []),
+                           fingerprints=data.fingerprints)
         final = {'step': config.num_steps}
         for prefix, split in data.final().items():
           final.update(evaluate(exp, compiled.eval, state, split, prefix))
@@ -229,12 +240,14 @@ def train_loop(exp: experiment_lib.Experiment, state: steps.TrainState,
                ckpts: checkpointing.Checkpoints,
                writer: metrics_lib.MetricWriter,
                last_saved: int | None,
-               carried: list[list[float]] | None = None) -> steps.TrainState:
+               carried: list[list[float]] | None = None,
+               fingerprints: Mapping[str, str] | None = None
+               ) -> steps.TrainState:
   """Trains from `state.step` to `config.num_steps`: data, logging, eval, saves.
 
   `last_saved` is the step of the latest checkpoint on disk (for messages);
   `carried`, what it saved of the log interval it fell in (see
-  `steps.summarize`).
+  `steps.summarize`); `fingerprints` go into every checkpoint's metadata.
   Metrics of the steps since the last log line stay on the devices until
   the next log line or save, where the host reduces them and checks their
   losses: with `nonfinite='stop'` a non-finite loss ends the run there,
@@ -291,7 +304,8 @@ def train_loop(exp: experiment_lib.Experiment, state: steps.TrainState,
           raise NonFiniteLossError(step, last_saved, 'train state',
                                    skipping=config.nonfinite == 'skip')
         meta = {'config': config_json, METRICS_RECORDS: writer.records,
-                INTERVAL_MEANS: carried}
+                INTERVAL_MEANS: carried,
+                resume_check.FINGERPRINTS: dict(fingerprints or {})}
         if ckpts.save(step, state, meta, force=is_last or preempted):
           last_saved = step
       if preempted:

@@ -152,3 +152,33 @@ def check_task(config: ml_collections.ConfigDict, workdir: str, step: int,
            if c[0] not in may_change]
   if fixed:
     raise ConfigChanged(workdir, step, fixed, may_change)
+
+
+# In a checkpoint's metadata: {name: fingerprint} of files the run's data
+# depends on beyond its config (e.g. a trained tokenizer's model file).
+FINGERPRINTS = 'data_fingerprints'
+
+
+def check_fingerprints(workdir: str, step: int, meta: Mapping[str, Any],
+                       current: Mapping[str, str]) -> None:
+  """Refuses a checkpoint whose recorded fingerprints differ from
+  `current`'s (a name absent from either side is not compared: a
+  checkpoint from before that file existed).
+
+  Raises:
+    UsageError: naming the file, in one line.
+  """
+  saved = meta.get(FINGERPRINTS) or {}
+  for name, value in sorted(current.items()):
+    if name in saved and saved[name] != value:
+      raise UsageError(
+          name, _short(value),
+          f'differs from {_short(saved[name])}, the one the checkpoint of '
+          f'{workdir} at step {step} was trained with (the file was '
+          'replaced?); a run resumes only with its own')
+
+
+def _short(fingerprint: str) -> str:
+  kind, sep, digest = str(fingerprint).partition(':')
+  return f'{kind}:{digest[:12]}' if sep and len(digest) > 12 else (
+      str(fingerprint))

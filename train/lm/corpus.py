@@ -15,7 +15,7 @@ generators only keep what hashes into the requested split. Identical texts
 therefore always land in the same split.
 """
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 import dataclasses
 import functools
 import hashlib
@@ -383,19 +383,27 @@ def english_text(source: str) -> str:
 
 
 # --- Packing.
-def pack_windows(documents: Sequence[str], seq_len: int, seed: int
-                 ) -> np.ndarray:
-  """(N, seq_len + 1) uint8 windows of BOS-led documents in a seeded order."""
+def pack_windows(documents: Sequence[str], seq_len: int, seed: int,
+                 encode_doc: Callable[[str], np.ndarray] | None = None,
+                 dtype: type = np.uint8) -> np.ndarray:
+  """(N, seq_len + 1) windows of BOS-led documents in a seeded order.
+
+  `encode_doc` turns a document into its ids with BOS first (default:
+  `encode_document`, bytes); `dtype` must hold every id.
+  """
   if seq_len < 1:
     raise UsageError('seq_len', seq_len, 'must be >= 1')
+  encode_doc = encode_doc or encode_document
   order = np.random.default_rng(seed).permutation(len(documents))
-  parts = [encode_document(documents[i]) for i in order]
+  parts = [encode_doc(documents[i]) for i in order]
   stream = np.concatenate(parts) if parts else np.zeros(0, np.int32)
   n = len(stream) // (seq_len + 1)
   if n == 0:
-    raise UsageError('documents', f'<{len(stream)} bytes>',
-                     f'fewer than seq_len + 1 = {seq_len + 1} bytes')
-  return stream[:n * (seq_len + 1)].reshape(n, seq_len + 1).astype(np.uint8)
+    raise UsageError('documents', f'<{len(stream)} tokens>',
+                     f'fewer than seq_len + 1 = {seq_len + 1} tokens')
+  if stream.size and stream.max() > np.iinfo(dtype).max:
+    raise ValueError(f'token id {stream.max()} does not fit {dtype}')
+  return stream[:n * (seq_len + 1)].reshape(n, seq_len + 1).astype(dtype)
 
 
 def _english_stream(source: str, split: str, rng: random.Random
@@ -445,10 +453,13 @@ def mixture_documents(mix: Sequence[tuple[str, float]], total_bytes: int,
 
 
 def build_lm_windows(mix: Sequence[tuple[str, float]], total_bytes: int,
-                     seq_len: int, split: str, seed: int) -> np.ndarray:
-  """LM windows (N, seq_len + 1) uint8 packed from `mixture_documents`."""
+                     seq_len: int, split: str, seed: int,
+                     encode_doc: Callable[[str], np.ndarray] | None = None,
+                     dtype: type = np.uint8) -> np.ndarray:
+  """LM windows (N, seq_len + 1) packed from `mixture_documents` (bytes of
+  text; tokens as `encode_doc` makes them, see `pack_windows`)."""
   docs = mixture_documents(mix, total_bytes, split, seed)
-  return pack_windows([d for _, d in docs], seq_len, seed)
+  return pack_windows([d for _, d in docs], seq_len, seed, encode_doc, dtype)
 
 
 # --- Statistics of generations (words are whitespace-separated tokens).

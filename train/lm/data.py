@@ -1,10 +1,11 @@
-"""The LM trainer's data: byte windows of a configured source mixture.
+"""The LM trainer's data: token windows of a configured source mixture.
 
 `config.data` (see `configs/lm.py`):
   mix: ((source, weight), ...), sources 'attribute' (the sentiment
     template corpus), 'fortunes', 'pydoc' or a path to .txt files;
   train_bytes / eval_bytes: bytes of text per split;
-  seq_len: window length (each window holds seq_len + 1 bytes).
+  seq_len: window length in tokens (each window holds seq_len + 1);
+tokens are bytes, or subwords (`train.lm.tokenizer`, `config.tokenizer`).
 
 Windows are a pure function of (config.data, split, seed), so a resumed
 run rebuilds exactly the data it had, and batches come from
@@ -12,6 +13,7 @@ run rebuilds exactly the data it had, and batches come from
 """
 
 import dataclasses
+import functools
 import os
 
 import ml_collections
@@ -20,13 +22,15 @@ import numpy as np
 from train.errors import ConfigError, UsageError
 from train.input_pipeline import Batch
 from train.lm import corpus as text_corpus
+from train.lm import tokenizer as lm_tokenizer
 
 SOURCES = ('attribute',) + text_corpus.ENGLISH_SOURCES
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenWindows:
-  """One split: (N, seq_len + 1) uint8 byte windows (an `input_pipeline.Split`)."""
+  """One split: (N, seq_len + 1) token windows, uint8 bytes or uint16
+  subwords (an `input_pipeline.Split`)."""
   tokens: np.ndarray
 
   def __len__(self) -> int:
@@ -73,9 +77,12 @@ def check_config(data: ml_collections.ConfigDict) -> None:
 
 
 def load_windows(data: ml_collections.ConfigDict, split: str, seed: int,
-                 only: str | None = None) -> TokenWindows:
+                 only: str | None = None,
+                 tokenizer: lm_tokenizer.Tokenizer | None = None
+                 ) -> TokenWindows:
   """The split's windows; `only` restricts the mixture to one source name
-  (as `source_names` gives it), at that source's share of the bytes."""
+  (as `source_names` gives it), at that source's share of the bytes;
+  `tokenizer` (default: bytes) makes the tokens."""
   mix = [tuple(e) for e in data.mix]
   total = data.train_bytes if split == 'train' else data.eval_bytes
   if only is not None:
@@ -85,8 +92,11 @@ def load_windows(data: ml_collections.ConfigDict, split: str, seed: int,
     total = int(total * sum(w for _, w in kept) / sum(w for _, w in mix))
     mix = kept
   try:
-    tokens = text_corpus.build_lm_windows(mix, total, data.seq_len, split,
-                                          seed)
+    tokenizer = tokenizer or lm_tokenizer.ByteTokenizer()
+    tokens = text_corpus.build_lm_windows(
+        mix, total, data.seq_len, split, seed,
+        functools.partial(lm_tokenizer.encode_document, tokenizer),
+        lm_tokenizer.token_dtype(tokenizer.vocab_size))
   except UsageError as e:
     raise ConfigError('data', dict(mix=mix, bytes=total), str(e)) from None
   return TokenWindows(tokens)

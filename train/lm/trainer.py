@@ -2,20 +2,26 @@
 
 The LM product's parts on the shared loop (`train.loop`): the model
 (`train.lm.decoder`), its per-sequence loss (`train.lm.loss`) and the
-data, byte windows of a source mixture (`train.lm.data`), built
+data, token windows of a source mixture (`train.lm.data`), built
 deterministically from the config, so nothing but the step is needed to
-resume. The final evaluation reports held-out cross-entropy per source
-(`val_<source>_loss`, nats per byte) next to the mixture's. The mesh and
+resume. Tokens are bytes, or subwords of a SentencePiece model trained on
+the run's own training text and kept beside its checkpoints
+(`train.lm.tokenizer`; every checkpoint records its fingerprint). The final
+evaluation reports held-out cross-entropy per source (`val_<source>_loss`,
+nats per token) next to the mixture's. The mesh and
 shardings, the optax chain (SAM included), the step, checkpoints with
 resume and SIGTERM, metrics and plots are the shared ones.
 
 `config.init_from` (absent by default) names another LM run's workdir: a
 new run starts from its latest verified parameters (fine-tuning,
 continued training) with a fresh optimizer state; the field is part of
-the config, so a resume checks it like any other.
+the config, so a resume checks it like any other. Such a run keeps the
+other run's tokenizer (a copy of its file, checked against its
+checkpoint), whatever `config.tokenizer` says.
 """
 
 import functools
+from typing import NamedTuple
 
 from absl import logging
 import jax
@@ -24,10 +30,12 @@ import numpy as np
 
 from train import experiment as experiment_lib
 from train import loop
+from train import resume_check
 from train.errors import ConfigError
 from train.lm import data as lm_data
 from train.lm import decoder as decoder_lm
 from train.lm import loss
+from train.lm import tokenizer as lm_tokenizer
 
 FINAL_METRICS = loop.FINAL_METRICS
 
@@ -63,6 +71,7 @@ def build(config: ml_collections.ConfigDict,
   """Validates `config` (data sources, model, then what every run shares)
   and builds the parts; nothing is placed or compiled."""
   lm_data.check_config(config.data)
+  lm_tokenizer.check_config(config)
   if config.get('init_from'):
     experiment_lib.require_checkpoints(
         config.init_from, field='config.init_from',
@@ -72,26 +81,44 @@ def build(config: ml_collections.ConfigDict,
       config, workdir, model=model,
       init_variables=functools.partial(init_variables, model),
       per_example=loss.lm_loss,
-      columns={'tokens': ((config.data.seq_len + 1,), np.uint8)})
+      columns={'tokens': ((config.data.seq_len + 1,),
+                          lm_tokenizer.token_dtype(config.model.vocab_size))})
 
 
-def load_data(config: ml_collections.ConfigDict) -> loop.Data:
+def run_tokenizer(config: ml_collections.ConfigDict,
+                  workdir: str) -> lm_tokenizer.Tokenizer:
+  """The run's tokenizer (trained and saved on its first start), or, with
+  `config.init_from`, the other run's, copied into `workdir`."""
+  if config.get('init_from'):
+    source = load_trained(config.init_from).tokenizer
+    if isinstance(source, lm_tokenizer.SentencePieceTokenizer):
+      lm_tokenizer.save(workdir, source)
+    return source
+  return lm_tokenizer.for_run(config, workdir)
+
+
+def load_data(config: ml_collections.ConfigDict, workdir: str) -> loop.Data:
   """Training and validation windows now; at the end the validation
   mixture, each source's share of it, and the test mixture."""
-  train = lm_data.load_windows(config.data, 'train', config.seed)
-  validation = lm_data.load_windows(config.data, 'validation', config.seed)
-  logging.info('LM data: %d training and %d validation windows of %d bytes',
-               len(train), len(validation), config.data.seq_len)
+  tokenizer = run_tokenizer(config, workdir)
+  windows = functools.partial(lm_data.load_windows, config.data,
+                              seed=config.seed, tokenizer=tokenizer)
+  train = windows('train')
+  validation = windows('validation')
+  logging.info('LM data: %d training and %d validation windows of %d '
+               'tokens (%s)', len(train), len(validation),
+               config.data.seq_len, tokenizer.kind)
 
   def final():
     splits = {'val': validation}
     for source in lm_data.source_names(config.data):
-      splits[f'val_{source}'] = lm_data.load_windows(
-          config.data, 'validation', config.seed, only=source)
-    splits['test'] = lm_data.load_windows(config.data, 'test', config.seed)
+      splits[f'val_{source}'] = windows('validation', only=source)
+    splits['test'] = windows('test')
     return splits
 
-  return loop.Data(train=train, validation=validation, final=final)
+  return loop.Data(train=train, validation=validation, final=final,
+                   fingerprints={lm_tokenizer.FILENAME:
+                                 tokenizer.fingerprint})
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict,
@@ -105,22 +132,35 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   exp = build(config, workdir)
   initial = None
   if config.get('init_from'):
-    initial = lambda: {'params': load_trained(config.init_from)[2]}
-  return loop.train_and_evaluate(exp, functools.partial(load_data, config),
-                                 initial)
+    initial = lambda: {'params': load_trained(config.init_from).params}
+  return loop.train_and_evaluate(
+      exp, functools.partial(load_data, config, exp.workdir), initial)
 
 
-def load_trained(lm_workdir: str) -> tuple[ml_collections.ConfigDict,
-                                           decoder_lm.DecoderLM, dict]:
-  """The config, model and parameters of the latest checkpoint in `lm_workdir`.
+class TrainedLM(NamedTuple):
+  config: ml_collections.ConfigDict
+  model: decoder_lm.DecoderLM
+  params: dict
+  tokenizer: lm_tokenizer.Tokenizer
+
+
+def load_trained(lm_workdir: str) -> TrainedLM:
+  """The config, model, parameters and tokenizer of the latest good
+  checkpoint in `lm_workdir`; the tokenizer is checked against the
+  fingerprint the checkpoint recorded.
 
   Raises:
-    UsageError: `lm_workdir` holds no checkpoint, or not an LM's.
+    UsageError: `lm_workdir` holds no checkpoint, or not an LM's; or its
+      tokenizer file is missing or is not the checkpoint's.
     NoGoodCheckpoint: it holds checkpoints and none loads and verifies.
   """
-  config, exp, step, state = experiment_lib.load_trained(
+  run = experiment_lib.load_trained(
       lm_workdir, build, field='config.lm_workdir', task='lm', what='an LM',
       hint=('train the LM first with `python -m launch.train '
             f'--config=configs/lm.py --workdir={lm_workdir}`'))
-  logging.info('Loaded the LM at step %d from %s', step, lm_workdir)
-  return config, exp.model, state.params
+  recorded = (run.meta.get(resume_check.FINGERPRINTS) or {}).get(
+      lm_tokenizer.FILENAME)
+  tokenizer = lm_tokenizer.for_trained(run.config, lm_workdir, recorded)
+  logging.info('Loaded the LM at step %d from %s (%s tokens)', run.step,
+               lm_workdir, tokenizer.kind)
+  return TrainedLM(run.config, run.exp.model, run.state.params, tokenizer)

@@ -210,8 +210,9 @@ def load_policy(sft_workdir: str) -> tuple[ml_collections.ConfigDict,
     UsageError: `sft_workdir` holds no checkpoint, or not an SFT run's.
     NoGoodCheckpoint: it holds checkpoints and none loads and verifies.
   """
-  config, exp, step, state = experiment_lib.load_trained(
+  run = experiment_lib.load_trained(
       sft_workdir, build, field='config.sft_workdir', task=TASK,
       what=f'an {TASK!r} run', hint=_hint(sft_workdir))
-  logging.info('Loaded the SFT policy at step %d from %s', step, sft_workdir)
-  return config, exp.model, state.params
+  logging.info('Loaded the SFT policy at step %d from %s', run.step,
+               sft_workdir)
+  return run.config, run.exp.model, run.state.params

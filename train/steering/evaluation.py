@@ -42,6 +42,7 @@ from train.lm import corpus as text_corpus
 from train.lm import data as lm_data
 from train.lm import decoder as decoder_lm
 from train.lm import generate as lm_generate
+from train.lm import tokenizer as lm_tokenizer
 from train.lm import trainer as lm_trainer
 from train.steering import hooks as steering_hooks
 from train.steering import pareto
@@ -90,19 +91,27 @@ class MCBatch(NamedTuple):
   labels: np.ndarray       # (items,) index of the positive choice.
 
 
-def encode_mc(items: list[text_corpus.MCItem], length: int) -> MCBatch:
+def encode_mc(items: list[text_corpus.MCItem], length: int | None = None,
+              tokenizer: lm_tokenizer.Tokenizer | None = None) -> MCBatch:
+  """Every choice after its item's context, right-padded to `length`
+  (default: the longest). The context is the tokens that lie wholly in
+  `prefix()`, a token that straddles the boundary (a subword holding the
+  separator's space) is scored with the choice (`lm_tokenizer.split`);
+  for bytes that is exactly BOS + prefix bytes, then the choice's."""
+  tokenizer = tokenizer or lm_tokenizer.ByteTokenizer()
+  parts = [lm_tokenizer.split(tokenizer, item.prefix(), choice)
+           for item in items for choice in item.choices]
+  if length is None:
+    length = max(len(c) + len(a) for c, a in parts)
   seqs, score, steer = [], [], []
-  for item in items:
-    ctx = text_corpus.encode_document(item.prefix())
-    for choice in item.choices:
-      ans = text_corpus.encode(choice)
-      seqs.append(np.concatenate([ctx, ans]))
-      m = np.zeros(length, bool)
-      m[len(ctx) - 1:len(ctx) - 1 + len(ans)] = True
-      score.append(m)
-      s = np.zeros(length, bool)
-      s[len(ctx) - 1:len(ctx) + len(ans)] = True
-      steer.append(s)
+  for ctx, ans in parts:
+    seqs.append(np.concatenate([ctx, ans]))
+    m = np.zeros(length, bool)
+    m[len(ctx) - 1:len(ctx) - 1 + len(ans)] = True
+    score.append(m)
+    s = np.zeros(length, bool)
+    s[len(ctx) - 1:len(ctx) + len(ans)] = True
+    steer.append(s)
   tokens, valid = _right_pad(seqs, length)
   return MCBatch(tokens, valid, np.stack(score), np.stack(steer),
                  np.array([it.label for it in items], np.int32))
@@ -203,11 +212,16 @@ def positive_share(texts: list[str]) -> float:
   return pos / (pos + neg) if pos + neg else float('nan')
 
 
-def generation_prompts(n: int) -> tuple[np.ndarray, np.ndarray]:
-  """Left-padded BOS + neutral premise + ' ' prompts."""
+def generation_prompts(n: int, tokenizer: lm_tokenizer.Tokenizer | None = None
+                       ) -> tuple[np.ndarray, np.ndarray]:
+  """Left-padded BOS + neutral premise + ' ' prompts. With subwords the
+  trailing space is left out: it starts the next word's token, which the
+  model is to choose, rather than standing alone as a token it rarely saw."""
+  tokenizer = tokenizer or lm_tokenizer.ByteTokenizer()
+  separator = text_corpus.MCItem.SEPARATOR if tokenizer.kind == 'byte' else ''
   premises = [text_corpus.PREMISES[i % len(text_corpus.PREMISES)]
               for i in range(n)]
-  seqs = [text_corpus.encode_document(p + text_corpus.MCItem.SEPARATOR)
+  seqs = [lm_tokenizer.encode_document(tokenizer, p + separator)
           for p in premises]
   length = max(len(s) for s in seqs)
   tokens = np.zeros((n, length), np.int32)
@@ -229,11 +243,14 @@ def _generate(model, params, prompt, valid, steering, rng, layer_path,
 
 def generation_metrics(model, params, prompts, steering, layer_path: str,
                        num_steps: int, temperature: float, seed: int,
-                       mode: str = 'cached') -> dict[str, Any]:
+                       mode: str = 'cached',
+                       tokenizer: lm_tokenizer.Tokenizer | None = None
+                       ) -> dict[str, Any]:
+  tokenizer = tokenizer or lm_tokenizer.ByteTokenizer()
   gen = _generate(model, params, prompts[0], prompts[1], steering,
                   jax.random.key(seed), layer_path, num_steps, mode,
                   temperature)
-  texts = [text_corpus.decode(row) for row in np.asarray(gen.tokens)]
+  texts = [tokenizer.decode(row) for row in np.asarray(gen.tokens)]
   return {'positive_share': positive_share(texts),
           'distinct_1': text_corpus.distinct_n(texts, 1),
           'distinct_2': text_corpus.distinct_n(texts, 2),
@@ -253,14 +270,17 @@ POSITIONS = ('last', 'mean')
 
 def extract(model: decoder_lm.DecoderLM, params, layer_path: str,
             pairs: list[tuple[str, str]], method: str = 'mean_diff',
-            position: str = 'last') -> tuple[np.ndarray, float]:
+            position: str = 'last',
+            tokenizer: lm_tokenizer.Tokenizer | None = None
+            ) -> tuple[np.ndarray, float]:
   """The unit direction from activations after `layer_path`, and their mean
   norm (the addition coefficient).
 
   `position`: 'last' takes each text's last token (the reference's choice);
   'mean' averages over its tokens after BOS.
   """
-  pos, neg = ([text_corpus.encode_document(p[i]) for p in pairs]
+  tokenizer = tokenizer or lm_tokenizer.ByteTokenizer()
+  pos, neg = ([lm_tokenizer.encode_document(tokenizer, p[i]) for p in pairs]
               for i in (0, 1))
   length = max(len(s) for s in pos + neg)
   acts, norms = [], []
@@ -321,12 +341,25 @@ def check_config(config) -> None:
       raise ConfigError(field, value, 'must be a positive integer')
 
 
-def _direction(config, model, params,
-               layer_path: str) -> steering_vectors.SteeringVector:
-  """The config's vector file (checked against the model), or a direction
-  extracted from contrastive pairs at `layer_path`."""
+def _direction(config, model, params, layer_path: str,
+               tokenizer: lm_tokenizer.Tokenizer
+               ) -> steering_vectors.SteeringVector:
+  """The config's vector file (checked against the tokenizer, then the
+  model), or a direction extracted from contrastive pairs at `layer_path`."""
   if config.get('vector_file'):
-    vec = steering_vectors.load(config.vector_file, params)
+    try:
+      vec = steering_vectors.load(config.vector_file)
+    except (OSError, ValueError) as e:
+      raise ConfigError('vector_file', config.vector_file,
+                        str(e).splitlines()[0]) from None
+    # Files from before tokenizers were recorded came from byte-level LMs.
+    lm_tokenizer.check_fingerprint(
+        tokenizer, vec.tokenizer_fingerprint or lm_tokenizer.BYTE_FINGERPRINT,
+        f'the steering vector {config.vector_file}')
+    try:
+      steering_vectors.check_matches(vec, params, config.vector_file)
+    except ValueError as e:
+      raise ConfigError('vector_file', config.vector_file, str(e)) from None
     if vec.layer_path != layer_path:
       raise ConfigError('layer', config.layer,
                         f'the vector file was extracted at {vec.layer_path!r}')
@@ -335,12 +368,13 @@ def _direction(config, model, params,
                                         config.direction.seed)
   direction, coefficient = extract(model, params, layer_path, pairs,
                                    config.direction.method,
-                                   config.direction.position)
+                                   config.direction.position, tokenizer)
   return steering_vectors.SteeringVector(
       direction, config.layer, layer_path,
       steering_vectors.fingerprint(params),
       dict(method=config.direction.method, pairs=config.direction.pairs,
-           position=config.direction.position, coefficient=coefficient))
+           position=config.direction.position, coefficient=coefficient),
+      tokenizer.fingerprint)
 
 
 def evaluate(config, workdir: str) -> list[dict[str, Any]]:
@@ -348,30 +382,31 @@ def evaluate(config, workdir: str) -> list[dict[str, Any]]:
   pareto.png and steering_vector.npz into `workdir`; returns the rows."""
   check_config(config)
   workdir = experiment_lib.check_workdir(workdir)
-  lm_config, model, params = lm_trainer.load_trained(config.lm_workdir)
-  params = jax.device_get(params)
+  lm = lm_trainer.load_trained(config.lm_workdir)
+  lm_config, model, tokenizer = lm.config, lm.model, lm.tokenizer
+  params = jax.device_get(lm.params)
   try:
     layer_path = steering_hooks.resolve_layer(params, config.layer)
   except ValueError as e:
     raise ConfigError('layer', config.layer, str(e).split(': ', 1)[1]) from None
   paths = steering_hooks.layer_paths(params)
 
-  vec = _direction(config, model, params, layer_path)
+  vec = _direction(config, model, params, layer_path, tokenizer)
   steering_vectors.save(os.path.join(workdir, 'steering_vector.npz'), vec)
   coefficient = float(vec.info['coefficient'])
 
   items = {t: text_corpus.mc_task(t, n, config.mc_seed)
            for t, n in config.tasks.items()}
-  length = max(len(it.texts()[c]) + 1 for its in items.values()
-               for it in its for c in (0, 1))
+  mc = {t: encode_mc(its, tokenizer=tokenizer) for t, its in items.items()}
+  length = max(b.tokens.shape[1] for b in mc.values())
   if length > model.max_len:
     raise ConfigError('tasks', dict(config.tasks),
-                      f'items of {length} bytes exceed the LM\'s max_len')
-  mc = {t: encode_mc(its, length) for t, its in items.items()}
-  heldout = {s: lm_data.load_windows(lm_config.data, 'test', lm_config.seed,
-                                     only=s).tokens[:config.heldout_windows]
+                      f'items of {length} tokens exceed the LM\'s max_len')
+  heldout = {s: lm_data.load_windows(
+      lm_config.data, 'test', lm_config.seed, only=s,
+      tokenizer=tokenizer).tokens[:config.heldout_windows]
              for s in lm_data.source_names(lm_config.data)}
-  prompts = generation_prompts(config.generation.prompts)
+  prompts = generation_prompts(config.generation.prompts, tokenizer)
 
   rows, bases = [], {}
   for method in config.methods:
@@ -398,7 +433,8 @@ def evaluate(config, workdir: str) -> list[dict[str, Any]]:
       gen = generation_metrics(model, params, prompts, steer, layer_path,
                                config.generation.steps,
                                config.generation.temperature,
-                               config.generation.seed, config.generation.mode)
+                               config.generation.seed, config.generation.mode,
+                               tokenizer)
       row['samples'] = gen.pop('samples')
       row.update(gen)
       logging.info('%s alpha=%.2f: %s', method, alpha, {
@@ -410,7 +446,8 @@ def evaluate(config, workdir: str) -> list[dict[str, Any]]:
               layer=config.layer, layer_path=layer_path,
               num_layers=len(paths), coefficient=coefficient,
               kappa=config.kappa, beta=config.beta,
-              model_fingerprint=vec.model_fingerprint)
+              model_fingerprint=vec.model_fingerprint,
+              tokenizer_fingerprint=tokenizer.fingerprint)
   metrics_lib.write_json_atomic(os.path.join(workdir, 'results.json'),
                                 {'meta': meta, 'rows': rows})
   table = markdown_table(rows, list(mc))

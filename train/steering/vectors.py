@@ -2,8 +2,10 @@
 
 A vector file (`.npz`) holds the direction and JSON metadata: the layer
 index and module path it was extracted at, the hidden size, the
-fingerprint of the model's parameters, and free-form extraction details
-(method, prompts, coefficient). Loading checks the vector against the
+fingerprint of the model's parameters, the fingerprint of the tokenizer
+its texts were encoded with (absent in files from before tokenizers: the
+byte-level LM's), and free-form extraction details (method, prompts,
+coefficient). Loading checks the vector against the
 model it is meant for: a different hidden size, layer count or
 fingerprint fails with an error naming the field, instead of steering a
 model with another model's direction. Files are written atomically
@@ -65,12 +67,15 @@ class SteeringVector:
     layer_path: the module path of that layer.
     model_fingerprint: `fingerprint(params)` of the model it came from.
     info: extraction details (JSON-serialisable).
+    tokenizer_fingerprint: the tokenizer's (`train.lm.tokenizer`); '' when
+      unknown (a file from before tokenizers were recorded).
   """
   direction: np.ndarray
   layer: int
   layer_path: str
   model_fingerprint: str
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
+  tokenizer_fingerprint: str = ''
 
   @property
   def hidden_size(self) -> int:
@@ -83,6 +88,8 @@ def save(path: str, vector: SteeringVector) -> None:
   meta = dict(format=FORMAT_VERSION, layer=vector.layer,
               layer_path=vector.layer_path, hidden_size=vector.hidden_size,
               model_fingerprint=vector.model_fingerprint, info=vector.info)
+  if vector.tokenizer_fingerprint:
+    meta['tokenizer_fingerprint'] = vector.tokenizer_fingerprint
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   tmp = os.path.join(directory, f'.{os.path.basename(path)}.tmp.{os.getpid()}')
@@ -118,7 +125,8 @@ def load(path: str, params: Any | None = None) -> SteeringVector:
   direction, meta = _read(path)
   direction = _check_direction(direction, meta['hidden_size'], path)
   vector = SteeringVector(direction, meta['layer'], meta['layer_path'],
-                          meta['model_fingerprint'], meta['info'])
+                          meta['model_fingerprint'], meta['info'],
+                          meta.get('tokenizer_fingerprint', ''))
   if params is not None:
     check_matches(vector, params, path)
   return vector
@@ -182,6 +190,9 @@ def _check_meta(meta: Any, path: str) -> dict[str, Any]:
                      'be positive')
   if meta['layer'] < 0:
     raise ValueError(f'{path}: meta.layer={meta["layer"]}: must be >= 0')
+  if not isinstance(meta.get('tokenizer_fingerprint', ''), str):
+    raise ValueError(f'{path}: meta.tokenizer_fingerprint='
+                     f'{meta["tokenizer_fingerprint"]!r}: must be a string')
   info = meta.get('info', {})
   if not isinstance(info, dict):
     raise ValueError(f'{path}: meta.info: a JSON object expected, got '
