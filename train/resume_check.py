@@ -172,13 +172,14 @@ def check_fingerprints(workdir: str, step: int, meta: Mapping[str, Any],
   for name, value in sorted(current.items()):
     if name in saved and saved[name] != value:
       raise UsageError(
-          name, _short(value),
-          f'differs from {_short(saved[name])}, the one the checkpoint of '
-          f'{workdir} at step {step} was trained with (the file was '
-          'replaced?); a run resumes only with its own')
+          name, short_fingerprint(value),
+          f'differs from {short_fingerprint(saved[name])}, the one the '
+          f'checkpoint of {workdir} at step {step} was trained with (the '
+          'file was replaced?); a run resumes only with its own')
 
 
-def _short(fingerprint: str) -> str:
+def short_fingerprint(fingerprint: str) -> str:
+  """'kind:digest' cut to 12 hex digits of the digest, for messages."""
   kind, sep, digest = str(fingerprint).partition(':')
   return f'{kind}:{digest[:12]}' if sep and len(digest) > 12 else (
       str(fingerprint))

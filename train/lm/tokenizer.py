@@ -30,6 +30,7 @@ from typing import Protocol
 import numpy as np
 
 from train import fileio
+from train import resume_check
 from train.errors import ConfigError, UsageError
 from train.lm import corpus as text_corpus
 
@@ -228,11 +229,7 @@ def check_fingerprint(tokenizer: Tokenizer, expected: str, owner: str
   """UsageError in one line unless `tokenizer` is the one `owner` (a
   checkpoint, a steering vector) was made with."""
   if tokenizer.fingerprint != expected:
-    raise UsageError('tokenizer', _short(tokenizer.fingerprint),
-                     f'{owner} was made with tokenizer {_short(expected)}; '
+    short = resume_check.short_fingerprint
+    raise UsageError('tokenizer', short(tokenizer.fingerprint),
+                     f'{owner} was made with tokenizer {short(expected)}; '
                      'a model or vector is only valid with its own')
-
-
-def _short(fingerprint: str) -> str:
-  kind, _, digest = fingerprint.partition(':')
-  return f'{kind}:{digest[:12]}' if kind == 'sentencepiece' else fingerprint

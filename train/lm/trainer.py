@@ -85,22 +85,23 @@ def build(config: ml_collections.ConfigDict,
                           lm_tokenizer.token_dtype(config.model.vocab_size))})
 
 
-def run_tokenizer(config: ml_collections.ConfigDict,
-                  workdir: str) -> lm_tokenizer.Tokenizer:
-  """The run's tokenizer (trained and saved on its first start), or, with
-  `config.init_from`, the other run's, copied into `workdir`."""
-  if config.get('init_from'):
-    source = load_trained(config.init_from).tokenizer
-    if isinstance(source, lm_tokenizer.SentencePieceTokenizer):
-      lm_tokenizer.save(workdir, source)
-    return source
+def run_tokenizer(config: ml_collections.ConfigDict, workdir: str,
+                  source: 'TrainedLM | None' = None) -> lm_tokenizer.Tokenizer:
+  """The run's tokenizer (trained and saved on its first start), or, for a
+  run started from `source` (`config.init_from`), the source's, copied
+  into `workdir`."""
+  if source is not None:
+    if isinstance(source.tokenizer, lm_tokenizer.SentencePieceTokenizer):
+      lm_tokenizer.save(workdir, source.tokenizer)
+    return source.tokenizer
   return lm_tokenizer.for_run(config, workdir)
 
 
-def load_data(config: ml_collections.ConfigDict, workdir: str) -> loop.Data:
+def load_data(config: ml_collections.ConfigDict, workdir: str,
+              source: 'TrainedLM | None' = None) -> loop.Data:
   """Training and validation windows now; at the end the validation
   mixture, each source's share of it, and the test mixture."""
-  tokenizer = run_tokenizer(config, workdir)
+  tokenizer = run_tokenizer(config, workdir, source)
   windows = functools.partial(lm_data.load_windows, config.data,
                               seed=config.seed, tokenizer=tokenizer)
   train = windows('train')
@@ -130,11 +131,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   source, `test_loss` on the test mixture, and `step`.
   """
   exp = build(config, workdir)
-  initial = None
-  if config.get('init_from'):
-    initial = lambda: {'params': load_trained(config.init_from).params}
+  if not config.get('init_from'):
+    return loop.train_and_evaluate(
+        exp, functools.partial(load_data, config, exp.workdir), None)
+  # Loaded once, inside the loop (under the workdir's lock): the data needs
+  # its tokenizer, a new run its parameters.
+  source = functools.cache(lambda: load_trained(config.init_from))
   return loop.train_and_evaluate(
-      exp, functools.partial(load_data, config, exp.workdir), initial)
+      exp, lambda: load_data(config, exp.workdir, source()),
+      lambda: {'params': source().params})
 
 
 class TrainedLM(NamedTuple):
