@@ -66,6 +66,13 @@ def test_steering_evaluation_writes_table_plot_and_vector(lm_workdir,
     for key in ('copa_acc_sum', 'copa_acc_mean', 'cloze_acc_sum',
                 'cloze_acc_mean', 'distinct_2', 'repetition_3'):
       assert 0.0 <= r[key] <= 1.0
+    # Per-item correctness, for intervals over items: one 0/1 per item,
+    # averaging to the accuracy.
+    for task in ('copa', 'cloze'):
+      for score in ('sum', 'mean'):
+        items = r[f'{task}_correct_{score}']
+        assert len(items) == 8 and set(items) <= {0, 1}
+        assert np.mean(items) == r[f'{task}_acc_{score}']
   for name in ('results.md', 'results.json', 'pareto.png',
                'steering_vector.npz'):
     assert os.path.getsize(tmp_path / name) > 0

@@ -148,12 +148,18 @@ def mc_logprobs(model, params, batch: MCBatch, steering, layer_path: str,
 
 
 def mc_accuracy(model, params, batch: MCBatch, steering,
-                layer_path: str) -> dict[str, float]:
-  """Accuracy on summed and on mean log-prob, and the trigger rate."""
+                layer_path: str) -> dict[str, Any]:
+  """Accuracy on summed and on mean log-prob, the trigger rate, and each
+  item's correctness (0/1 lists `correct_sum`, `correct_mean`, in item
+  order: what a bootstrap over items resamples)."""
   total, mean, stats = mc_logprobs(model, params, batch, steering, layer_path)
-  return {'acc_sum': float(np.mean(total.argmax(1) == batch.labels)),
-          'acc_mean': float(np.mean(mean.argmax(1) == batch.labels)),
-          'trigger_rate': float(stats.trigger_rate)}
+  correct_sum = total.argmax(1) == batch.labels
+  correct_mean = mean.argmax(1) == batch.labels
+  return {'acc_sum': float(np.mean(correct_sum)),
+          'acc_mean': float(np.mean(correct_mean)),
+          'trigger_rate': float(stats.trigger_rate),
+          'correct_sum': correct_sum.astype(int).tolist(),
+          'correct_mean': correct_mean.astype(int).tolist()}
 
 
 def heldout_metrics(model, params, windows: np.ndarray, steering,
