@@ -20,7 +20,10 @@ rotates by t = alpha.
 Addition (ActAdd / CAA): x' = x + alpha * coefficient * mu, optionally
 renormalised to |x| (repeng's option). `coefficient` sets the scale of
 alpha, e.g. the mean activation norm at the layer, so that alpha in [0, 1]
-means comparable strengths for every method.
+means comparable strengths for every method. Addition can take the same
+gate (`gate=True`): x' = x + t * coefficient * mu with t from the gate, so
+that the gate and the geometry can be ablated separately (gate on/off x
+rotation/addition). By default the rotation is gated and addition is not.
 
 Everything is computed in float32 and cast back to the input dtype;
 tokens outside `mask` and tokens the gate leaves alone come back bit for
@@ -33,7 +36,8 @@ orthogonal to mu is used (any choice gives a valid geodesic; a fixed one
 keeps the result deterministic). See `slerp_rotate` for the accuracy.
 
 Which parts are the reference's: the rotation, the vMF gate with kappa,
-alpha, beta. Ours: the theta-near-pi plane, the rotation of tokens within
+alpha, beta. Ours: the gate on addition (for the ablation), the
+theta-near-pi plane, the rotation of tokens within
 1e-4 of the target (the reference leaves them as they are), the exact
 pass-through of ungated tokens, the uncentred PCA (below) and the trigger
 statistics.
@@ -234,9 +238,10 @@ class SteerStats(NamedTuple):
 
   Attributes:
     tokens: tokens in the mask.
-    triggered: tokens that were changed (t > 0; every masked token for
-      addition with alpha > 0).
-    t_sum: sum of the rotation fraction t (spherical) or of alpha (addition).
+    triggered: tokens that were changed (t > 0; without the gate, every
+      masked token when alpha > 0).
+    t_sum: sum of the strength t applied (the rotation fraction, or the
+      multiplier of the addition; alpha everywhere without the gate).
   """
   tokens: jax.Array
   triggered: jax.Array
@@ -264,7 +269,9 @@ class Steering:
     kappa: vMF concentration of the gate (reference: 20).
     beta: gate threshold in [-1, 1): steer only where delta > beta.
     coefficient: addition scale (e.g. the mean activation norm).
-    gate: spherical only: gate the rotation (else t = alpha everywhere).
+    gate: gate the rotation or the addition by the vMF gate (else t =
+      alpha everywhere); None (the default): gated for 'spherical', not for
+      'addition', as in the reference and the addition literature.
     renormalize: addition only: rescale x' to |x|.
   """
   method: str = dataclasses.field(metadata=dict(static=True))
@@ -273,13 +280,16 @@ class Steering:
   kappa: float | jax.Array = 20.0
   beta: float | jax.Array = 0.0
   coefficient: float | jax.Array = 1.0
-  gate: bool = dataclasses.field(default=True, metadata=dict(static=True))
+  gate: bool | None = dataclasses.field(default=None,
+                                        metadata=dict(static=True))
   renormalize: bool = dataclasses.field(default=False,
                                         metadata=dict(static=True))
 
   def __post_init__(self):
     validation.check_choice(_STEERING, 'method', self.method, METHODS,
                             'unknown steering method')
+    if self.gate is None:  # Frozen: the resolved default is set once here.
+      object.__setattr__(self, 'gate', self.method == 'spherical')
     # Checked when concrete; inside jit the values were checked on entry.
     if validation.is_concrete(self.direction):
       check_direction(self.direction)
@@ -313,21 +323,20 @@ class Steering:
     mu = unit(self.direction)
     xf = x.astype(jnp.float32)
     alpha = jnp.asarray(self.alpha, jnp.float32)
+    if self.gate:
+      norm = jnp.linalg.norm(xf, axis=-1)
+      cos = jnp.sum(xf * mu, -1) / jnp.maximum(norm, _MIN_NORM)
+      _, t = gate(cos, alpha=alpha, kappa=self.kappa, beta=self.beta)
+    else:
+      t = jnp.broadcast_to(alpha, mask.shape)
     if self.method == 'addition':
-      new = xf + alpha * self.coefficient * mu
+      new = xf + (t * self.coefficient)[..., None] * mu
       if self.renormalize:
         scale = (jnp.linalg.norm(xf, axis=-1, keepdims=True)
                  / jnp.maximum(jnp.linalg.norm(new, axis=-1, keepdims=True),
                                _MIN_NORM))
         new = new * scale
-      t = jnp.broadcast_to(alpha, mask.shape)
     else:
-      if self.gate:
-        norm = jnp.linalg.norm(xf, axis=-1)
-        cos = jnp.sum(xf * mu, -1) / jnp.maximum(norm, _MIN_NORM)
-        _, t = gate(cos, alpha=alpha, kappa=self.kappa, beta=self.beta)
-      else:
-        t = jnp.broadcast_to(alpha, mask.shape)
       new = slerp_rotate(xf, mu, t)
     changed = mask & (t > 0)
     out = jnp.where(changed[..., None], new.astype(x.dtype), x)

@@ -242,6 +242,7 @@ def test_zero_activation_stays_zero():
     ('spherical', dict(gate=False)),
     ('addition', dict(coefficient=2.0)),
     ('addition', dict(coefficient=2.0, renormalize=True)),
+    ('addition', dict(coefficient=2.0, gate=True, beta=-0.3)),
 ])
 def test_vectorised_equals_per_token_loop_with_mask(method, kwargs):
   x = _random((3, 7, 16), 7)
@@ -349,3 +350,35 @@ def test_directions_recover_a_planted_concept():
 def test_bad_input_names_the_argument(make, message):
   with pytest.raises(ValueError, match=message):
     make()
+
+
+def test_gated_addition_adds_the_gate_fraction_and_defaults_are_per_method():
+  """Addition with the vMF gate: x + t c mu with t from `gate` per token
+  (a plain loop over tokens), tokens on the target's side untouched; the
+  default gate is on for the rotation and off for addition."""
+  rng = np.random.default_rng(21)
+  x = rng.normal(size=(40, 8)).astype(np.float32) * 3
+  mu = rng.normal(size=8).astype(np.float32)
+  unit = mu / np.linalg.norm(mu)
+  kappa, beta, alpha, c = 2.0, -0.2, 0.7, 4.0
+  op = st.Steering('addition', jnp.asarray(mu), alpha=alpha, kappa=kappa,
+                   beta=beta, coefficient=c, gate=True)
+  out, stats = jax.jit(lambda s, x: s(x))(op, jnp.asarray(x))
+  changed = 0
+  for i, xi in enumerate(x):
+    cos = float(xi @ unit / np.linalg.norm(xi))
+    delta = -np.tanh(kappa * cos)
+    t = (np.clip(alpha * (delta - beta) / (1 - beta), 0, 1)
+         if delta > beta else 0.0)
+    np.testing.assert_allclose(out[i], xi + t * c * unit, atol=1e-5)
+    if t == 0:
+      np.testing.assert_array_equal(out[i], xi)
+    changed += t > 0
+  assert 0 < changed < len(x)  # The gate really splits this batch.
+  assert float(stats.triggered) == changed
+  assert st.Steering('spherical', jnp.asarray(mu)).gate is True
+  assert st.Steering('addition', jnp.asarray(mu)).gate is False
+  # Ungated addition is unchanged: alpha c mu on every token.
+  plain, _ = st.Steering('addition', jnp.asarray(mu), alpha=alpha,
+                         coefficient=c)(jnp.asarray(x))
+  np.testing.assert_allclose(plain, x + alpha * c * unit, atol=1e-5)
