@@ -37,7 +37,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.kappa = 20.0  # The reference's.
   config.beta = 0.0
   config.tasks = ml_collections.ConfigDict(dict(copa=200, cloze=200))
-  config.mc_seed = 7
+  config.mc_seeds = (7,)  # One item set per seed (the study uses several).
   config.heldout_windows = 64
   config.generation = ml_collections.ConfigDict(dict(
       prompts=64, steps=96, temperature=0.8, seed=0, mode='cached'))

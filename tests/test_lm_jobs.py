@@ -53,10 +53,16 @@ def _eval_config(lm_dir, **overrides):
 
 def test_steering_evaluation_writes_table_plot_and_vector(lm_workdir,
                                                           tmp_path):
-  rows = steering_eval.evaluate(_eval_config(lm_workdir[0]), str(tmp_path))
+  rows = steering_eval.evaluate(
+      _eval_config(lm_workdir[0], mc_seeds=(7, 8),
+                   methods=('none', 'addition_renorm', 'spherical_gate',
+                            'addition_gate')), str(tmp_path))
   assert [(r['method'], r['alpha']) for r in rows] == [
-      ('none', 0.0), ('addition_renorm', 1.0), ('spherical_gate', 1.0)]
-  none, renorm, gated = rows
+      ('none', 0.0), ('addition_renorm', 1.0), ('spherical_gate', 1.0),
+      ('addition_gate', 1.0)]
+  none, renorm, gated, added = rows
+  # The same gate on addition and on the rotation fires on the same tokens.
+  assert 0 < added['trigger_rate'] == gated['trigger_rate'] < 1
   assert none['kl'] == 0.0 and none['trigger_rate'] == 0.0
   assert gated['kl'] > 0 and renorm['kl'] > 0
   # Both keep the norm at the steered layer (addition_renorm by rescaling).
@@ -66,13 +72,16 @@ def test_steering_evaluation_writes_table_plot_and_vector(lm_workdir,
     for key in ('copa_acc_sum', 'copa_acc_mean', 'cloze_acc_sum',
                 'cloze_acc_mean', 'distinct_2', 'repetition_3'):
       assert 0.0 <= r[key] <= 1.0
-    # Per-item correctness, for intervals over items: one 0/1 per item,
-    # averaging to the accuracy.
+    # Per-item correctness, for intervals over items: one 0/1 list per
+    # item set (seeds 7 and 8, the first the single-set run's), averaging
+    # to the accuracy.
     for task in ('copa', 'cloze'):
       for score in ('sum', 'mean'):
-        items = r[f'{task}_correct_{score}']
-        assert len(items) == 8 and set(items) <= {0, 1}
-        assert np.mean(items) == r[f'{task}_acc_{score}']
+        sets = r[f'{task}_correct_{score}']
+        assert len(sets) == 2 and all(len(s) == 8 for s in sets)
+        assert set(sets[0]) | set(sets[1]) <= {0, 1}
+        assert np.mean(sets) == r[f'{task}_acc_{score}']
+    assert r['gen_ce'] > 0
   for name in ('results.md', 'results.json', 'pareto.png',
                'steering_vector.npz'):
     assert os.path.getsize(tmp_path / name) > 0
@@ -87,12 +96,17 @@ def test_steering_evaluation_writes_table_plot_and_vector(lm_workdir,
           tmp_path / 'steering_vector.npz'), methods=('spherical_gate',)),
       str(tmp_path / 'reuse'))
   assert again[0]['kl'] == pytest.approx(gated['kl'], rel=1e-5)
+  # The first item set is the one a single-seed run draws.
+  assert again[0]['cloze_correct_mean'] == gated['cloze_correct_mean'][:1]
 
 
 @pytest.mark.parametrize('overrides,message', [
     (dict(methods=('none', 'iti')),
      "config.methods=.*unknown method 'iti'; valid choices: 'none', "
-     "'addition', 'addition_renorm', 'spherical', 'spherical_gate'"),
+     "'addition', 'addition_renorm', 'addition_gate', 'spherical', "
+     "'spherical_gate'"),
+    (dict(mc_seeds=(7, 7)), r'config.mc_seeds=\(7, 7\): must be distinct'),
+    (dict(mc_seeds=()), r'config.mc_seeds=\(\): must be distinct'),
     (dict(alphas=(0.5, 1.5)), r'config.alphas=.*alpha=1.5 is outside \[0, 1\]'),
     (dict(beta=1.0), r'config.beta=1.0: must be in \[-1, 1\)'),
     (dict(layer=7), r'config.layer=7: out of range; the model has 2 layers'),

@@ -350,3 +350,40 @@ def test_hooks_steer_a_model_they_were_not_written_for():
       jnp.ones(8))
   h = nn.tanh(nn.Dense(8).apply({'params': p['layers_2']}, nn.tanh(h)))
   np.testing.assert_allclose(out, h, atol=1e-6)
+
+
+def test_generation_ce_under_the_unsteered_model_equals_a_direct_computation(
+    params):
+  """gen_ce: the unsteered model's cross-entropy of steered generations,
+  against scoring each row alone, unpadded, token by token; steering
+  changes the texts and so their CE."""
+  from train.steering import evaluation as steering_eval  # pylint: disable=g-import-not-at-top
+  tokens, valid = _prompts()
+  steer = _steering(alpha=0.9)
+  out = steering_eval.generation_metrics(
+      MODEL, params, (tokens, valid), steer, 'block_1', 7, 1.0, seed=4,
+      tokenizer=_VocabTokenizer())
+  gen = lm_generate.generate(MODEL, params, tokens, valid, 7, steering=steer,
+                             layer_path='block_1', temperature=1.0,
+                             rng=jax.random.key(4)).tokens
+  nll = []
+  for row in range(2):
+    prompt = np.asarray(tokens[row])[np.asarray(valid[row])]
+    seq = np.concatenate([prompt, np.asarray(gen[row])])
+    logits, _ = MODEL.apply({'params': params}, jnp.asarray(seq[None]))
+    logp = np.asarray(jax.nn.log_softmax(logits[0]))
+    for i in range(len(prompt), len(seq)):
+      nll.append(-logp[i - 1, seq[i]])
+  np.testing.assert_allclose(out['gen_ce'], np.mean(nll), rtol=1e-5)
+  plain = steering_eval.generation_metrics(
+      MODEL, params, (tokens, valid), None, 'block_1', 7, 1.0, seed=4,
+      tokenizer=_VocabTokenizer())
+  assert plain['gen_ce'] != out['gen_ce']
+
+
+class _VocabTokenizer:
+  """Decodes this test model's 64 ids as letters (for the text measures)."""
+  kind = 'test'
+
+  def decode(self, ids):
+    return ' '.join(chr(97 + int(i) % 26) for i in ids)

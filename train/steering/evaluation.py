@@ -16,12 +16,20 @@ only in sentiment words):
 - generations after neutral prompts (KV-cached, sampled with one fixed
   key for all methods): the share of sentiment words that are positive
   (the lexicons are the template grammar's words that occur only on one
-  side), distinct-1/2 and the 3-gram repetition rate.
+  side), distinct-1/2, the 3-gram repetition rate, and the cross-entropy
+  of the generated tokens under the unsteered model (`gen_ce`, nats per
+  token: how far the text strays from what the model itself writes).
 
 Methods: 'none', 'addition' (x + alpha c mu, c = mean activation norm at
 the layer), 'addition_renorm' (the same, rescaled to |x|),
-'spherical' (rotation by alpha, no gate) and 'spherical_gate' (the vMF
-gate with kappa and beta).
+'addition_gate' (addition by the vMF gate's fraction: the fourth cell of
+the gate x geometry ablation), 'spherical' (rotation by alpha, no gate)
+and 'spherical_gate' (the vMF gate with kappa and beta).
+
+Item sets: `mc_seeds` draws one item set per seed for each task; rows
+hold the accuracy over all of them and each item's correctness per set
+(`{task}_correct_sum` / `_correct_mean`: one 0/1 list per set), what
+the steering study's bootstrap resamples.
 """
 
 import functools
@@ -48,8 +56,8 @@ from train.steering import hooks as steering_hooks
 from train.steering import pareto
 from train.steering import vectors as steering_vectors
 
-METHODS = ('none', 'addition', 'addition_renorm', 'spherical',
-           'spherical_gate')
+METHODS = ('none', 'addition', 'addition_renorm', 'addition_gate',
+           'spherical', 'spherical_gate')
 
 
 def make_steering(method: str, direction, alpha: float, *, kappa: float,
@@ -62,7 +70,8 @@ def make_steering(method: str, direction, alpha: float, *, kappa: float,
     return steering_lib.Steering('none', direction, alpha=0.0)
   if method.startswith('addition'):
     return steering_lib.Steering('addition', direction, alpha=alpha,
-                                 coefficient=coefficient,
+                                 coefficient=coefficient, kappa=kappa,
+                                 beta=beta, gate=method == 'addition_gate',
                                  renormalize=method == 'addition_renorm')
   return steering_lib.Steering('spherical', direction, alpha=alpha,
                                kappa=kappa, beta=beta,
@@ -247,11 +256,23 @@ def _generate(model, params, prompt, valid, steering, rng, layer_path,
                               mode=mode, temperature=temperature, rng=rng)
 
 
+@functools.partial(jax.jit, static_argnames=('model',))
+def _unsteered_ce(model, params, prompt, valid, generated):
+  tokens = jnp.concatenate([prompt, generated], axis=1)
+  mask = jnp.concatenate([valid, jnp.ones(generated.shape, bool)], axis=1)
+  logits, _ = lm_generate.score(model, params, tokens, mask)
+  # The logits at the last prompt position onward predict the generation.
+  logp = jax.nn.log_softmax(
+      logits[:, prompt.shape[1] - 1:-1].astype(jnp.float32))
+  return -jnp.mean(jnp.take_along_axis(logp, generated[..., None], -1))
+
+
 def generation_metrics(model, params, prompts, steering, layer_path: str,
                        num_steps: int, temperature: float, seed: int,
                        mode: str = 'cached',
                        tokenizer: lm_tokenizer.Tokenizer | None = None
                        ) -> dict[str, Any]:
+  """Measures of the texts generated after `prompts` (tokens, valid)."""
   tokenizer = tokenizer or lm_tokenizer.ByteTokenizer()
   gen = _generate(model, params, prompts[0], prompts[1], steering,
                   jax.random.key(seed), layer_path, num_steps, mode,
@@ -261,6 +282,8 @@ def generation_metrics(model, params, prompts, steering, layer_path: str,
           'distinct_1': text_corpus.distinct_n(texts, 1),
           'distinct_2': text_corpus.distinct_n(texts, 2),
           'repetition_3': text_corpus.repetition_rate(texts, 3),
+          'gen_ce': float(_unsteered_ce(model, params, prompts[0], prompts[1],
+                                        gen.tokens)),
           'samples': texts[:3]}
 
 
@@ -332,6 +355,11 @@ def check_config(config) -> None:
   if config.direction.position not in POSITIONS:
     raise ConfigError('direction.position', config.direction.position,
                       'unknown position', POSITIONS)
+  seeds = tuple(config.mc_seeds)
+  if (not seeds or not all(isinstance(s, int) for s in seeds)
+      or len(set(seeds)) != len(seeds)):
+    raise ConfigError('mc_seeds', seeds, 'must be distinct integers, one '
+                      'item set per seed (at least one)')
   for task in config.tasks:
     if task not in text_corpus.MC_TASKS:
       raise ConfigError('tasks', task, 'unknown multiple-choice task',
@@ -401,7 +429,9 @@ def evaluate(config, workdir: str) -> list[dict[str, Any]]:
   steering_vectors.save(os.path.join(workdir, 'steering_vector.npz'), vec)
   coefficient = float(vec.info['coefficient'])
 
-  items = {t: text_corpus.mc_task(t, n, config.mc_seed)
+  # Every item set of a task in one batch; correctness is split per set.
+  items = {t: [it for seed in config.mc_seeds
+               for it in text_corpus.mc_task(t, n, seed)]
            for t, n in config.tasks.items()}
   mc = {t: encode_mc(its, tokenizer=tokenizer) for t, its in items.items()}
   length = max(b.tokens.shape[1] for b in mc.values())
@@ -422,8 +452,11 @@ def evaluate(config, workdir: str) -> list[dict[str, Any]]:
                             coefficient=coefficient)
       row = {'method': method, 'alpha': float(alpha)}
       for task, batch in mc.items():
+        n = config.tasks[task]
         for k, v in mc_accuracy(model, params, batch, steer,
                                 layer_path).items():
+          if k.startswith('correct_'):
+            v = [v[i:i + n] for i in range(0, len(v), n)]
           row[f'{task}_{k}'] = v
       kls, trig = [], []
       for source, windows in heldout.items():
@@ -450,6 +483,7 @@ def evaluate(config, workdir: str) -> list[dict[str, Any]]:
 
   meta = dict(lm_workdir=os.path.abspath(config.lm_workdir),
               layer=config.layer, layer_path=layer_path,
+              mc_seeds=list(config.mc_seeds), tasks=dict(config.tasks),
               num_layers=len(paths), coefficient=coefficient,
               kappa=config.kappa, beta=config.beta,
               model_fingerprint=vec.model_fingerprint,
@@ -469,7 +503,8 @@ def markdown_table(rows: list[dict[str, Any]], tasks: list[str]) -> str:
           + [f'{t} acc (sum / mean)' for t in tasks]
           + ['KL', *[c.replace('_ce', ' CE') for c in ce_cols],
              'norm ratio (at / next / last)', 'trigger rate',
-             'positive share', 'distinct-2', 'rep-3'])
+             'positive share', 'distinct-2', 'rep-3',
+             'generations CE (unsteered model)'])
   lines = ['| ' + ' | '.join(head) + ' |',
            '|' + '---|' * len(head)]
   src = ce_cols[0].removesuffix('_ce')
@@ -482,6 +517,7 @@ def markdown_table(rows: list[dict[str, Any]], tasks: list[str]) -> str:
               f'{r[f"{src}_norm_ratio_next"]:.3f} / '
               f'{r[f"{src}_norm_ratio_last"]:.3f}',
               f'{r["trigger_rate"]:.3f}', f'{r["positive_share"]:.3f}',
-              f'{r["distinct_2"]:.3f}', f'{r["repetition_3"]:.3f}']
+              f'{r["distinct_2"]:.3f}', f'{r["repetition_3"]:.3f}',
+              f'{r["gen_ce"]:.3f}']
     lines.append('| ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines) + '\n'
