@@ -31,8 +31,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # byte-level LM mostly encodes the closing phrase just read (RESULTS.md).
   config.direction = ml_collections.ConfigDict(
       dict(method='mean_diff', position='mean', pairs=256, seed=1))
-  config.methods = ('none', 'addition', 'addition_renorm', 'spherical',
-                    'spherical_gate')
+  config.methods = ('none', 'addition', 'addition_renorm', 'addition_gate',
+                    'spherical', 'spherical_gate')
   config.alphas = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.85, 1.0)
   config.kappa = 20.0  # The reference's.
   config.beta = 0.0

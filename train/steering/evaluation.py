@@ -33,6 +33,7 @@ the steering study's bootstrap resamples.
 """
 
 import functools
+import json
 import os
 import re
 from typing import Any, NamedTuple
@@ -484,6 +485,7 @@ def evaluate(config, workdir: str) -> list[dict[str, Any]]:
   meta = dict(lm_workdir=os.path.abspath(config.lm_workdir),
               layer=config.layer, layer_path=layer_path,
               mc_seeds=list(config.mc_seeds), tasks=dict(config.tasks),
+              config=json.loads(config.to_json()),
               num_layers=len(paths), coefficient=coefficient,
               kappa=config.kappa, beta=config.beta,
               model_fingerprint=vec.model_fingerprint,
