@@ -304,16 +304,26 @@ def test_multiple_choice_scores_equal_a_direct_computation(params):
                       alpha=0.5, gate=False)
   total, mean, stats = steering_eval.mc_logprobs(model, p, batch, steer,
                                                  'block_0')
+
+  @jax.jit
+  def row_logits(seq, mask):
+    with steering_hooks.steered(steer, 'block_0', mask):
+      return model.apply({'params': p}, seq)[0]
+
   for i, item in enumerate(items):
     ctx = np.concatenate([[text_corpus.BOS],
                           text_corpus.encode(item.prefix())])
     for c, choice in enumerate(item.choices):
       ans = text_corpus.encode(choice)
-      seq = jnp.asarray(np.concatenate([ctx, ans])[None])
-      mask = jnp.zeros(seq.shape, bool).at[:, len(ctx) - 1:].set(True)
-      with steering_hooks.steered(steer, 'block_0', mask):
-        logits, _ = model.apply({'params': p}, seq)
-      logp = jax.nn.log_softmax(logits[0, len(ctx) - 1:-1])
+      n = len(ctx) + len(ans)
+      # One row alone, padded on the right to one length (one compile):
+      # causal, so the padding cannot reach positions before it.
+      seq = np.zeros((1, 200), np.int32)
+      seq[0, :n] = np.concatenate([ctx, ans])
+      mask = np.zeros((1, 200), bool)
+      mask[0, len(ctx) - 1:n] = True
+      logits = row_logits(jnp.asarray(seq), jnp.asarray(mask))
+      logp = jax.nn.log_softmax(logits[0, len(ctx) - 1:n - 1])
       ref = float(jnp.sum(logp[jnp.arange(len(ans)), ans]))
       np.testing.assert_allclose(total[i, c], ref, rtol=1e-5)
       np.testing.assert_allclose(mean[i, c], ref / len(ans), rtol=1e-5)
