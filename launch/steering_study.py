@@ -13,7 +13,10 @@ steering direction extracted from that LM, in `eval_lm<S>/`; and once per
 extra gate threshold (`--gate_betas`, the gated rotation only) in
 `eval_lm<S>_beta<B>/`, for the gate's trigger rate against accuracy. An
 evaluation already in its directory with the same config is reused; one
-with another config is refused (a workdir holds one study).
+with another config is refused (a workdir holds one study). An LM whose
+evaluations are all finished is not trained, even if its checkpoints are
+gone: the evaluations' results.json files are the study's record, and a
+study can be carried on elsewhere by copying them into a new --workdir.
 
 Then `train.steering.study_report` compares methods at matched KL
 (`--targets`): accuracy with a 95% hierarchical bootstrap interval over
@@ -196,10 +199,15 @@ def main(argv):
             for beta in [None, *settings['betas']]]
     for _, _, config, name in plan:  # Refuse another study's work first.
       finished(config, name)
+    # An LM whose evaluations are all finished is not needed again: the
+    # evaluations' results.json (small) can outlive the checkpoints.
+    pending = {seed for seed, _, config, name in plan
+               if finished(config, name) is None}
     runs, beta_runs = [], {b: [] for b in settings['betas']}
     for seed, beta, config, name in plan:
       if beta is None:
-        train_lm(seed)
+        if seed in pending:
+          train_lm(seed)
         runs.append(evaluate(config, name))
       else:
         beta_runs[beta].append(evaluate(config, name))

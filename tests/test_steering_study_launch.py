@@ -57,6 +57,14 @@ def test_study_trains_evaluates_aggregates_and_reuses_finished_work(tmp_path):
   assert again.returncode == 0, again.stderr[-3000:]
   assert os.path.getmtime(tmp_path / 'eval_lm0' / 'results.json') == stamp
   assert 'reusing the finished evaluation' in again.stderr
+  # Finished evaluations need no LM: without its checkpoints the study
+  # still rebuilds its report, and trains nothing.
+  os.rename(tmp_path / 'lm_seed0', tmp_path / 'lm_moved')
+  os.remove(tmp_path / 'study.md')
+  bare = _study(tmp_path, *SMALL)
+  assert bare.returncode == 0, bare.stderr[-3000:]
+  assert not os.path.exists(tmp_path / 'lm_seed0')
+  assert (tmp_path / 'study.md').read_text() == table
   # Another evaluation config in the same workdir is refused in one line.
   other = _study(tmp_path, *SMALL[:-1], '--item_seeds=7,9',
                  '--targets=0.02,0.1')
