@@ -161,3 +161,36 @@ def test_check_runs_refuses_unpaired_evaluations():
     study.check_runs(runs, METHODS)
   with pytest.raises(ValueError, match="method='iti': not in the evaluation"):
     study.check_runs(runs[:1], ('iti',))
+
+
+def test_report_gain_over_unsteered_is_the_paired_difference_with_none():
+  from train.steering import study_report  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(7)
+  sweeps = {m: [0.2, 0.4, 0.6] for m in METHODS}
+  # The unsteered model never picks the positive choice; the gated rotation
+  # always does; the others at chance.
+  runs = [_results(rng, sweeps, accuracy={'none': 0.0, 'spherical_gate': 1.0})
+          for _ in range(3)]
+  for r in runs:
+    r['meta']['beta'] = 0.0
+    for row in r['rows']:
+      row.update(trigger_rate=0.5, distinct_2=0.4, repetition_3=0.0)
+  targets = (0.1, 0.4)
+  summary = study_report.build(runs, {}, targets, num_samples=200)
+  gain = summary['gain']['cloze']
+  assert set(gain) == set(METHODS)
+  # At KL 0.4 (a swept point) the gated rotation gains exactly 100 points;
+  # at KL 0.1, half-way from the unsteered row to the first swept point, 50.
+  assert [c['mean'] for c in gain['spherical_gate']] == pytest.approx(
+      [0.5, 1.0])
+  assert (gain['spherical_gate'][1]['low'], gain['spherical_gate'][1]['high']
+          ) == pytest.approx((1.0, 1.0))
+  for m in METHODS:
+    direct = study.paired(runs, m, 'none', 'cloze', targets, num_samples=200)
+    matched = study.matched(runs, m, 'cloze', targets, num_samples=50)
+    for t in range(2):
+      assert gain[m][t]['mean'] == pytest.approx(direct[t].mean)
+      assert gain[m][t]['mean'] == pytest.approx(matched[t].mean)  # none = 0
+  text = study_report.markdown(summary)
+  assert '**cloze: gain over the unsteered model (points, items paired)**' in text
+  assert '| spherical_gate - none | 50.0 [50.0, 50.0] | 100.0 [100.0, 100.0] |' in text

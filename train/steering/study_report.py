@@ -2,9 +2,10 @@
 
 Built from the evaluations of several LMs (`train.steering.study` holds
 the statistics): accuracy at matched KL with 95% intervals per task and
-method, paired differences, the gate x geometry ablation, the gate's
-trigger rate against accuracy (one evaluation per gate threshold beta),
-and the generations' measures at matched KL.
+method, each method's gain over the unsteered model and paired
+differences between methods (items paired), the gate x geometry
+ablation, the gate's trigger rate against accuracy (one evaluation per
+gate threshold beta), and the generations' measures at matched KL.
 """
 
 from collections.abc import Sequence
@@ -38,7 +39,8 @@ def build(runs: Sequence[study.Results],
   out: dict[str, Any] = {
       'targets': list(targets), 'lms': len(runs),
       'item_sets': list(meta['mc_seeds']), 'items': dict(meta['tasks']),
-      'methods': methods, 'accuracy': {}, 'unsteered': {}, 'paired': {},
+      'methods': methods, 'accuracy': {}, 'unsteered': {}, 'gain': {},
+      'paired': {},
       'ablation': {}, 'gate': [], 'generation': {},
       'kl_max': {m: [max(r['kl'] for r in run['rows'] if r['method'] == m)
                      for run in runs] for m in methods}}
@@ -48,6 +50,12 @@ def build(runs: Sequence[study.Results],
                                 num_samples=num_samples)) for m in methods}
     out['unsteered'][task] = _dicts(study.matched(
         runs, 'none', task, targets[:1], num_samples=num_samples))[0]
+    # Does steering move the task at all? Each method against the unsteered
+    # model on the same items (the unsteered model's interval alone is too
+    # wide to tell a small gain from none).
+    out['gain'][task] = {
+        m: _dicts(study.paired(runs, m, 'none', task, targets,
+                               num_samples=num_samples)) for m in methods}
     out['paired'][task] = {
         f'{a} - {b}': _dicts(study.paired(runs, a, b, task, targets,
                                           num_samples=num_samples))
@@ -99,6 +107,10 @@ def markdown(summary: dict[str, Any]) -> str:
               f'{_fmt(base)})', '', f'| method | {kl_head} |', sep]
     lines += [f'| {m} | ' + ' | '.join(_fmt(c) for c in cells) + ' |'
               for m, cells in table.items()]
+    lines += ['', f'**{task}: gain over the unsteered model (points, items '
+              'paired)**', '', f'| method | {kl_head} |', sep]
+    lines += [f'| {m} - none | ' + ' | '.join(_fmt(c) for c in cells) + ' |'
+              for m, cells in summary['gain'][task].items()]
     lines += ['', f'**{task}: paired differences (points)**', '',
               f'| difference | {kl_head} |', sep]
     lines += [f'| {name} | ' + ' | '.join(_fmt(c) for c in cells) + ' |'
