@@ -397,3 +397,26 @@ class _VocabTokenizer:
 
   def decode(self, ids):
     return ' '.join(chr(97 + int(i) % 26) for i in ids)
+
+
+def test_results_table_has_one_ce_column_per_source_and_the_generations_last():
+  from train.steering import evaluation  # pylint: disable=g-import-not-at-top
+  row = {'method': 'spherical_gate', 'alpha': 0.5, 'cloze_acc_sum': 0.5,
+         'cloze_acc_mean': 0.25, 'kl': 0.3, 'trigger_rate': 0.6,
+         'positive_share': 0.7, 'distinct_2': 0.4, 'repetition_3': 0.01,
+         'gen_ce': 1.234}
+  for source, ce in (('reviews', 0.25), ('fortunes', 1.5)):
+    row.update({f'{source}_kl': 0.3, f'{source}_ce': ce,
+                f'{source}_norm_ratio_at': 1.0,
+                f'{source}_norm_ratio_next': 0.9,
+                f'{source}_norm_ratio_last': 0.8})
+  head, _, line = evaluation.markdown_table([row], ['cloze']).splitlines()
+  cols = [c.strip() for c in head.strip('|').split('|')]
+  cells = [c.strip() for c in line.strip('|').split('|')]
+  assert len(cols) == len(cells)
+  assert [c for c in cols if c.endswith(' CE')] == ['fortunes CE',
+                                                     'reviews CE']
+  got = dict(zip(cols, cells))
+  assert got['fortunes CE'] == '1.5000' and got['reviews CE'] == '0.2500'
+  assert got['generations CE (unsteered model)'] == '1.234'
+  assert got['cloze acc (sum / mean)'] == '0.500 / 0.250'

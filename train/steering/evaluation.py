@@ -500,7 +500,11 @@ def evaluate(config, workdir: str) -> list[dict[str, Any]]:
 
 def markdown_table(rows: list[dict[str, Any]], tasks: list[str]) -> str:
   """One line per (method, alpha): accuracies, KL, CE, norms, triggers, text."""
-  ce_cols = sorted(k for k in rows[0] if k.endswith('_ce'))
+  # One CE column per held-out source (each has a `<source>_kl`); the
+  # generations' CE (`gen_ce`) has its own column at the end.
+  sources = sorted(k.removesuffix('_kl') for k in rows[0]
+                   if k.endswith('_kl'))
+  ce_cols = [f'{s}_ce' for s in sources]
   head = (['method', 'alpha']
           + [f'{t} acc (sum / mean)' for t in tasks]
           + ['KL', *[c.replace('_ce', ' CE') for c in ce_cols],
