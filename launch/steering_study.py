@@ -197,10 +197,9 @@ def main(argv):
              f'eval_lm{seed}' + ('' if beta is None else f'_beta{beta:g}'))
             for seed in settings['lm_seeds']
             for beta in [None, *settings['betas']]]
-    for _, _, config, name in plan:  # Refuse another study's work first.
-      finished(config, name)
-    # An LM whose evaluations are all finished is not needed again: the
-    # evaluations' results.json (small) can outlive the checkpoints.
+    # Refuses another study's work before any compute. An LM whose
+    # evaluations are all finished is not needed again: the evaluations'
+    # results.json (small) can outlive the checkpoints.
     pending = {seed for seed, _, config, name in plan
                if finished(config, name) is None}
     runs, beta_runs = [], {b: [] for b in settings['betas']}
