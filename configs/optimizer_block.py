@@ -2,12 +2,21 @@
 
 Every field `train.optim` reads, with defaults; a config passes what it
 changes: `optimizer_block(name='adamw', learning_rate=3e-3)`. SAM is the
-`sam` sub-block (`configs/sam_block.py`), off by default.
+`sam` sub-block (`configs/sam_block.py`), off by default. Optional fields
+(`OPTIONAL`) are in the block only when a config passes them, so the
+configs of runs made before they existed stay equal on resume.
 """
 
 import ml_collections
 
 from configs import sam_block
+
+# Fields absent unless passed, with what `train.optim` assumes when absent.
+OPTIONAL = {
+    # 'decoupled': lr * wd * w after momentum (SGDW / AdamW); 'l2': wd * w
+    # added to the gradient before clipping and momentum (an L2 penalty).
+    'weight_decay_mode': 'decoupled',
+}
 
 
 def optimizer_block(**changes) -> ml_collections.ConfigDict:
@@ -27,10 +36,10 @@ def optimizer_block(**changes) -> ml_collections.ConfigDict:
       weight_decay_exclude=r'(bias|scale)$',
       grad_clip_norm=0.0,  # 0: no clipping.
   )
-  unknown = sorted(set(changes) - set(block))
+  unknown = sorted(set(changes) - set(block) - set(OPTIONAL))
   if unknown:
     raise ValueError(f'optimizer_block: unknown field {unknown[0]!r}; valid: '
-                     f'{", ".join(sorted(block))}')
+                     f'{", ".join(sorted({**block, **OPTIONAL}))}')
   block.update(changes)
   block['sam'] = sam_block.sam_block()
   return ml_collections.ConfigDict(block)

@@ -76,6 +76,32 @@ def test_momentum_is_decoupled_sgdw_in_plain_numpy():
                params)
 
 
+def test_l2_mode_adds_the_decay_to_the_gradient_before_clipping_and_momentum():
+  """The SAM paper's code: wd / 2 * |w|^2 in the loss, clipped with the
+  gradient, then Nesterov momentum; in plain numpy."""
+  cfg = _cfg(schedule='constant', warmup_steps=0, nesterov=True,
+             grad_clip_norm=0.5, weight_decay_mode='l2',
+             weight_decay_exclude=r'^$')  # Decay on every parameter.
+  got = _run(optim.create_optimizer(cfg, 10))
+  params = jax.tree.map(lambda x: np.asarray(x, np.float64), _params())
+  trace = jax.tree.map(np.zeros_like, params)
+  for step in range(6):
+    g = jax.tree.map(lambda gi, p: np.asarray(gi, np.float64) + 0.01 * p,
+                     _grads(step), params)
+    norm = np.sqrt(sum(np.sum(x**2) for x in jax.tree.leaves(g)))
+    g = jax.tree.map(lambda x: x * min(1.0, 0.5 / norm), g)
+    trace = jax.tree.map(lambda t, gi: 0.9 * t + gi, trace, g)
+    params = jax.tree.map(lambda p, t, gi: p - 0.1 * (0.9 * t + gi),
+                          params, trace, g)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
+               got, params)
+  # The same decay placed after momentum (decoupled) is another optimizer.
+  decoupled = _run(optim.create_optimizer(
+      _cfg(**{**cfg, 'weight_decay_mode': 'decoupled'}), 10))
+  assert not np.allclose(decoupled['dense']['kernel'],
+                         got['dense']['kernel'], rtol=1e-4)
+
+
 def test_sgd_matches_optax_sgd_without_decay():
   cfg = _cfg(name='sgd', weight_decay=0.0, schedule='constant',
              warmup_steps=0)
@@ -203,6 +229,9 @@ def test_sam_from_config_reads_grad_fn_and_matches_a_hand_computed_step():
     ('weight_decay', -1.0, r'config.optimizer.weight_decay=-1.0'),
     ('momentum', 1.0, r'config.optimizer.momentum=1.0'),
     ('weight_decay_exclude', '(', r'not a regular expression'),
+    ('weight_decay_mode', 'adamw',
+     r"config.optimizer.weight_decay_mode='adamw': unknown weight decay "
+     r"mode; valid choices: 'decoupled', 'l2'"),
 ])
 def test_bad_optimizer_settings_name_the_field(field, value, match):
   with pytest.raises(ConfigError, match=match):

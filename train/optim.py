@@ -7,6 +7,11 @@
 
 Weight decay is added after the base scaling and before the learning rate,
 as in `optax.adamw` (and SGDW for momentum): the step is lr * (u + wd * w).
+`weight_decay_mode='l2'` (a field absent from older configs, which keep
+'decoupled') adds wd * w to the gradient first instead, before clipping
+and momentum: the gradient of an L2 penalty wd / 2 * |w|^2 in the loss, as
+the SAM paper's code trains. With momentum 0.9 the decay then acts about
+10x as strongly as the decoupled one of the same `weight_decay`.
 
 Methods from `geom/` wrap this chain, each from its own config block
 (`METHODS`: block name -> builder). A builder returns the wrapped
@@ -43,6 +48,7 @@ from geom.validation import ArgumentError
 from train.errors import ConfigError
 
 OPTIMIZERS = ('sgd', 'momentum', 'adamw')
+WEIGHT_DECAY_MODES = ('decoupled', 'l2')
 SCHEDULES = ('cosine', 'constant', 'wsd')
 
 
@@ -136,7 +142,17 @@ def _base_chain(cfg: ml_collections.ConfigDict,
     raise ConfigError('optimizer.weight_decay_exclude',
                       cfg.weight_decay_exclude,
                       f'not a regular expression ({e})') from None
+  mode = cfg.get('weight_decay_mode', 'decoupled')
+  if mode not in WEIGHT_DECAY_MODES:
+    raise ConfigError('optimizer.weight_decay_mode', mode,
+                      'unknown weight decay mode', WEIGHT_DECAY_MODES)
+  decay = (optax.add_decayed_weights(
+      cfg.weight_decay,
+      mask=lambda p: weight_decay_mask(p, cfg.weight_decay_exclude))
+           if cfg.weight_decay > 0 else None)
   parts = []
+  if decay is not None and mode == 'l2':
+    parts.append(decay)
   if cfg.grad_clip_norm > 0:
     parts.append(optax.clip_by_global_norm(cfg.grad_clip_norm))
   if cfg.name == 'momentum':
@@ -152,10 +168,8 @@ def _base_chain(cfg: ml_collections.ConfigDict,
     if not 0 < cfg.eps < math.inf:
       raise ConfigError('optimizer.eps', cfg.eps, 'must be finite and > 0')
     parts.append(optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps))
-  if cfg.weight_decay > 0:
-    parts.append(optax.add_decayed_weights(
-        cfg.weight_decay,
-        mask=lambda p: weight_decay_mask(p, cfg.weight_decay_exclude)))
+  if decay is not None and mode == 'decoupled':
+    parts.append(decay)
   parts.append(optax.scale_by_learning_rate(schedule))
   return optax.chain(*parts)
 
