@@ -8,6 +8,7 @@ test_kernels_sam_perturb_lowering.py.
 """
 
 import functools
+import re
 
 import jax
 from jax.extend import core as jex
@@ -17,6 +18,7 @@ import numpy as np
 import optax
 import pytest
 
+from bench import hlo_traffic
 from geom import sam
 from geom.kernels import sam_perturb as k
 
@@ -24,6 +26,7 @@ from geom.kernels import sam_perturb as k
 # rows of 128, a buffer of its own) both end in a ragged block of 32 rows.
 SHAPES = [(3,), (17, 5), (129, 31), (7,), (1000, 65), (2, 3, 5), (300, 128)]
 SMALL_BLOCKS = k.BlockSizes(block_rows=32, pack_below=1024)
+F32 = jnp.float32
 
 
 def _tree(dtype=jnp.float32, scale=1.0, seed=0):
@@ -193,19 +196,152 @@ class TestSamPerturbInterpretTriton(TestSamPerturb):
   TARGET = 'gpu'
 
 
-def test_norm_is_global_across_shards():
-  mesh = jax.make_mesh((8,), ('x',), axis_types=(jax.sharding.AxisType.Auto,))
-  w = {'a': jnp.linspace(-1, 1, 8 * 1000).reshape(8, 1000),
-       'b': jnp.ones((16,))}
-  g = jax.tree.map(lambda x: jnp.cos(3 * x), w)
-  shardings = {'a': NamedSharding(mesh, P('x')), 'b': NamedSharding(mesh, P())}
+# Sharded calls: a tree with large, aligned, ragged and tiny leaves on a
+# (4, 2) mesh, laid out as FSDP, tensor parallelism or a mix per leaf.
+SHARDED_SHAPES = {'emb': (1000, 64), 'kernel': (256, 384), 'bias': (384,),
+                  'conv': (3, 3, 16, 32), 'col': (1000, 6), 'odd': (129, 31),
+                  'tiny': (7,)}
+LAYOUTS = {
+    'replicated': {},
+    'fsdp': {'emb': P('data'), 'kernel': P('data'), 'bias': P('data'),
+             'conv': P(None, None, 'data'), 'col': P('data')},
+    'tensor': {'emb': P(None, 'model'), 'kernel': P(None, 'model'),
+               'bias': P('model'), 'conv': P(None, None, None, 'model'),
+               'col': P(None, 'model')},
+    # Both axes on one dimension, crossed axes, and leaves split over one
+    # axis beside leaves replicated over it.
+    'mixed': {'emb': P('data', 'model'), 'kernel': P('model', 'data'),
+              'bias': P(('data', 'model')), 'conv': P(None, None, 'model'),
+              'col': P('data')},
+}
+
+
+def _mesh():
+  return jax.make_mesh((4, 2), ('data', 'model'),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _sharded_tree(layout, seed=3):
+  """(w, g, shardings); 'kernel' and 'bias' in bfloat16, the rest float32."""
+  keys = iter(jax.random.split(jax.random.key(seed), 2 * len(SHARDED_SHAPES)))
+  dtype = lambda key: jnp.bfloat16 if key in ('kernel', 'bias') else F32
+  w = {k_: (jax.random.normal(next(keys), s) * 0.5).astype(dtype(k_))
+       for k_, s in SHARDED_SHAPES.items()}
+  # Magnitudes that differ by leaf, so that a leaf counted twice or missed
+  # moves the norm.
+  g = {k_: (jax.random.normal(next(keys), s) * (i + 1)).astype(dtype(k_))
+       for i, (k_, s) in enumerate(SHARDED_SHAPES.items())}
+  # The largest magnitude on only some devices' shards: each device's own
+  # largest differs from the global one (the scale the sums combine at).
+  g['emb'] = g['emb'].at[0, 0].set(300)
+  mesh = _mesh()
+  shardings = {k_: NamedSharding(mesh, LAYOUTS[layout].get(k_, P()))
+               for k_ in SHARDED_SHAPES}
+  return w, g, shardings
+
+
+def _all_gathers(compiled) -> list[int]:
+  return hlo_traffic.collectives(compiled.as_text(), 'all-gather')
+
+
+@pytest.mark.parametrize('layout,adaptive,given', [
+    *[(layout, False, False) for layout in LAYOUTS],
+    ('mixed', True, False), ('tensor', True, False),
+    # Shardings given (shard_map, the route that runs Mosaic kernels
+    # sharded on TPU).
+    ('fsdp', False, True), ('mixed', True, True), ('replicated', False, True),
+])
+def test_sharded_equals_the_unsharded_reference(layout, adaptive, given):
+  w, g, shardings = _sharded_tree(layout)
   ws, gs = jax.device_put(w, shardings), jax.device_put(g, shardings)
-  got, norm = jax.jit(lambda a, b: k.sam_perturb(a, b, 0.5, block_sizes=(
-      SMALL_BLOCKS)), out_shardings=(shardings, None))(ws, gs)
-  want, want_norm = k.sam_perturb_reference(w, g, 0.5)
+  fn = jax.jit(lambda a, b, rho: k.sam_perturb(
+      a, b, rho, adaptive=adaptive, block_sizes=SMALL_BLOCKS,
+      shardings=shardings if given else None),
+               out_shardings=(shardings, None))
+  compiled = fn.lower(ws, gs, 0.3).compile()
+  got, norm = compiled(ws, gs, 0.3)
+  want, want_norm = k.sam_perturb_reference(w, g, 0.3, adaptive=adaptive)
   np.testing.assert_allclose(norm, want_norm, rtol=1e-6)
-  _assert_tree_close(got, want, rtol=1e-6, atol=1e-6)
-  assert got['a'].sharding.spec == P('x')
+  if not adaptive:  # The global norm, counting each element once.
+    norm64 = np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64)))
+                         for x in jax.tree.leaves(g)))
+    np.testing.assert_allclose(float(norm), norm64, rtol=1e-6)
+  for key, x in got.items():
+    assert x.dtype == w[key].dtype, key
+    assert x.sharding.spec == shardings[key].spec, key
+    tol = 1e-2 if x.dtype == jnp.bfloat16 else 1e-6
+    np.testing.assert_allclose(np.asarray(x, F32), np.asarray(want[key], F32),
+                               rtol=tol, atol=tol, err_msg=key)
+  # Each device perturbs its own shards: nothing is gathered.
+  assert _all_gathers(compiled) == []
+
+
+def test_each_device_runs_the_kernels_on_its_shards():
+  # The program the partitioner builds: per device, the kernels see shard
+  # shapes, and leaves of one dtype split over the same axes (in any order
+  # or dimension) share one packed buffer. float32: emb 1000 x 64 split
+  # 4 x 2 (250 x 32 = 8000 elements); conv over 'model' (2304); col over
+  # 'data' (1500); odd and tiny whole (4006). bfloat16: kernel 256 x 384
+  # split 2 x 4 (12288) with bias 384 / 8 (48).
+  w, g, shardings = _sharded_tree('mixed')
+  ws, gs = jax.device_put(w, shardings), jax.device_put(g, shardings)
+  text = jax.jit(lambda a, b: k.sam_perturb(a, b, 0.1)).lower(
+      ws, gs).compile().as_text()
+  # (XLA:CPU computes bfloat16 in float32: the rows are what tell.)
+  rows = set(re.findall(r'(?:f32|bf16)\[(\d+),128\]', text)) - {'1'}
+  assert rows == {str(-(-n // 128))
+                  for n in (8000, 2304, 1500, 4006, 12288 + 48)}
+
+
+def test_uneven_dimensions_are_not_split():
+  mesh = _mesh()
+  even = k._even_spec(NamedSharding(mesh, P('data', 'model')), (129, 6), mesh)
+  assert even == P(None, 'model')
+  assert k._even_spec(NamedSharding(mesh, P(('data', 'model'))), (12,),
+                      mesh) == P(None)
+  assert k._even_spec(NamedSharding(mesh, P(('data', 'model'))), (16, 3),
+                      mesh) == P(('data', 'model'), None)
+
+
+def test_shardings_over_two_meshes_are_refused():
+  mesh = _mesh()
+  other = jax.make_mesh((8,), ('x',),
+                        axis_types=(jax.sharding.AxisType.Auto,))
+  w = {'a': jnp.ones((8, 128)), 'b': jnp.ones((8, 128))}
+  with pytest.raises(ValueError, match='shardings.*one mesh'):
+    k.sam_perturb(w, w, 0.1, shardings={
+        'a': NamedSharding(mesh, P('data')), 'b': NamedSharding(other, P())})
+
+
+def test_per_data_device_norms_with_automatic_model_axis():
+  # m-sharpness as train.steps runs it: a shard_map over 'data' only, the
+  # parameters split over 'model' by the partitioner; each data device
+  # perturbs with its own gradient and its own (whole-model) norm.
+  mesh = _mesh()
+  w, _, _ = _sharded_tree('replicated')
+  w = {key: w[key].astype(F32) for key in ('emb', 'kernel', 'odd')}
+  specs = {'emb': P(None, 'model'), 'kernel': P('model'), 'odd': P()}
+  per_device = {key: jnp.stack([jnp.cos((d + 1) * x) * (d + 1)
+                                for d in range(4)]) for key, x in w.items()}
+  ws = jax.device_put(w, {key: NamedSharding(mesh, s)
+                          for key, s in specs.items()})
+  gs = jax.device_put(per_device, {key: NamedSharding(mesh, P('data', *s))
+                                   for key, s in specs.items()})
+
+  def local(w, g):
+    out, norm = k.sam_perturb(w, jax.tree.map(lambda x: x[0], g), 0.5)
+    return jax.tree.map(lambda x: x[None], out), norm[None]
+
+  got, norms = jax.jit(jax.shard_map(
+      local, mesh=mesh, in_specs=(P(), P('data')),
+      out_specs=(P('data'), P('data')), axis_names={'data'},
+      check_vma=False))(ws, gs)
+  for d in range(4):
+    want, want_norm = k.sam_perturb_reference(
+        w, jax.tree.map(lambda x: x[d], per_device), 0.5)
+    np.testing.assert_allclose(norms[d], want_norm, rtol=1e-6)
+    _assert_tree_close(jax.tree.map(lambda x: x[d], got), want, rtol=1e-6,
+                       atol=1e-6)
 
 
 def test_per_device_norms_inside_shard_map():

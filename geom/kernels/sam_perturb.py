@@ -50,22 +50,52 @@ pressure, VMEM and occupancy are only known on the hardware: the GPU
 defaults in `BlockSizes.for_target` are a first choice, untuned until
 `bench.sam_perturb` runs on a GPU (see BENCHMARKS.md).
 
-Inside `jax.jit` with sharded arrays XLA gathers the kernel's operands, so
-the norm is the global one; inside `shard_map` each device gets its own
-(what m-sharpness wants). The kernels are not differentiable: SAM never
+Sharding. The norm is always the global one, and each device runs the
+kernels on its own shards; nothing parameter-sized is gathered:
+- under `jax.jit` over several devices (any NamedShardings of the leaves:
+  replicated, FSDP, tensor-parallel, mixed per leaf), on GPU and CPU, the
+  call is one `custom_partitioning` op: the SPMD partitioner (Shardy's
+  rule: w, g and w' of a leaf share their dimensions) hands each device
+  its shards, packing groups the leaves split over the same mesh axes,
+  and the per-lane (max, scaled sum of squares) statistics combine as a
+  max over the whole mesh and sums over exactly the axes each group is
+  split over (a leaf replicated over an axis counts once). A dimension
+  the mesh axes do not divide evenly is taken whole.
+- on TPU, Mosaic kernels cannot be partitioned automatically and libtpu
+  (0.0.42, jax 0.10.2) has no handler for `custom_partitioning`
+  ("Custom emitter for CustomSPMDPartitioning not found", jax-ml/jax
+  issue 38196). There the call lowers, where the partitioner splits it,
+  to XLA's own fusion of the same float32 arithmetic
+  (`sam_perturb_reference`), which partitions without gathers; where
+  nothing is split (one chip, or inside a `shard_map` over every mesh
+  axis) the Mosaic kernels run.
+- `shardings=` (NamedShardings of the leaves, as the caller places them)
+  runs the kernels in a `shard_map` over that mesh, each device on its
+  shards, with the same combination: the route that runs Mosaic kernels
+  sharded on a TPU slice, and on any backend.
+Inside a `shard_map` over every mesh axis each device gets its own norm
+(what m-sharpness wants); inside one that leaves axes automatic (as
+`train.steps` does for m-sharpness over the data axis), each device of
+the manual axes gets its own norm over the leaves whole along the
+automatic axes. The kernels are not differentiable: SAM never
 differentiates through its perturbation, and `jax.grad` through
 `sam_perturb` raises a clear error instead of failing to linearize.
 """
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
+from jax.experimental import custom_partitioning as cp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
+from jax.extend import core as jex
+from jax.interpreters import mlir
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from geom import tree_norm
 from geom import validation
@@ -285,15 +315,21 @@ class _Launch:
         name='sam_perturb_update')(jnp.stack([scale, eta]), w, g)
 
 
-def _buffers(params, grads, pack_below: int):
-  """(rows, 128) (w, g) buffers: one per large aligned leaf, one per dtype
-  pair of the others (zero-padded).
+def _buffers(params, grads, pack_below: int, leaf_axes=None):
+  """(rows, 128) (w, g, axes) buffers: one per large aligned leaf, one per
+  (dtype pair, axes) of the others (zero-padded).
+
+  `leaf_axes[i]`: the mesh axes leaf i is sharded over (per device, the
+  leaves are shards; leaves sharded over different axes are never packed
+  together, since their norms combine over different axes); None: ().
 
   Returns the buffers and a function that maps the perturbed buffers back
   to the tree of `params`.
   """
   leaves_w, treedef = jax.tree.flatten(params)
   leaves_g = treedef.flatten_up_to(grads)
+  if leaf_axes is None:
+    leaf_axes = [()] * len(leaves_w)
   buffers, slots = [], []  # slots[leaf] = (buffer index, offset) or None.
   packs = {}
   for i, (w, g) in enumerate(zip(leaves_w, leaves_g)):
@@ -303,11 +339,12 @@ def _buffers(params, grads, pack_below: int):
           f'leaf {i} has shape {g.shape}, its parameter {w.shape}')
     if w.size >= max(pack_below, 1) and w.size % LANES == 0:
       slots.append((len(buffers), None))
-      buffers.append((w.reshape(-1, LANES), g.reshape(-1, LANES)))
+      buffers.append((w.reshape(-1, LANES), g.reshape(-1, LANES),
+                      leaf_axes[i]))
     else:
-      packs.setdefault((w.dtype, g.dtype), []).append(i)
+      packs.setdefault((w.dtype, g.dtype, leaf_axes[i]), []).append(i)
       slots.append(None)
-  for members in packs.values():
+  for (_, _, axes), members in packs.items():
     offset = 0
     for i in members:
       slots[i] = (len(buffers), offset)
@@ -318,7 +355,7 @@ def _buffers(params, grads, pack_below: int):
       flat = jnp.concatenate([leaves[i].reshape(-1) for i in members])
       return jnp.pad(flat, (0, pad)).reshape(-1, LANES)
 
-    buffers.append((packed(leaves_w), packed(leaves_g)))
+    buffers.append((packed(leaves_w), packed(leaves_g), axes))
 
   def unflatten(outs):
     leaves = []
@@ -340,20 +377,63 @@ def _combine(m: jax.Array, s: jax.Array) -> jax.Array:
                    0.0)
 
 
+def _combine_shards(stats, mesh_axes) -> jax.Array:
+  """The global norm from each device's per-lane (max, scaled sum of
+  squares) pairs of its shards, `stats` = [((m, s), axes)].
+
+  The largest magnitude is a max over every device (a replica counted
+  twice changes no max); each group of buffers then adds its scaled sums
+  of squares over exactly the axes its leaves are sharded over, so a leaf
+  replicated over an axis is counted once. Every device ends with the
+  same norm.
+  """
+  local = [jnp.max(m) for (m, _), _ in stats]
+  big = jax.lax.pmax(functools.reduce(jnp.maximum, local,
+                                      jnp.zeros((), jnp.float32)),
+                     tuple(mesh_axes))
+  safe = jnp.where(big > 0, big, 1.0)
+  groups = {}
+  for (m, s), axes in stats:
+    groups.setdefault(axes, []).append(jnp.sum(s * jnp.square(m / safe)))
+  total = jnp.zeros((), jnp.float32)
+  for axes, parts in groups.items():
+    part = functools.reduce(jnp.add, parts)
+    total = total + (jax.lax.psum(part, axes) if axes else part)
+  return jnp.where(big > 0, big * jnp.sqrt(total), 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shards:
+  """How a call's leaves are laid out on the devices (see `_partition`).
+
+  Attributes:
+    leaf_axes: per leaf of `params`, the mesh axes it is sharded over.
+    mesh_axes: every axis of the mesh.
+  """
+  leaf_axes: tuple[tuple[str, ...], ...]
+  mesh_axes: tuple[str, ...]
+
+
 def _fused(params, grads, rho, eta, eps, *, adaptive: bool,
-           launch: _Launch):
+           launch: _Launch, shards: _Shards | None = None):
+  """The perturbation on whole arrays (`shards` None) or, per device, on
+  each device's shards with the norm combined across the mesh."""
   eta = jnp.asarray(eta, jnp.float32)
-  buffers, unflatten = _buffers(params, grads, launch.block_sizes.pack_below)
-  live = [(w, g) for w, g in buffers if w.size]
-  if live:
-    stats = [launch.norm_stats(eta, w, g, adaptive) for w, g in live]
-    norm = _combine(jnp.concatenate([m.reshape(-1) for m, _ in stats]),
-                    jnp.concatenate([s.reshape(-1) for _, s in stats]))
+  buffers, unflatten = _buffers(params, grads, launch.block_sizes.pack_below,
+                                shards and shards.leaf_axes)
+  live = [(w, g, axes) for w, g, axes in buffers if w.size]
+  stats = [(launch.norm_stats(eta, w, g, adaptive), axes)
+           for w, g, axes in live]
+  if shards is not None:
+    norm = _combine_shards(stats, shards.mesh_axes)
+  elif live:
+    norm = _combine(jnp.concatenate([m.reshape(-1) for (m, _), _ in stats]),
+                    jnp.concatenate([s.reshape(-1) for (_, s), _ in stats]))
   else:
     norm = jnp.zeros((), jnp.float32)
   scale = (jnp.asarray(rho, jnp.float32) / (norm + eps)).astype(jnp.float32)
   outs = [launch.update(scale, eta, w, g, adaptive) if w.size else w
-          for w, g in buffers]
+          for w, g, _ in buffers]
   return unflatten(outs), norm
 
 
@@ -375,16 +455,215 @@ def _per_platform(adaptive: bool, block_sizes: BlockSizes | None,
   return choices
 
 
-@functools.lru_cache(maxsize=None)
-def _differentiation_guarded(adaptive, block_sizes, target, interpret):
-  """The kernels for these static options, picked where they are lowered,
-  with a VJP that explains itself."""
-  choices = _per_platform(adaptive, block_sizes, target, interpret)
-  distinct = {(f.keywords['launch']): f for f in choices.values()}
+def _on_platform(choices, shards: _Shards | None, platforms=None):
+  """`_fused` with the bodies of the platform the call is lowered for."""
+  per_platform = {p: functools.partial(f, shards=shards)
+                  for p, f in choices.items()
+                  if platforms is None or p in platforms}
+  distinct = {f.keywords['launch']: f for f in per_platform.values()}
   if len(distinct) == 1:
-    fn = next(iter(distinct.values()))
-  else:
-    fn = lambda *args: jax.lax.platform_dependent(*args, **choices)
+    return next(iter(distinct.values()))
+  return lambda *args: jax.lax.platform_dependent(*args, **per_platform)
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, a name or a tuple)."""
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _even_spec(sharding, shape, mesh) -> P:
+  """The sharding's PartitionSpec, each dimension kept only where the mesh
+  axes divide it evenly (an uneven one is replicated, so that no device
+  holds padding the kernels would read)."""
+  spec = getattr(sharding, 'spec', None) or P()
+  entries = []
+  for d, size in enumerate(shape):
+    entry = spec[d] if d < len(spec) else None
+    axes = _axes_of(entry)
+    split = math.prod(mesh.shape[a] for a in axes)
+    entries.append(entry if axes and size % split == 0 else None)
+  return P(*entries)
+
+
+def _layout(mesh, leaves, shardings):
+  """Per leaf, the PartitionSpec the kernels run on, and the `_Shards`."""
+  specs = [_even_spec(s, x.shape, mesh) for x, s in zip(leaves, shardings)]
+  # The axes of each leaf in the mesh's order: leaves split over the same
+  # axes, in any order or dimension, share a packed buffer and a sum.
+  split = [{a for entry in spec for a in _axes_of(entry)} for spec in specs]
+  shards = _Shards(
+      tuple(tuple(a for a in mesh.axis_names if a in axes) for axes in split),
+      tuple(mesh.axis_names))
+  return specs, shards
+
+
+def _sharding_rule(params) -> cp.SdyShardingRule:
+  """Shardy's rule: w, g and w' of a leaf share one factor per dimension
+  (elementwise); rho, eta, eps and the norm are replicated scalars."""
+  leaves = jax.tree.leaves(params)
+  maps = tuple(cp.ArrayMapping(*(f'l{i}d{d}' for d in range(jnp.ndim(x))))
+               for i, x in enumerate(leaves))
+  scalar = cp.ArrayMapping()
+  return cp.SdyShardingRule(operand_mappings=maps + maps + (scalar,) * 3,
+                            result_mappings=maps + (scalar,))
+
+
+def _custom_partitioned(fused, args):
+  """`fused` as one op that the SPMD partitioner splits (GPU, CPU).
+
+  Unpartitioned (one device, or inside a `shard_map` over every mesh axis)
+  it is `fused` on whole arrays. Under `jax.jit` over several devices the
+  partitioner calls `partition`: each device runs the kernels on its own
+  shard of every leaf, laid out as the partitioner chose (`_even_spec`),
+  the norm is combined over the mesh (`_combine_shards`), and w' keeps
+  w's layout. Where the partitioner names no mesh (a `shard_map` that
+  leaves some axes automatic) the leaves are taken whole over those axes.
+  """
+  params = args[0]
+
+  def whole(params, grads, rho, eta, eps):
+    return fused(params, grads, rho, eta, eps, shards=None)
+
+  op = cp.custom_partitioning(whole)
+
+  def layout(mesh, params_shapes):
+    leaves, treedef = jax.tree.flatten(params_shapes)
+    if mesh.empty:
+      specs, shards = [P()] * len(leaves), None
+    else:
+      specs, shards = _layout(mesh, leaves, [x.sharding for x in leaves])
+    tree = jax.tree.unflatten(treedef, [NamedSharding(mesh, s)
+                                        for s in specs])
+    return tree, shards
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    shardings, shards = layout(mesh, arg_shapes[0])
+    scalar = NamedSharding(mesh, P())
+    return (mesh, functools.partial(fused, shards=shards),
+            (shardings, scalar), (shardings, shardings, scalar, scalar, scalar))
+
+  def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
+    # The GSPMD partitioner's question (Shardy reads the rule instead).
+    del result_shape
+    return layout(mesh, arg_shapes[0])[0], NamedSharding(mesh, P())
+
+  op.def_partition(partition=partition,
+                   infer_sharding_from_operands=infer_sharding_from_operands,
+                   sharding_rule=_sharding_rule(params))
+  return op(*args)
+
+
+def _automatically_partitioned(axis_context) -> bool:
+  """Whether code lowered in this context is split by the SPMD partitioner
+  (where Pallas refuses Mosaic kernels): a jit over several devices, or a
+  `shard_map` that leaves some mesh axes automatic. Pallas's own test."""
+  if hasattr(axis_context, 'manual_axes'):  # Inside a shard_map.
+    mesh = axis_context.mesh
+    manual = set(axis_context.manual_axes) | set(getattr(mesh, 'manual_axes',
+                                                         ()))
+    return bool(axis_context.manual_axes) and manual != set(mesh.axis_names)
+  return getattr(axis_context, 'num_devices', 1) != 1
+
+
+# TPU: Mosaic kernels where nothing is partitioned, XLA's fusion of the same
+# arithmetic where the partitioner splits the call (Mosaic kernels cannot be
+# partitioned automatically, and libtpu has no custom_partitioning).
+_kernels_or_xla_p = jex.Primitive('sam_perturb_kernels_or_xla')
+_kernels_or_xla_p.multiple_results = True
+_kernels_or_xla_p.def_impl(
+    lambda *args, kernels, xla: jex.jaxpr_as_fun(kernels)(*args))
+_kernels_or_xla_p.def_abstract_eval(
+    lambda *avals, kernels, xla: kernels.out_avals)
+
+
+def _kernels_or_xla_lowering(ctx, *args, kernels, xla):
+  chosen = (xla if _automatically_partitioned(ctx.module_context.axis_context)
+            else kernels)
+  return mlir.lower_fun(jex.jaxpr_as_fun(chosen), multiple_results=True)(
+      ctx, *args)
+
+
+mlir.register_lowering(_kernels_or_xla_p, _kernels_or_xla_lowering)
+
+
+def _kernels_or_xla(fused, adaptive: bool, args):
+  params, grads, rho, eta, eps = args
+
+  def xla(params, grads, rho, eta, eps):
+    out, norm = sam_perturb_reference(params, grads, rho, adaptive=adaptive,
+                                      eta=eta, eps=eps)
+    return out, norm.astype(jnp.float32)
+
+  kernels, out_shape = jax.make_jaxpr(
+      functools.partial(fused, shards=None), return_shape=True)(*args)
+  outs = _kernels_or_xla_p.bind(*jax.tree.leaves(args), kernels=kernels,
+                                xla=jax.make_jaxpr(xla)(*args))
+  return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+def _shard_mapped(choices, shardings, args):
+  """The kernels in a `shard_map` over the mesh of `shardings`, each device
+  on its own shards (every backend, TPU included)."""
+  params = args[0]
+  leaves, treedef = jax.tree.flatten(params)
+  per_leaf = treedef.flatten_up_to(jax.tree.broadcast(
+      shardings, params, is_leaf=lambda x: isinstance(x, NamedSharding)))
+  meshes = {s.mesh for s in per_leaf}
+  if len(meshes) != 1 or not all(isinstance(s, NamedSharding)
+                                 for s in per_leaf):
+    raise validation.ArgumentError(
+        f'{_OWNER}.sam_perturb', 'shardings',
+        'must be NamedShardings over one mesh (one for all leaves, or a '
+        'tree like params)')
+  mesh = meshes.pop()
+  specs, shards = _layout(mesh, leaves, per_leaf)
+  spec_tree = jax.tree.unflatten(treedef, specs)
+  return jax.shard_map(
+      _on_platform(choices, shards), mesh=mesh,
+      in_specs=(spec_tree, spec_tree, P(), P(), P()),
+      out_specs=(spec_tree, P()), check_vma=False)(*args)
+
+
+def _one_device_context() -> bool:
+  """Whether the call is traced under a mesh of one device (e.g. the
+  abstract mesh that names a TPU chip for lowering from a host), where
+  there is nothing to partition."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and mesh.size == 1
+
+
+@functools.lru_cache(maxsize=None)
+def _differentiation_guarded(adaptive, block_sizes, target, interpret,
+                             shardings_key):
+  """The kernels for these static options, picked where they are lowered,
+  partitioned per shard, with a VJP that explains itself.
+
+  `shardings_key`: None, or the `shardings` argument as (treedef, leaves).
+  """
+  choices = _per_platform(adaptive, block_sizes, target, interpret)
+  shardings = (None if shardings_key is None
+               else jax.tree.unflatten(*shardings_key))
+
+  def fn(params, grads, rho, eta, eps):
+    args = (params, grads, *(jnp.asarray(x, jnp.float32)
+                             for x in (rho, eta, eps)))
+    if shardings is not None:
+      return _shard_mapped(choices, shardings, args)
+    if not jax.tree.leaves(params) or _one_device_context():
+      return _on_platform(choices, None)(*args)
+    per_platform = {}
+    for platform, fused in choices.items():
+      if platform == 'tpu':
+        per_platform[platform] = functools.partial(
+            _kernels_or_xla, fused, adaptive)
+      else:
+        per_platform[platform] = functools.partial(_custom_partitioned, fused)
+    return jax.lax.platform_dependent(
+        args, **{p: f for p, f in per_platform.items()})
+
   guarded = jax.custom_vjp(fn)
 
   def fwd(*args):
@@ -407,7 +686,8 @@ def sam_perturb(params: Params, grads: Params, rho: float | jax.Array, *,
                 eps: float | jax.Array = 1e-12,
                 block_sizes: BlockSizes | None = None,
                 target: str | None = None,
-                interpret: bool | None = None) -> tuple[Params, jax.Array]:
+                interpret: bool | None = None,
+                shardings: Any = None) -> tuple[Params, jax.Array]:
   """w + rho g / (|g| + eps) (ASAM: w + rho T^2 g / (|T g| + eps)), fused.
 
   Args:
@@ -423,14 +703,20 @@ def sam_perturb(params: Params, grads: Params, rho: float | jax.Array, *,
       chosen where the call is lowered (TPU bodies on TPU and, interpreted,
       on CPU; Triton bodies on CUDA and ROCm GPUs).
     interpret: run in Pallas's interpreter; None: on CPU only.
+    shardings: None, or NamedShardings (one for all leaves, or a tree like
+      `params`) of the leaves over one mesh: the kernels then run in a
+      `shard_map` over it, each device on its shards (see the module
+      docstring). Without it, under `jax.jit` the SPMD partitioner splits
+      the call (GPU, CPU) or XLA's fusion runs where it splits it (TPU).
 
   Returns:
     (the perturbed params, the global norm |g| or |T g| in float32).
 
   Raises:
     ArgumentError: `target` is not a valid choice, a leaf of `grads` has
-      another shape than its parameter, or `block_sizes` does not suit
-      the kernels (named, before any compute).
+      another shape than its parameter, `block_sizes` does not suit
+      the kernels, or `shardings` are not over one mesh (named, before
+      any compute).
 
   Example:
 
@@ -444,9 +730,12 @@ def sam_perturb(params: Params, grads: Params, rho: float | jax.Array, *,
   if target is not None:
     validation.check_choice(f'{_OWNER}.sam_perturb', 'target', target,
                             TARGETS)
+  if shardings is not None:
+    leaves, treedef = jax.tree.flatten(shardings)
+    shardings = (treedef, tuple(leaves))
   fn = _differentiation_guarded(
       bool(adaptive), block_sizes, target,
-      None if interpret is None else bool(interpret))
+      None if interpret is None else bool(interpret), shardings)
   return fn(params, grads, rho, eta, eps)
 
 
