@@ -1,10 +1,14 @@
 """Image classifiers with logical axis names on every parameter.
 
 Kernels carry logical axes ('conv_in', 'conv_out', 'hidden', 'classes', ...)
-through `nn.with_logical_partitioning`; `train.sharding` maps them to mesh
-axes with the config's rules, so the same model runs data-parallel or
-model-parallel without edits. Inputs are uint8 images scaled in the model,
-which keeps host-to-device copies small.
+through `nn.with_logical_partitioning` (`train.vision.layers`);
+`train.sharding` maps them to mesh axes with the config's rules, so the
+same model runs data-parallel or model-parallel without edits. Inputs are
+uint8 images scaled in the model, which keeps host-to-device copies small.
+
+`create_model` builds any model of `_MODELS` by name: the small CNN and
+MLP here, and the SAM paper's residual networks (`train.vision.resnets`:
+'wrn', WRN-depth-k; 'resnet', ResNet v1.5, ResNet-50 by default).
 """
 
 from collections.abc import Callable, Sequence
@@ -14,32 +18,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from train.errors import ConfigError
-
-
-def _dense(features: int, axes: tuple[str, str], name: str) -> nn.Dense:
-  return nn.Dense(
-      features, name=name,
-      kernel_init=nn.with_logical_partitioning(
-          nn.initializers.lecun_normal(), axes),
-      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]))
-
-
-def _batch_norm(axis: str, train: bool, name: str) -> nn.BatchNorm:
-  # Under jit with a data-sharded batch, the batch mean is already global
-  # (XLA inserts the all-reduce), so no axis_name is needed.
-  return nn.BatchNorm(
-      use_running_average=not train, momentum=0.9, name=name,
-      scale_init=nn.with_logical_partitioning(nn.initializers.ones, (axis,)),
-      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (axis,)))
-
-
-def _group_norm(axis: str, name: str, num_groups: int | None) -> nn.Module:
-  scale = nn.with_logical_partitioning(nn.initializers.ones, (axis,))
-  bias = nn.with_logical_partitioning(nn.initializers.zeros, (axis,))
-  if num_groups is None:  # LayerNorm over the features.
-    return nn.LayerNorm(name=name, scale_init=scale, bias_init=bias)
-  return nn.GroupNorm(num_groups=num_groups, name=name, scale_init=scale,
-                      bias_init=bias)
+from train.vision import layers
+from train.vision import resnets
 
 
 NORMS = ('batch', 'group', 'layer')
@@ -64,11 +44,11 @@ class CNN(nn.Module):
 
   def _norm(self, axis: str, width: int, train: bool, name: str):
     if self.norm == 'batch':
-      return _batch_norm(axis, train, name)
+      return layers.batch_norm(axis, train, name)
     if self.norm == 'layer':
-      return _group_norm(axis, name, None)
+      return layers.group_norm(axis, name, None)
     groups = next(g for g in (8, 4, 2, 1) if width % g == 0)
-    return _group_norm(axis, name, groups)
+    return layers.group_norm(axis, name, groups)
 
   @nn.compact
   def __call__(self, images, *, train: bool):
@@ -82,9 +62,9 @@ class CNN(nn.Module):
       x = nn.relu(self._norm('conv_out', f, train, f'bn{i}')(x))
     x = nn.avg_pool(x, (2, 2), strides=(2, 2), padding='SAME')
     x = x.reshape((x.shape[0], -1))
-    x = _dense(self.hidden, ('flat', 'hidden'), 'hidden')(x)
+    x = layers.dense(self.hidden, ('flat', 'hidden'), 'hidden')(x)
     x = nn.relu(self._norm('hidden', self.hidden, train, 'bn_hidden')(x))
-    return _dense(self.num_classes, ('hidden', 'classes'), 'head')(x)
+    return layers.dense(self.num_classes, ('hidden', 'classes'), 'head')(x)
 
 
 class MLP(nn.Module):
@@ -102,13 +82,17 @@ class MLP(nn.Module):
       # Alternate column- and row-parallel splits so consecutive kernels
       # need no resharding between them.
       out_axis = 'hidden' if i % 2 == 0 else 'hidden_out'
-      x = _dense(w, (in_axis, out_axis), f'dense{i}')(x)
-      x = nn.relu(_batch_norm(out_axis, train, f'bn{i}')(x))
+      x = layers.dense(w, (in_axis, out_axis), f'dense{i}')(x)
+      x = nn.relu(layers.batch_norm(out_axis, train, f'bn{i}')(x))
       in_axis = out_axis
-    return _dense(self.num_classes, (in_axis, 'classes'), 'head')(x)
+    return layers.dense(self.num_classes, (in_axis, 'classes'), 'head')(x)
 
 
-_MODELS: dict[str, Callable[..., nn.Module]] = {'cnn': CNN, 'mlp': MLP}
+_MODELS: dict[str, Callable[..., nn.Module]] = {
+    'cnn': CNN, 'mlp': MLP, 'wrn': resnets.WideResNet, 'resnet': resnets.ResNet}
+# Checks of a model's own fields beyond their names (ConfigError).
+_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    'wrn': resnets.check_wide_resnet, 'resnet': resnets.check_resnet}
 
 
 def model_names() -> list[str]:
@@ -131,4 +115,10 @@ def create_model(model_config: Any, num_classes: int,
   if 'norm' in kwargs and kwargs['norm'] not in NORMS:
     raise ConfigError('model.norm', kwargs['norm'], 'unknown normalisation',
                       NORMS)
+  if 'dtype' in kwargs and kwargs['dtype'] not in layers.DTYPES:
+    raise ConfigError('model.dtype', kwargs['dtype'],
+                      'unknown activation dtype (parameters stay float32)',
+                      list(layers.DTYPES))
+  if name in _CHECKS:
+    _CHECKS[name](kwargs)
   return _MODELS[name](num_classes=num_classes, pixel_max=pixel_max, **kwargs)
