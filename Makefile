@@ -1,39 +1,107 @@
 # Two entry points (see README.md): `make run` and `make test`. Both create
-# .venv on first use and install the pinned stack; later calls reuse it.
+# .venv on first use and install what they need, in layers; later calls
+# reuse it and install nothing (a stamp per layer, redone when its files
+# change):
+#   run layer      requirements.txt, requirements-nodeps.txt and the
+#                  project (editable): `make run`, the launchers, `make bench`
+#   test layer     requirements-test.txt: `make test`
+#   compile layer  requirements-compile.txt (--no-deps) into
+#                  .venv/compile_toolchain, never into site-packages
+#                  (`make compile-toolchain`; `make test` runs it)
+# uv does the installs (pip installs it, pinned, into .venv);
+# `make INSTALLER=pip ...` has pip do them instead.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.run-layer
+TEST_STAMP := $(VENV)/.test-layer
+TOOLCHAIN := $(VENV)/compile_toolchain
+TOOLCHAIN_STAMP := $(TOOLCHAIN)/.installed
 WORKDIR ?= workdirs/digits
 CONFIG ?= configs/digits.py
 # Tests simulate an 8-device host; pytest-level setup lives in tests/conftest.py.
 PYTEST_ARGS ?=
 
-.PHONY: run test test-all bench bazel-test steering clean-venv
+INSTALLER ?= uv
+UV_VERSION := 0.13.8
+PIP_VERSION := 26.3
+ifeq ($(INSTALLER),uv)
+# The venv starts without pip (ensurepip alone takes seconds); the base
+# interpreter's pip installs uv into it (`pip --python`), else the venv's
+# own pip once ensurepip has put it there; then uv puts pip in (pinned),
+# for .venv/bin/pip.
+VENV_ARGS := --without-pip
+INSTALLER_STAMP := $(VENV)/.uv-$(UV_VERSION)
+# uv reads no pip configuration: it takes packages from PyPI (or
+# UV_DEFAULT_INDEX), certificates from the system's store (as pip does),
+# and builds sdists (promise) with the pinned setuptools.
+INSTALL := $(VENV)/bin/uv pip install --quiet --system-certs --python $(PY) \
+    --build-constraints requirements.txt
+else ifeq ($(INSTALLER),pip)
+VENV_ARGS :=
+INSTALLER_STAMP := $(VENV)/bin/pip
+INSTALL := $(PY) -m pip install --quiet
+else
+$(error INSTALLER=$(INSTALLER): unknown installer; valid choices: uv, pip)
+endif
 
-$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -r requirements.txt
-	$(PY) -m pip install --quiet --no-deps -r requirements-nodeps.txt
-	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
-	touch $(STAMP)
+.PHONY: run test test-all compile-toolchain bench bazel-test steering clean-venv
 
-run: $(STAMP)
+$(PY):
+	$(PYTHON) -m venv $(VENV_ARGS) $(VENV)
+
+$(VENV)/bin/pip: | $(PY)
+	test -x $@ || $(PY) -m ensurepip --default-pip
+
+$(VENV)/.uv-$(UV_VERSION): | $(PY)
+	if $(PYTHON) -m pip --version >/dev/null 2>&1; then \
+	  $(PYTHON) -m pip --python $(PY) install --quiet uv==$(UV_VERSION); \
+	else \
+	  $(PY) -m ensurepip --default-pip && \
+	  $(PY) -m pip install --quiet uv==$(UV_VERSION); \
+	fi
+	$(INSTALL) pip==$(PIP_VERSION)
+	touch $@
+
+# Each layer is complete (tests/test_requirements.py checks it), so it is
+# installed as it stands, --no-deps: no resolution, and with uv no rebuild
+# of the one sdist (promise) to read its metadata.
+$(RUN_STAMP): requirements.txt requirements-nodeps.txt pyproject.toml | $(INSTALLER_STAMP)
+	$(INSTALL) --no-deps -r requirements.txt -r requirements-nodeps.txt
+	$(INSTALL) --no-deps --no-build-isolation -e .
+	touch $@
+
+$(TEST_STAMP): requirements-test.txt $(RUN_STAMP)
+	$(INSTALL) --no-deps -r requirements-test.txt
+	touch $@
+
+# Installed beside, then moved into place: an interrupted install leaves no
+# half toolchain behind the stamp.
+$(TOOLCHAIN_STAMP): requirements-compile.txt | $(INSTALLER_STAMP)
+	rm -rf $(TOOLCHAIN).partial
+	$(INSTALL) --no-deps --target $(TOOLCHAIN).partial -r requirements-compile.txt
+	touch $(TOOLCHAIN).partial/.installed
+	rm -rf $(TOOLCHAIN)
+	mv $(TOOLCHAIN).partial $(TOOLCHAIN)
+
+compile-toolchain: $(TOOLCHAIN_STAMP)
+
+run: $(RUN_STAMP)
 	$(PY) -m launch.train --config=$(CONFIG) --workdir=$(WORKDIR)
 
 # The slowest tests are listed at the end, to keep the suite's time in view.
-test: $(STAMP)
+test: $(TEST_STAMP) $(TOOLCHAIN_STAMP)
 	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
-test-all: $(STAMP)
+test-all: $(TEST_STAMP) $(TOOLCHAIN_STAMP)
 	$(PY) -m pytest -q -m '' $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(RUN_STAMP)
 	$(PY) -m bench.trainer_overhead
 
 # The steering study (RESULTS.md): the LM on templates + fortunes, then the
 # method x alpha evaluation. Both resume / skip finished work.
-steering: $(STAMP)
+steering: $(RUN_STAMP)
 	test -d /usr/share/games/fortunes || apt-get install -y fortunes
 	$(PY) -m launch.train --config=configs/lm.py --workdir=workdirs/lm
 	$(PY) -m launch.steer_eval --config=configs/steering.py \
@@ -41,7 +109,7 @@ steering: $(STAMP)
 
 # Bazel 4 from Debian (offline WORKSPACE, see third_party/bazel/); tests run
 # with .venv's interpreter, so the venv comes first.
-bazel-test: $(STAMP)
+bazel-test: $(TEST_STAMP) $(TOOLCHAIN_STAMP)
 	command -v bazel >/dev/null || apt-get install -y bazel-bootstrap
 	bazel test --local_test_jobs=2 //...
 
