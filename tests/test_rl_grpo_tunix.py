@@ -1,7 +1,7 @@
 """Our GRPO loss against tunix's `grpo_loss_fn` on the same inputs.
 
-tunix (google-tunix 0.1.7, installed --no-deps from requirements-nodeps.txt
-with the seven modules its `tunix.rl.algo_core` imports) computes the
+tunix (google-tunix 0.1.7, installed --no-deps from requirements-test.txt
+with the packages its `tunix.rl.algo_core` imports) computes the
 policy's log-probabilities itself from an NNX model; a model whose output
 is a fixed logits array lets both losses see the same log-probabilities.
 Mapping: tunix's `old_per_token_logps` is our proximal policy; its
