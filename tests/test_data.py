@@ -117,7 +117,7 @@ def test_missing_standard_data_set_is_a_config_error(tmp_path):
 
 def test_unknown_data_set_lists_the_choices():
   with pytest.raises(ConfigError, match="valid choices: 'cifar10'.*'digits'"):
-    datasets.get_spec('imagenet2012')
+    datasets.get_spec('imagenet21k')
 
 
 def test_device_batches_keep_order_and_sharding():

