@@ -20,8 +20,23 @@ default) is ASCII bytes. `forgetting` is the smaller pretraining of the forgetti
 (`python -m launch.forgetting_study`). `english=` picks the real-text
 source: 'fortunes' (Debian's `fortunes`
 package, `apt-get install fortunes`; the default), 'pydoc' (Python's own
-documentation, always present) or a directory of .txt files. `runlocal`
-shrinks everything for tests. The steering evaluation reads this run's
+documentation, always present) or a directory of .txt files.
+
+`size=` 125m | 1b | 8b are the pod-scale LMs, Llama's shapes with a
+32,000-piece SentencePiece vocabulary (trained on the run's own text):
+125m (12 x 768, 134M parameters), 1b (Llama 3.2 1B's 16 x 2048 with 8
+key/value heads, 1.10B) and 8b (Llama 3 8B's 32 x 4096 with 8 key/value
+heads, 7.24B; 8.03B with Llama 3's 128k vocabulary, which the uint16 token
+storage does not hold), 2048-token windows, bfloat16 compute, every block
+rematerialised, and FSDP plus tensor parallelism: parameters split over
+'data' along their embedding dimension and over 'model' along heads, MLP
+and vocabulary. Compile one for a pod before renting it:
+
+  python -m launch.compile --config=configs/lm.py:size=1b --target=v5e:16x16
+
+Point `english=` at the corpus (a directory of .txt files) and raise
+`data.train_bytes` to what it holds. `runlocal` shrinks everything for
+tests (with `size=`, the size's layout at toy scale). The steering evaluation reads this run's
 checkpoint: `python -m launch.steer_eval --config=configs/steering.py
 --config.lm_workdir=workdirs/lm --workdir=workdirs/steer`.
 """
@@ -32,11 +47,74 @@ from configs import config_args
 from configs import optimizer_block
 
 
+# size -> (d_model, num_layers, num_heads, num_kv_heads, mlp_dim, tensor
+# parallelism): Llama's shapes (the 125m one GPT-3 Small's depth and width
+# with a SwiGLU MLP of the same parameter count).
+SIZES = {
+    '125m': (768, 12, 12, 12, 2048, 1),
+    '1b': (2048, 16, 32, 8, 8192, 1),
+    '8b': (4096, 32, 32, 8, 14336, 4),
+}
+SIZE_VOCAB = 32_000
+SIZE_SEQ_LEN = 2048
+
+
+# FSDP: every parameter's embedding dimension split over 'data' (XLA
+# gathers a layer's weights where it is used); tensor parallelism: heads,
+# MLP and vocabulary over 'model'.
+SIZE_RULES = (
+    ('batch', 'data'),
+    ('embed', 'data'),
+    ('vocab', 'model'),
+    ('heads', 'model'),
+    ('kv_heads', 'model'),
+    ('mlp', 'model'),
+)
+
+
+def size_model(size: str, vocab_size: int, max_len: int
+               ) -> tuple[ml_collections.ConfigDict, tuple[int, int]]:
+  """The decoder of `size` (bfloat16 compute, remat) and its mesh shape
+  (data, model); `configs/rl_sft.py` builds its policies from it too."""
+  if size not in SIZES:
+    raise ValueError(f'size={size!r}; valid: ' + ', '.join(SIZES))
+  d, layers, heads, kv_heads, mlp, model_parallel = SIZES[size]
+  model = ml_collections.ConfigDict(dict(
+      vocab_size=vocab_size, d_model=d, num_layers=layers, num_heads=heads,
+      mlp_dim=mlp, max_len=max_len, num_kv_heads=kv_heads,
+      dtype='bfloat16', remat=True))
+  return model, (-1, model_parallel)
+
+
+def _size(config: ml_collections.ConfigDict, size: str) -> None:
+  """The pod-scale LM of `size` (see module docstring)."""
+  config.model, shape = size_model(size, SIZE_VOCAB, SIZE_SEQ_LEN)
+  config.tokenizer = ml_collections.ConfigDict(dict(
+      kind='sentencepiece', vocab_size=SIZE_VOCAB, model_type='bpe'))
+  config.data.update(dict(seq_len=SIZE_SEQ_LEN, train_bytes=2_000_000_000,
+                          eval_bytes=20_000_000))
+  config.mesh = ml_collections.ConfigDict(dict(axes=('data', 'model'),
+                                               shape=shape))
+  config.logical_axis_rules = SIZE_RULES
+  config.batch_size = 256
+  config.eval_batch_size = 256
+  config.num_steps = 100_000
+  # Llama's recipe: AdamW (0.9, 0.95), weight decay 0.1, clipping at 1.
+  config.optimizer = optimizer_block.optimizer_block(
+      name='adamw', learning_rate=3e-4, warmup_steps=2000,
+      end_lr_fraction=0.1, b2=0.95, eps=1e-8, weight_decay=0.1,
+      grad_clip_norm=1.0)
+  config.log_every = 100
+  config.eval_every = 2000
+  config.checkpoint_every = 1000
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The LM experiment; `arg` selects variants (see module docstring)."""
   args = config_args.parse(arg, 'configs/lm.py', {
       'runlocal': 'runlocal', 'english': 'english=SOURCE',
-      'forgetting': 'forgetting', 'tokenizer': 'tokenizer=byte|sentencepiece'})
+      'forgetting': 'forgetting', 'tokenizer': 'tokenizer=byte|sentencepiece',
+      'size': 'size=' + '|'.join(SIZES)})
   config = ml_collections.ConfigDict()
   config.task = 'lm'
   config.seed = 0
@@ -97,7 +175,28 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     raise ValueError(f'configs/lm.py: tokenizer={tokenizer!r}; valid: byte, '
                      'sentencepiece')
 
-  if 'runlocal' in args:
+  if 'size' in args:
+    if tokenizer != 'byte' or 'forgetting' in args:
+      raise ValueError('configs/lm.py: size= sets its own tokenizer and '
+                       'model; it combines with runlocal and english= only')
+    _size(config, args['size'])
+  if 'runlocal' in args and 'size' in args:
+    # The size's layout (GQA, bfloat16, remat, FSDP rules) at toy scale.
+    config.model.update(dict(vocab_size=384, d_model=64, num_layers=2,
+                             num_heads=4, num_kv_heads=2, mlp_dim=128,
+                             max_len=64))
+    config.tokenizer.vocab_size = 384
+    config.mesh.shape = (-1, 2)
+    config.data.update(dict(train_bytes=40_000, eval_bytes=6_000, seq_len=32,
+                            mix=(('attribute', 0.5), ('pydoc', 0.5))))
+    config.batch_size = 16
+    config.eval_batch_size = 32
+    config.num_steps = 30
+    config.optimizer.warmup_steps = 5
+    config.log_every = 10
+    config.eval_every = 20
+    config.checkpoint_every = 20
+  elif 'runlocal' in args:
     config.model.update(dict(d_model=32, num_layers=2, num_heads=2,
                              mlp_dim=64, max_len=256))
     config.data.update(dict(train_bytes=40_000, eval_bytes=6_000, seq_len=32))

@@ -13,19 +13,25 @@ in `<workdir>/pass_at_1.json`. Variants:
     --workdir=workdirs/rl_sft_mul
 
 `runlocal` shrinks the model, the data and the steps for tests;
-`families=` takes '+'-joined families (add, mul).
+`families=` takes '+'-joined families (add, mul). `size=` 125m | 1b | 8b
+makes the policy configs/lm.py's LM of that size (bytes, as the tasks
+are), sharded as it is; compile GRPO with it on a pod
+(`python -m launch.compile --config=configs/rl.py:size=1b
+--model_config=configs/rl_sft.py:size=1b --target=v5e:16x16`).
 """
 
 import ml_collections
 
 from configs import config_args
+from configs import lm
 from configs import optimizer_block
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The SFT run; `arg` selects variants (see module docstring)."""
   args = config_args.parse(arg, 'configs/rl_sft.py', {
-      'runlocal': 'runlocal', 'families': 'families=add+mul'})
+      'runlocal': 'runlocal', 'families': 'families=add+mul',
+      'size': 'size=' + '|'.join(lm.SIZES)})
   config = ml_collections.ConfigDict()
   config.task = 'rl_sft'
   config.seed = 0
@@ -65,9 +71,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.checkpoint_every = 500
   config.keep_checkpoints = 2
 
+  if 'size' in args:
+    config.model, shape = lm.size_model(args['size'], config.model.vocab_size,
+                                        config.model.max_len)
+    config.mesh.shape = shape
+    config.logical_axis_rules = lm.SIZE_RULES
   if 'runlocal' in args:
     config.model.update(dict(d_model=32, num_layers=1, num_heads=2,
                              mlp_dim=64))
+    if 'size' in args:
+      config.model.num_kv_heads = 1
     config.data.update(dict(difficulties=(1, 2, 3), train_examples=2_000,
                             eval_examples=24))
     config.batch_size = 32

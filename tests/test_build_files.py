@@ -15,7 +15,9 @@ import pytest
 # the source tree, which is what this test checks.
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 PACKAGES = ('bench', 'configs', 'geom', 'launch', 'tests', 'train')
-RULES = ('py_library', 'py_binary', 'py_test', 'pytest_test')
+# Vendored data the Python targets read (no Python in them).
+DATA_PACKAGES = ('third_party/xla_gpu_targets',)
+RULES = ('py_library', 'py_binary', 'py_test', 'pytest_test', 'filegroup')
 
 
 def _strings(node):
@@ -31,7 +33,7 @@ def _targets():
       os.path.relpath(dirpath, REPO_ROOT)
       for top in PACKAGES
       for dirpath, _, files in os.walk(os.path.join(REPO_ROOT, top))
-      if 'BUILD' in files)
+      if 'BUILD' in files) + list(DATA_PACKAGES)
   for package in packages:
     path = os.path.join(REPO_ROOT, package, 'BUILD')
     with open(path) as f:
@@ -111,7 +113,7 @@ def test_deps_name_real_targets_and_cover_the_imports(label):
   provided = set(target['srcs'])
   for dep in target['deps']:
     provided.update(TARGETS.get(dep, {'srcs': []})['srcs'])
-  for src in target['srcs']:
+  for src in (s for s in target['srcs'] if s.endswith('.py')):
     for imported in _repo_imports(src):
       assert imported in provided, (
           f'{label}: {src} imports {imported}, but no direct dep provides it '

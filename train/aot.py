@@ -13,7 +13,9 @@ bare jitted loop on small data sets.
 from collections.abc import Callable, Hashable, Mapping
 import dataclasses
 import functools
+from typing import Any
 from absl import logging
+import flax.linen as nn
 import jax
 import optax
 
@@ -75,24 +77,117 @@ def log_memory_stats(name: str,
   return values
 
 
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """A jitted step and the arguments it is compiled for.
+
+  Attributes:
+    name: what the step is, e.g. 'train_step (warmup=True)'.
+    fn: the `jax.jit`-wrapped function, with its shardings and donation.
+    args: its arguments: abstract (ShapeDtypeStructs with shardings) or
+      arrays.
+    mesh, rules: the mesh and logical-axis rules the function is traced
+      under, for the models' activation constraints
+      (`nn.with_logical_constraint`); None: none.
+  """
+  name: str
+  fn: Any
+  args: tuple[Any, ...]
+  mesh: jax.sharding.Mesh | None = None
+  rules: Any = None
+
+  def lower(self) -> jax.stages.Lowered:
+    if self.mesh is None:
+      return self.fn.lower(*self.args)
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(
+        self.rules or ()):
+      return self.fn.lower(*self.args)
+
+
+def _variant_name(exp: experiment_lib.Experiment, key: Hashable | None
+                  ) -> str:
+  variants = exp.hooks.variants
+  return ('train_step' if key is None
+          else f'train_step ({variants.argument}={key})')
+
+
+def train_programs(exp: experiment_lib.Experiment,
+                   resident: Mapping[str, Any] | None = None
+                   ) -> dict[Hashable | None, Program]:
+  """The train step of each kind the method asks for (`hooks.variants`),
+  keyed by kind (None: the only one).
+
+  With `resident` (the training split on the devices, replicated: arrays
+  or their abstract shapes) the step takes batches of indices and gathers
+  the examples there; else it takes the batch.
+  """
+  config = exp.config
+  repl = sharding_lib.replicated(exp.mesh)
+  sharding_of = steps.metric_shardings(exp.batch_sharding, repl)
+  variants = exp.hooks.variants
+  context = _context(exp)
+
+  def program(variant: Hashable | None) -> Program:
+    train_fn = steps.make_train_step(
+        exp.model, exp.tx, exp.per_example, nonfinite=config.nonfinite,
+        log_every=config.log_every, hooks=exp.hooks, mesh=exp.mesh,
+        variant=variant)
+    metric_names = jax.eval_shape(
+        train_fn, exp.abstract_state,
+        exp.abstract_batch(config.batch_size))[1]
+    out_shardings = (exp.state_shardings,
+                     {name: sharding_of(name) for name in metric_names})
+    name = _variant_name(exp, variant)
+    if resident is None:
+      return Program(name, jax.jit(
+          train_fn, in_shardings=(exp.state_shardings, exp.batch_sharding),
+          out_shardings=out_shardings, donate_argnums=(0,)),
+                     (exp.abstract_state,
+                      exp.abstract_batch(config.batch_size)), *context)
+    return Program(name, jax.jit(
+        lambda state, data, batch: train_fn(
+            state, input_pipeline.gather(data, batch['index'])),
+        in_shardings=(exp.state_shardings, repl, exp.batch_sharding),
+        out_shardings=out_shardings, donate_argnums=(0,)),
+                   (exp.abstract_state, resident,
+                    exp.abstract_index_batch(config.batch_size)), *context)
+
+  keys = (None,) if variants is None else variants.values
+  return {k: program(k) for k in keys}
+
+
+def eval_programs(exp: experiment_lib.Experiment) -> dict[str, Program]:
+  """The eval step (sums over a masked batch) and the finiteness check
+  that guards every checkpoint."""
+  repl = sharding_lib.replicated(exp.mesh)
+  return {
+      'eval_step': Program('eval_step', jax.jit(
+          steps.make_eval_step(exp.model, exp.per_example),
+          in_shardings=(exp.state_shardings, exp.batch_sharding),
+          out_shardings=repl), (exp.abstract_state, exp.abstract_batch(
+              exp.config.eval_batch_size, with_mask=True)), *_context(exp)),
+      'state_is_finite': Program('state_is_finite', jax.jit(
+          steps.state_is_finite, in_shardings=(exp.state_shardings,),
+          out_shardings=repl), (exp.abstract_state,)),
+  }
+
+
+def _context(exp: experiment_lib.Experiment) -> tuple[Any, Any]:
+  return exp.mesh, tuple(tuple(r) for r in exp.config.logical_axis_rules)
+
+
+def programs(exp: experiment_lib.Experiment) -> list[Program]:
+  """Every program the loop compiles for `exp`, batches fed by the host."""
+  return [*train_programs(exp).values(), *eval_programs(exp).values()]
+
+
 def compile_eval_and_finite(exp: experiment_lib.Experiment
                             ) -> tuple[jax.stages.Compiled,
                                        jax.stages.Compiled]:
-  """The compiled eval step (sums over a masked batch) and the finiteness
-  check that guards every checkpoint (compiled here, so a save never waits
-  for it)."""
-  repl = sharding_lib.replicated(exp.mesh)
-  compiled_eval = jax.jit(
-      steps.make_eval_step(exp.model, exp.per_example),
-      in_shardings=(exp.state_shardings, exp.batch_sharding),
-      out_shardings=repl).lower(
-          exp.abstract_state,
-          exp.abstract_batch(exp.config.eval_batch_size,
-                             with_mask=True)).compile()
-  compiled_finite = jax.jit(
-      steps.state_is_finite, in_shardings=(exp.state_shardings,),
-      out_shardings=repl).lower(exp.abstract_state).compile()
-  return compiled_eval, compiled_finite
+  """The compiled eval step and finiteness check (`eval_programs`;
+  compiled here, so a save never waits for the check)."""
+  compiled = {k: p.lower().compile() for k, p in eval_programs(exp).items()}
+  return compiled['eval_step'], compiled['state_is_finite']
 
 
 def compile_steps(exp: experiment_lib.Experiment,
@@ -110,47 +205,20 @@ def compile_steps(exp: experiment_lib.Experiment,
       train_data, config.get('device_data_max_mb', 0))
   resident = (input_pipeline.put_replicated(train_data, repl) if on_device
               else None)
-  sharding_of = steps.metric_shardings(exp.batch_sharding, repl)
-
-  def compile_train(variant: Hashable | None
-                    ) -> tuple[jax.stages.Compiled, TrainFn]:
-    train_fn = steps.make_train_step(
-        exp.model, exp.tx, exp.per_example, nonfinite=config.nonfinite,
-        log_every=config.log_every, hooks=exp.hooks, mesh=exp.mesh,
-        variant=variant)
-    metric_names = jax.eval_shape(
-        train_fn, exp.abstract_state,
-        exp.abstract_batch(config.batch_size))[1]
-    out_shardings = (exp.state_shardings,
-                     {name: sharding_of(name) for name in metric_names})
-    if not on_device:
-      compiled = jax.jit(
-          train_fn, in_shardings=(exp.state_shardings, exp.batch_sharding),
-          out_shardings=out_shardings, donate_argnums=(0,)).lower(
-              exp.abstract_state,
-              exp.abstract_batch(config.batch_size)).compile()
-      return compiled, compiled
-    compiled = jax.jit(
-        lambda state, data, batch: train_fn(
-            state, input_pipeline.gather(data, batch['index'])),
-        in_shardings=(exp.state_shardings, repl, exp.batch_sharding),
-        out_shardings=out_shardings, donate_argnums=(0,)).lower(
-            exp.abstract_state, resident,
-            exp.abstract_index_batch(config.batch_size)).compile()
-    return compiled, functools.partial(
-        lambda c, data, state, batch: c(state, data, batch), compiled,
-        resident)
-
-  keys = (None,) if variants is None else variants.values
-  compiled_variants = {k: compile_train(k) for k in keys}
+  compiled_variants = {k: p.lower().compile()
+                       for k, p in train_programs(exp, resident).items()}
   compiled_eval, compiled_finite = compile_eval_and_finite(exp)
   logging.info('Training data on the devices: %s (%.2f MiB per device)',
                on_device, input_pipeline.nbytes(train_data) / 2**20)
-  for key, (compiled, _) in compiled_variants.items():
-    log_memory_stats('train_step' if key is None else
-                     f'train_step ({variants.argument}={key})', compiled)
+  for key, compiled in compiled_variants.items():
+    log_memory_stats(_variant_name(exp, key), compiled)
   log_memory_stats('eval_step', compiled_eval)
+  if on_device:
+    compiled_variants = {
+        k: functools.partial(lambda c, data, state, batch: c(state, data,
+                                                             batch), c,
+                             resident)
+        for k, c in compiled_variants.items()}
   return CompiledSteps(
-      {k: fn for k, (_, fn) in compiled_variants.items()},
-      None if variants is None else variants.choose, compiled_eval,
-      compiled_finite, on_device)
+      compiled_variants, None if variants is None else variants.choose,
+      compiled_eval, compiled_finite, on_device)

@@ -12,7 +12,7 @@ placed, nothing is compiled, and nothing in the workdir is touched but a
 probe file that proves it writable.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 import dataclasses
 import functools
 import json
@@ -192,18 +192,30 @@ def _batch_axes(rules) -> tuple[str, ...]:
   return () if spec is None else (spec if isinstance(spec, tuple) else (spec,))
 
 
-def build_mesh(config: ml_collections.ConfigDict) -> tuple[Mesh, list]:
+def build_mesh(config: ml_collections.ConfigDict,
+               devices: Sequence[Any] | None = None) -> tuple[Mesh, list]:
   """The mesh and logical-axis rules of `config`, after checking that the
-  mesh fits the devices and the batch sizes split over it and the hosts."""
+  mesh fits the devices and the batch sizes split over it and the hosts.
+
+  `devices` (default: all of this job's) may be another machine's, e.g. a
+  TPU pod's compile-only devices (`launch.compile`); their hosts are then
+  the processes the batch is split over.
+  """
   axes = tuple(config.mesh.axes)
-  sharding_lib.mesh_shape(config.mesh.shape, axes, jax.device_count())
+  count = jax.device_count() if devices is None else len(devices)
+  sharding_lib.mesh_shape(config.mesh.shape, axes, count)
   rules = [tuple(r) for r in config.logical_axis_rules]
   sharding_lib.check_rules(rules, axes)
-  mesh = sharding_lib.make_mesh(config.mesh.shape, axes)
-  divisor = math.prod(mesh.shape[a] for a in _batch_axes(rules))
+  batch_axes = _batch_axes(rules)
+  mesh = sharding_lib.make_mesh(config.mesh.shape, axes, devices,
+                                dcn_axis=batch_axes[0] if batch_axes
+                                else None)
+  processes = (jax.process_count() if devices is None
+               else len({d.process_index for d in devices}))
+  divisor = math.prod(mesh.shape[a] for a in batch_axes)
   for field in ('batch_size', 'eval_batch_size'):
     for what, n in (('the data-parallel mesh size', divisor),
-                    ('the number of processes', jax.process_count())):
+                    ('the number of processes', processes)):
       if config[field] % n:
         raise ConfigError(field, config[field],
                           f'must be divisible by {what} ({n})')
@@ -230,7 +242,8 @@ def _check_hooks(optimizer: optim.Optimizer, rules) -> None:
 def assemble(config: ml_collections.ConfigDict, workdir: str, *,
              model: nn.Module, init_variables: InitVariables,
              per_example: steps.PerExample, columns: Columns,
-             check_data: Callable[[], None] | None = None) -> Experiment:
+             check_data: Callable[[], None] | None = None,
+             devices: Sequence[Any] | None = None) -> Experiment:
   """Checks the shared settings and builds the shared parts of a run.
 
   Args:
@@ -239,13 +252,14 @@ def assemble(config: ml_collections.ConfigDict, workdir: str, *,
     model, init_variables, per_example, columns: the product's parts.
     check_data: called after everything else is checked and the workdir
       proved writable, to check that the data can be read.
+    devices: the mesh's devices (default: this job's; see `build_mesh`).
 
   Raises:
     UsageError: a setting is invalid.
   """
   check_loop_settings(config)
   optimizer = optim.build(config.optimizer, config.num_steps)
-  mesh, rules = build_mesh(config)
+  mesh, rules = build_mesh(config, devices)
   _check_hooks(optimizer, rules)
   workdir = check_workdir(workdir)
   if check_data is not None:

@@ -13,7 +13,9 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
 import optax
 
 from train.errors import ConfigError
@@ -22,25 +24,27 @@ Rules = Sequence[tuple[str, str | None]]
 
 
 def mesh_shape(shape: Sequence[int], axes: Sequence[str],
-               num_devices: int) -> tuple[int, ...]:
-  """Resolves one -1 entry and checks the product against the device count."""
+               num_devices: int, field: str = 'mesh') -> tuple[int, ...]:
+  """Resolves one -1 entry and checks the product against the device count
+  (errors name `<field>.shape`)."""
   shape = tuple(int(s) for s in shape)
+  name = f'{field}.shape'
   if len(shape) != len(axes):
-    raise ConfigError('mesh.shape', shape,
-                      f'needs one size per axis of mesh.axes={tuple(axes)}')
+    raise ConfigError(name, shape,
+                      f'needs one size per axis of {field}.axes={tuple(axes)}')
   if any(s == 0 or s < -1 for s in shape) or shape.count(-1) > 1:
-    raise ConfigError('mesh.shape', shape,
+    raise ConfigError(name, shape,
                       'sizes must be positive, with at most one -1 '
                       '(meaning: all remaining devices)')
   known = math.prod(s for s in shape if s != -1)
   if -1 in shape:
     if num_devices % known:
-      raise ConfigError('mesh.shape', shape,
+      raise ConfigError(name, shape,
                         f'{num_devices} devices cannot be split into a '
                         f'multiple of {known}')
     shape = tuple(num_devices // known if s == -1 else s for s in shape)
   if math.prod(shape) != num_devices:
-    raise ConfigError('mesh.shape', shape,
+    raise ConfigError(name, shape,
                       f'needs {math.prod(shape)} devices but there are '
                       f'{num_devices}; shapes that fit: '
                       f'{_fitting_shapes(len(axes), num_devices)}')
@@ -55,18 +59,51 @@ def _fitting_shapes(n_axes: int, num_devices: int) -> str:
   return ', '.join(str(e) for e in dict.fromkeys(examples))
 
 
-def make_mesh(shape: Sequence[int], axes: Sequence[str]) -> Mesh:
-  """A mesh over all devices, in Auto mode (shardings given to jit)."""
-  resolved = mesh_shape(shape, axes, jax.device_count())
-  return jax.make_mesh(resolved, tuple(axes),
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+def make_mesh(shape: Sequence[int], axes: Sequence[str],
+              devices: Sequence[Any] | None = None,
+              dcn_axis: str | None = None, field: str = 'mesh') -> Mesh:
+  """A mesh in Auto mode (shardings given to jit), over all devices or over
+  `devices` (e.g. a TPU pod's compile-only devices, `train.targets`).
+
+  Devices are laid out in the physical order that keeps each axis's
+  collectives on neighbouring chips (`mesh_utils`). When `devices` span
+  several TPU slices, `dcn_axis` is the one axis that crosses the
+  data-centre network between them (data parallelism, as MaxText lays it
+  out); the other axes stay within a slice.
+  """
+  kinds = (jax.sharding.AxisType.Auto,) * len(axes)
+  if devices is None:
+    resolved = mesh_shape(shape, axes, jax.device_count(), field)
+    return jax.make_mesh(resolved, tuple(axes), axis_types=kinds)
+  devices = list(devices)
+  resolved = mesh_shape(shape, axes, len(devices), field)
+  slices = len({getattr(d, 'slice_index', 0) for d in devices})
+  if slices > 1:
+    axis = list(axes).index(dcn_axis) if dcn_axis in axes else None
+    if axis is None or resolved[axis] % slices:
+      raise ConfigError(f'{field}.shape', tuple(resolved),
+                        f'{slices} slices need the data axis '
+                        f'({dcn_axis!r}) to be divisible by {slices} so '
+                        'that it spans them')
+    ici = list(resolved)
+    ici[axis] //= slices
+    dcn = [1] * len(resolved)
+    dcn[axis] = slices
+    array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+  elif devices[0].platform == 'tpu':
+    array = mesh_utils.create_device_mesh(resolved, devices,
+                                          allow_split_physical_axes=True)
+  else:
+    array = np.array(devices).reshape(resolved)
+  return Mesh(array, tuple(axes), axis_types=kinds)
 
 
-def check_rules(rules: Rules, mesh_axes: Sequence[str]) -> None:
+def check_rules(rules: Rules, mesh_axes: Sequence[str],
+                field: str = 'logical_axis_rules') -> None:
   for logical, mesh_axis in rules:
     axes = mesh_axis if isinstance(mesh_axis, (tuple, list)) else (mesh_axis,)
     if any(a is not None and a not in mesh_axes for a in axes):
-      raise ConfigError('logical_axis_rules', (logical, mesh_axis),
+      raise ConfigError(field, (logical, mesh_axis),
                         'maps to an axis that is not in the mesh',
                         list(mesh_axes) + [None])
 

@@ -50,8 +50,11 @@ def source_names(data: ml_collections.ConfigDict) -> list[str]:
           for s, w in data.mix if w > 0]
 
 
-def check_config(data: ml_collections.ConfigDict) -> None:
-  """Raises ConfigError naming the field for a bad `config.data`."""
+def check_config(data: ml_collections.ConfigDict,
+                 check_sources: bool = True) -> None:
+  """Raises ConfigError naming the field for a bad `config.data`;
+  `check_sources=False` skips checking that the sources are present on
+  this machine (a pod's corpus is on the pod)."""
   for field in ('train_bytes', 'eval_bytes', 'seq_len'):
     if not isinstance(data[field], int) or data[field] <= 0:
       raise ConfigError(f'data.{field}', data[field],
@@ -62,11 +65,13 @@ def check_config(data: ml_collections.ConfigDict) -> None:
     if len(entry) != 2:
       raise ConfigError(f'data.mix[{i}]', entry, 'must be (source, weight)')
     source, weight = entry
-    if source not in SOURCES and not os.path.exists(str(source)):
+    if check_sources and source not in SOURCES and not os.path.exists(
+        str(source)):
       raise ConfigError(f'data.mix[{i}]', source,
                         'unknown source (or a path that does not exist)',
                         SOURCES + ('<path to .txt files>',))
-    if source == 'fortunes' and not os.path.isdir(text_corpus.FORTUNES_DIR):
+    if (check_sources and source == 'fortunes'
+        and not os.path.isdir(text_corpus.FORTUNES_DIR)):
       raise ConfigError(f'data.mix[{i}]', source,
                         f'{text_corpus.FORTUNES_DIR} is missing: '
                         "`apt-get install fortunes`, or use 'pydoc'")

@@ -14,9 +14,19 @@ valid keys at slots up to its own. The cache holds every layer's keys
 and values for `max_len` slots, which slots are valid, and the number of
 slots written.
 
-Parameters carry logical axes ('vocab', 'embed', 'heads', 'mlp') for
-`train.sharding`; block i is the submodule `block_i`, whose output (the
-residual stream after the block) is what `train.steering.hooks` steers.
+Parameters carry logical axes ('vocab', 'embed', 'heads', 'kv_heads',
+'mlp') for `train.sharding`; block i is the submodule `block_i`, whose
+output (the residual stream after the block) is what
+`train.steering.hooks` steers.
+
+For pod-scale sizes (configs/lm.py `size=`): grouped-query attention
+(`num_kv_heads` < `num_heads`: each group of query heads shares one key
+and value head, as Llama 2/3 do), a compute `dtype` ('bfloat16': the
+activations and matmuls, with float32 parameters, norms, softmax and
+logits, MaxText's default mixed precision), and `remat` (each block's
+activations recomputed in the backward pass instead of kept). Their
+defaults (one key/value head per query head, float32, no remat) compute
+exactly what the model computed before they existed.
 """
 
 from typing import Any, NamedTuple
@@ -26,13 +36,14 @@ import jax
 import jax.numpy as jnp
 
 _NEG = -1e9  # Finite, so a fully masked (padding) query gives no NaN.
+DTYPES = ('float32', 'bfloat16')
 
 
 class Cache(NamedTuple):
   """Keys and values of every layer for `max_len` slots.
 
   Attributes:
-    keys, values: per layer, (batch, max_len, heads, head_dim).
+    keys, values: per layer, (batch, max_len, key/value heads, head_dim).
     valid: (batch, max_len) bool, the slots holding real tokens.
     length: slots written so far (int32 scalar); the next call writes at
       [length, length + seq).
@@ -45,6 +56,15 @@ class Cache(NamedTuple):
 
 def _param(init, axes):
   return nn.with_logical_partitioning(init, axes)
+
+
+def _constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+  """x's sharding by logical axes, where a step is traced under a mesh and
+  rules (`train.aot.Program`); elsewhere nothing. Without it XLA may follow
+  an FSDP weight's split and shard activations by features instead of by
+  batch (measured: the 1b config's train step then needs 147 GiB per v5e
+  chip)."""
+  return nn.with_logical_constraint(x, axes)
 
 
 class RMSNorm(nn.Module):
@@ -74,22 +94,30 @@ def rotary(x: jax.Array, positions: jax.Array,
 class Attention(nn.Module):
   num_heads: int
   head_dim: int
+  num_kv_heads: int | None = None  # None: one per query head.
 
   @nn.compact
   def __call__(self, x, positions, key_valid, query_slots, layer_cache):
+    # Parameters are float32; they compute in x's dtype.
     dense = lambda name, axes, shape: self.param(
-        name, _param(nn.initializers.lecun_normal(), axes), shape)
+        name, _param(nn.initializers.lecun_normal(), axes),
+        shape).astype(x.dtype)
     d = x.shape[-1]
+    kv_heads = self.num_kv_heads or self.num_heads
+    # Shared key/value heads get their own logical axis: they may not
+    # split over as many devices as the query heads.
+    kv_axis = 'heads' if kv_heads == self.num_heads else 'kv_heads'
     q = jnp.einsum('bsd,dhk->bshk', x,
                    dense('query', ('embed', 'heads', None),
                          (d, self.num_heads, self.head_dim)))
     k = jnp.einsum('bsd,dhk->bshk', x,
-                   dense('key', ('embed', 'heads', None),
-                         (d, self.num_heads, self.head_dim)))
+                   dense('key', ('embed', kv_axis, None),
+                         (d, kv_heads, self.head_dim)))
     v = jnp.einsum('bsd,dhk->bshk', x,
-                   dense('value', ('embed', 'heads', None),
-                         (d, self.num_heads, self.head_dim)))
+                   dense('value', ('embed', kv_axis, None),
+                         (d, kv_heads, self.head_dim)))
     q, k = rotary(q, positions), rotary(k, positions)
+    q = _constrain(q, ('batch', None, 'heads', None))
     if layer_cache is not None:
       cache_k, cache_v, start = layer_cache
       k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype),
@@ -99,14 +127,26 @@ class Attention(nn.Module):
     key_slots = jnp.arange(k.shape[1])
     allowed = ((key_slots[None, :] <= query_slots[:, None])[None]
                & key_valid[:, None, :])  # (b, s, T)
-    logits = jnp.einsum('bshk,bthk->bhst', q, k) / jnp.sqrt(
-        jnp.float32(self.head_dim)).astype(q.dtype)
+    scale = jnp.sqrt(jnp.float32(self.head_dim)).astype(q.dtype)
+    b, s, h, hd = q.shape
+    group = h // kv_heads
+    if group == 1:
+      logits = jnp.einsum('bshk,bthk->bhst', q, k) / scale
+    else:  # Query heads (g, r): group g reads key/value head g.
+      logits = jnp.einsum('bsgrk,btgk->bgrst',
+                          q.reshape(b, s, kv_heads, group, hd), k
+                          ).reshape(b, h, s, -1) / scale
     logits = jnp.where(allowed[:, None], logits.astype(jnp.float32), _NEG)
     weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum('bhst,bthk->bshk', weights, v)
+    if group == 1:
+      out = jnp.einsum('bhst,bthk->bshk', weights, v)
+    else:
+      out = jnp.einsum('bgrst,btgk->bsgrk',
+                       weights.reshape(b, kv_heads, group, s, -1),
+                       v).reshape(b, s, h, hd)
     o = self.param('out', _param(nn.initializers.lecun_normal(),
                                  ('heads', None, 'embed')),
-                   (self.num_heads, self.head_dim, d))
+                   (self.num_heads, self.head_dim, d)).astype(x.dtype)
     return jnp.einsum('bshk,hkd->bsd', out, o), (k, v)
 
 
@@ -117,11 +157,13 @@ class MLP(nn.Module):
   def __call__(self, x):
     d = x.shape[-1]
     init = nn.initializers.lecun_normal()
-    gate = self.param('gate', _param(init, ('embed', 'mlp')), (d, self.hidden))
-    up = self.param('up', _param(init, ('embed', 'mlp')), (d, self.hidden))
-    down = self.param('down', _param(init, ('mlp', 'embed')),
-                      (self.hidden, d))
-    return (nn.silu(x @ gate) * (x @ up)) @ down
+    param = lambda name, axes, shape: self.param(
+        name, _param(init, axes), shape).astype(x.dtype)
+    gate = param('gate', ('embed', 'mlp'), (d, self.hidden))
+    up = param('up', ('embed', 'mlp'), (d, self.hidden))
+    down = param('down', ('mlp', 'embed'), (self.hidden, d))
+    hidden = _constrain(nn.silu(x @ gate) * (x @ up), ('batch', None, 'mlp'))
+    return hidden @ down
 
 
 class Block(nn.Module):
@@ -129,10 +171,12 @@ class Block(nn.Module):
   num_heads: int
   head_dim: int
   mlp_dim: int
+  num_kv_heads: int | None = None
 
   @nn.compact
   def __call__(self, x, positions, key_valid, query_slots, layer_cache=None):
-    attn, kv = Attention(self.num_heads, self.head_dim, name='attention')(
+    attn, kv = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
+                         name='attention')(
         RMSNorm(name='attention_norm')(x), positions, key_valid, query_slots,
         layer_cache)
     x = x + attn
@@ -146,6 +190,11 @@ class DecoderLM(nn.Module):
   Attributes:
     vocab_size, d_model, num_layers, num_heads, mlp_dim: the shape.
     max_len: the longest sequence (cache slots) it is used with.
+    num_kv_heads: key/value heads (grouped-query attention); None: one
+      per query head.
+    dtype: what activations and matmuls compute in ('float32' or
+      'bfloat16'); parameters stay float32, logits are float32.
+    remat: recompute each block's activations in the backward pass.
   """
   vocab_size: int = 256
   d_model: int = 128
@@ -153,16 +202,25 @@ class DecoderLM(nn.Module):
   num_heads: int = 4
   mlp_dim: int = 384
   max_len: int = 256
+  num_kv_heads: int | None = None
+  dtype: str = 'float32'
+  remat: bool = False
 
   def setup(self):
     if self.d_model % self.num_heads:
       raise ValueError(f'd_model={self.d_model} is not divisible by '
                        f'num_heads={self.num_heads}')
+    if self.num_heads % (self.num_kv_heads or self.num_heads):
+      raise ValueError(f'num_heads={self.num_heads} is not divisible by '
+                       f'num_kv_heads={self.num_kv_heads}')
     self.embed = self.param(
         'embedding', _param(nn.initializers.normal(1.0), ('vocab', 'embed')),
         (self.vocab_size, self.d_model))
-    self.blocks = [Block(self.num_heads, self.d_model // self.num_heads,
-                         self.mlp_dim, name=f'block_{i}')
+    # Rematerialised blocks keep only their input for the backward pass:
+    # one block's activations live at a time instead of every block's.
+    block = nn.remat(Block) if self.remat else Block
+    self.blocks = [block(self.num_heads, self.d_model // self.num_heads,
+                         self.mlp_dim, self.num_kv_heads, name=f'block_{i}')
                    for i in range(self.num_layers)]
     self.final_norm = RMSNorm()
     self.head = self.param(
@@ -194,15 +252,18 @@ class DecoderLM(nn.Module):
     positions = prior[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
     positions = jnp.maximum(positions, 0)
     query_slots = start + jnp.arange(seq)
-    x = jnp.take(self.embed, tokens, axis=0)
+    dtype = jnp.dtype(self.dtype)
+    x = jnp.take(self.embed, tokens, axis=0).astype(dtype)
     new_keys, new_values = [], []
     for i, block in enumerate(self.blocks):
       layer_cache = (None if cache is None
                      else (cache.keys[i], cache.values[i], start))
-      x, (k, v) = block(x, positions, key_valid, query_slots, layer_cache)
+      x, (k, v) = block(_constrain(x, ('batch', None, None)), positions,
+                        key_valid, query_slots, layer_cache)
       new_keys.append(k)
       new_values.append(v)
-    logits = (self.final_norm(x) @ self.head).astype(jnp.float32)
+    logits = _constrain((self.final_norm(x) @ self.head.astype(dtype)
+                         ).astype(jnp.float32), ('batch', None, 'vocab'))
     if cache is None:
       return logits, None
     return logits, Cache(tuple(new_keys), tuple(new_values), key_valid,
@@ -210,11 +271,13 @@ class DecoderLM(nn.Module):
 
 
 def init_cache(model: DecoderLM, batch: int, max_len: int | None = None,
-               dtype: Any = jnp.float32) -> Cache:
-  """An empty cache of `max_len` slots (default `model.max_len`)."""
+               dtype: Any = None) -> Cache:
+  """An empty cache of `max_len` slots (default `model.max_len`), in
+  `dtype` (default: the model's compute dtype)."""
   max_len = model.max_len if max_len is None else max_len
   head_dim = model.d_model // model.num_heads
-  zeros = jnp.zeros((batch, max_len, model.num_heads, head_dim), dtype)
+  zeros = jnp.zeros((batch, max_len, model.num_kv_heads or model.num_heads,
+                     head_dim), model.dtype if dtype is None else dtype)
   return Cache(keys=(zeros,) * model.num_layers,
                values=(zeros,) * model.num_layers,
                valid=jnp.zeros((batch, max_len), bool),

@@ -20,8 +20,9 @@ other run's tokenizer (a copy of its file, checked against its
 checkpoint), whatever `config.tokenizer` says.
 """
 
+from collections.abc import Sequence
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from absl import logging
 import jax
@@ -52,13 +53,27 @@ def create_model(config: ml_collections.ConfigDict) -> decoder_lm.DecoderLM:
     raise ConfigError(f'model.{unknown[0]}', kwargs[unknown[0]],
                       'not a field of the decoder LM', sorted(fields))
   for field, value in kwargs.items():
-    if not isinstance(value, int) or value <= 0:
+    if field == 'dtype':
+      if value not in decoder_lm.DTYPES:
+        raise ConfigError('model.dtype', value, 'unknown compute dtype',
+                          decoder_lm.DTYPES)
+    elif field == 'remat':
+      if not isinstance(value, bool):
+        raise ConfigError('model.remat', value, 'must be True or False')
+    elif field == 'num_kv_heads' and value is None:
+      pass
+    elif not isinstance(value, int) or value <= 0:
       raise ConfigError(f'model.{field}', value, 'must be a positive integer')
   if kwargs['d_model'] % kwargs['num_heads'] or (
       kwargs['d_model'] // kwargs['num_heads']) % 2:
     raise ConfigError('model.num_heads', kwargs['num_heads'],
                       f'must divide d_model={kwargs["d_model"]} into heads '
                       'of even size (rotary embeddings)')
+  kv_heads = kwargs.get('num_kv_heads')
+  if kv_heads is not None and kwargs['num_heads'] % kv_heads:
+    raise ConfigError('model.num_kv_heads', kv_heads,
+                      f'must divide num_heads={kwargs["num_heads"]} (each '
+                      'key/value head serves a group of query heads)')
   # (Products on this model with their own data check their lengths.)
   if config.data.get('seq_len', 0) > kwargs['max_len']:
     raise ConfigError('data.seq_len', config.data.seq_len,
@@ -66,13 +81,17 @@ def create_model(config: ml_collections.ConfigDict) -> decoder_lm.DecoderLM:
   return decoder_lm.DecoderLM(**kwargs)
 
 
-def build(config: ml_collections.ConfigDict,
-          workdir: str) -> experiment_lib.Experiment:
+def build(config: ml_collections.ConfigDict, workdir: str, *,
+          devices: Sequence[Any] | None = None,
+          check_data: bool = True) -> experiment_lib.Experiment:
   """Validates `config` (data sources, model, then what every run shares)
-  and builds the parts; nothing is placed or compiled."""
-  lm_data.check_config(config.data)
+  and builds the parts; nothing is placed or compiled. `devices`: the
+  mesh's (default: this job's); `check_data=False` skips the checks that
+  the text sources are here and `init_from` holds checkpoints (compiling
+  needs shapes only)."""
+  lm_data.check_config(config.data, check_sources=check_data)
   lm_tokenizer.check_config(config)
-  if config.get('init_from'):
+  if check_data and config.get('init_from'):
     experiment_lib.require_checkpoints(
         config.init_from, field='config.init_from',
         hint='train the run to start from first')
@@ -82,7 +101,8 @@ def build(config: ml_collections.ConfigDict,
       init_variables=functools.partial(init_variables, model),
       per_example=loss.lm_loss,
       columns={'tokens': ((config.data.seq_len + 1,),
-                          lm_tokenizer.token_dtype(config.model.vocab_size))})
+                          lm_tokenizer.token_dtype(config.model.vocab_size))},
+      devices=devices)
 
 
 def run_tokenizer(config: ml_collections.ConfigDict, workdir: str,

@@ -15,9 +15,11 @@ and added to the final metrics as `pass_at_1_<family>_d<k>`. The RL run
 starts from this checkpoint (`load_policy`).
 """
 
+from collections.abc import Sequence
 import dataclasses
 import functools
 import json
+from typing import Any
 
 from absl import logging
 import jax.numpy as jnp
@@ -126,9 +128,13 @@ def sft_loss(model, variables, batch, train: bool):
   return loss, exact, variables['batch_stats']
 
 
-def build(config: ml_collections.ConfigDict,
-          workdir: str) -> experiment_lib.Experiment:
-  """Validates `config` and builds the parts; nothing placed or compiled."""
+def build(config: ml_collections.ConfigDict, workdir: str, *,
+          devices: Sequence[Any] | None = None,
+          check_data: bool = True) -> experiment_lib.Experiment:
+  """Validates `config` and builds the parts; nothing placed or compiled.
+  `devices`: the mesh's (default: this job's); the data is built from the
+  config, so `check_data` has nothing to check."""
+  del check_data
   check_config(config)
   model = lm_trainer.create_model(config)
   length = sequence_length(config.data)
@@ -137,7 +143,8 @@ def build(config: ml_collections.ConfigDict,
       init_variables=functools.partial(lm_trainer.init_variables, model),
       per_example=sft_loss,
       columns={'tokens': ((length + 1,), np.uint8),
-               'loss_mask': ((length,), np.uint8)})
+               'loss_mask': ((length,), np.uint8)},
+      devices=devices)
 
 
 def load_data(config: ml_collections.ConfigDict) -> loop.Data:

@@ -6,7 +6,9 @@ counts, mesh, batch divisibility, optimizer and method, workdir) and that
 every split of the data set can be opened. Nothing is placed or compiled.
 """
 
+from collections.abc import Sequence
 import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -25,9 +27,14 @@ def _init_variables(model: nn.Module, example: np.ndarray,
   return model.init(rng, example, train=False)
 
 
-def build(config: ml_collections.ConfigDict,
-          workdir: str) -> experiment_lib.Experiment:
-  """Validates `config` and builds the run's parts (see module docstring)."""
+def build(config: ml_collections.ConfigDict, workdir: str, *,
+          devices: Sequence[Any] | None = None,
+          check_data: bool = True) -> experiment_lib.Experiment:
+  """Validates `config` and builds the run's parts (see module docstring).
+
+  `devices`: the mesh's (default: this job's); `check_data=False` skips
+  opening the data (compiling for a pod needs its shapes only).
+  """
   spec = datasets.get_spec(config.dataset)
   rate = config.get('label_noise', 0.0)
   if not (isinstance(rate, (int, float)) and 0.0 <= rate < 1.0):
@@ -42,5 +49,7 @@ def build(config: ml_collections.ConfigDict,
       per_example=loss.classification_loss,
       columns={'image': (spec.image_shape, np.uint8),
                'label': ((), np.int32)},
-      check_data=functools.partial(datasets.check_available, config.dataset,
-                                   config.data_dir))
+      check_data=(functools.partial(datasets.check_available,
+                                    config.dataset, config.data_dir)
+                  if check_data else None),
+      devices=devices)
