@@ -19,6 +19,14 @@ s is then the easiest difficulty's budget), e.g.
   python -m launch.rl --config=configs/rl.py:gas=full,staleness=4 \
     --config.sft_workdir=workdirs/rl_sft --workdir=/tmp/rl_gas
 
+`size=1b` (or 125m, 8b) is GRPO on a TPU pod with the LM of that size as
+its policy (`configs/rl_sft.py:size=`): 128 devices generate and 128
+train (v5e:16x16), the learner's policy split FSDP-style over them as
+configs/lm.py splits it, 64 prompts x 16 samples per batch:
+
+  python -m launch.compile --config=configs/rl.py:size=1b \
+    --model_config=configs/rl_sft.py:size=1b --target=v5e:16x16
+
 `runlocal` shrinks the run for tests. Every field can be overridden, e.g. `--config.runtime.num_actors=3
 --config.grpo.beta=0.04 --config.runtime.deterministic=True`.
 """
@@ -26,6 +34,7 @@ s is then the easiest difficulty's budget), e.g.
 import ml_collections
 
 from configs import config_args
+from configs import lm
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -33,7 +42,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   args = config_args.parse(arg, 'configs/rl.py', {
       'runlocal': 'runlocal', 'staleness': 'staleness=S',
       'correction': 'correction=none|tis|decoupled',
-      'gas': 'gas=full|no_bandit|no_execution|no_coupling|fixed_lambda'})
+      'gas': 'gas=full|no_bandit|no_execution|no_coupling|fixed_lambda',
+      'size': 'size=' + '|'.join(lm.SIZES)})
   config = ml_collections.ConfigDict()
   config.task = 'rl'
   config.seed = 0
@@ -102,6 +112,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       raise ValueError(f'configs/rl.py: gas={variant!r}; valid choices: '
                        + ', '.join(ablations))
     config.gas.update(ablations[variant])
+  if 'size' in args:
+    if args['size'] not in lm.SIZES:
+      raise ValueError(f'configs/rl.py: size={args["size"]!r}; valid: '
+                       + ', '.join(lm.SIZES))
+    # Absent by default: older runs' configs stay equal.
+    config.rollout_devices = 128
+    config.learner_mesh = ml_collections.ConfigDict(dict(
+        axes=('data', 'model'), shape=(-1, lm.size_model(
+            args['size'], 256, 32)[1][1]), rules=lm.SIZE_RULES))
+    config.prompts_per_batch = 64
+    config.grpo.group_size = 16
   if 'runlocal' in args:
     config.difficulties = (1, 2, 3)
     config.prompts_per_batch = 4

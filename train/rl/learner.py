@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from train import aot
 from train.errors import ConfigError
 from train.lm import decoder as decoder_lm
 from train.rl import grpo
@@ -77,11 +78,54 @@ Update = Callable[[Any, Any, grpo.Batch, Any],
                   tuple[Any, Any, dict[str, jax.Array]]]
 
 
+def abstract_batch(rows: int, length: int,
+                   sharding: jax.sharding.Sharding | None = None
+                   ) -> grpo.Batch:
+  """The shapes and dtypes of `assemble`'s batches of `rows` x `length`."""
+  s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
+                                                sharding=sharding)
+  per_target = s((rows, length - 1), np.float32)
+  return grpo.Batch(tokens=s((rows, length), np.int32),
+                    valid=s((rows, length), np.bool_), loss_mask=per_target,
+                    advantages=s((rows,), np.float32),
+                    behaviour_logps=per_target, proximal_logps=per_target,
+                    reference_logps=per_target)
+
+
+def update_program(model: decoder_lm.DecoderLM,
+                   tx: optax.GradientTransformation,
+                   settings: LearnerSettings, *, params: Any,
+                   opt_state: Any, rows: int, length: int,
+                   batch_sharding: jax.sharding.NamedSharding,
+                   rules: Any) -> aot.Program:
+  """The learner's update as one program on the learner mesh, for AOT
+  compilation (the loop's and `launch.compile`'s): `params` and
+  `opt_state` are abstract, with their shardings, which the outputs
+  keep; the batch's rows are split as `batch_sharding` says; the policy's
+  activation constraints follow `rules`."""
+  mesh = batch_sharding.mesh
+  shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+  repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  fn = jax.jit(update_fn(model, tx, settings),
+               out_shardings=(shardings(params), shardings(opt_state), repl))
+  return aot.Program('learner_update', fn,
+                     (params, opt_state,
+                      abstract_batch(rows, length, batch_sharding), params),
+                     mesh, rules)
+
+
 def make_update(model: decoder_lm.DecoderLM,
                 tx: optax.GradientTransformation,
                 settings: LearnerSettings) -> Update:
+  """`update_fn`, jitted, its shardings those of its arguments."""
+  return jax.jit(update_fn(model, tx, settings))
+
+
+def update_fn(model: decoder_lm.DecoderLM,
+              tx: optax.GradientTransformation,
+              settings: LearnerSettings) -> Update:
   """`(params, opt_state, batch, reference_params) -> (params, opt_state,
-  metrics)`, jitted (`reference_params` is unused when beta = 0)."""
+  metrics)` (`reference_params` is unused when beta = 0)."""
   loss_settings = settings.loss
   temperature = loss_settings.temperature
 
@@ -114,4 +158,4 @@ def make_update(model: decoder_lm.DecoderLM,
         (batch.behaviour_logps - proximal) * mask) / count
     return params, opt_state, first
 
-  return jax.jit(update)
+  return update

@@ -10,13 +10,13 @@ padding: not rewarded, not trained.
 """
 
 import dataclasses
-import functools
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from train import aot
 from train.lm import decoder as decoder_lm
 from train.lm import generate as generate_lib
 from train.rl import grpo
@@ -51,16 +51,41 @@ class Rollout:
     return int(self.completion_mask.sum())
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5))
-def _sample(model: decoder_lm.DecoderLM, params: Any, prompt: jax.Array,
-            prompt_valid: jax.Array, num_steps: int, temperature: float,
-            rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _sample_fn(model: decoder_lm.DecoderLM, params: Any, prompt: jax.Array,
+               prompt_valid: jax.Array, num_steps: int, temperature: float,
+               rng: jax.Array) -> tuple[jax.Array, jax.Array]:
   out = generate_lib.generate(model, params, prompt, prompt_valid, num_steps,
                               temperature=temperature,
                               rng=None if temperature == 0 else rng)
   logps = grpo.token_log_probs(out.logits, out.tokens,
                                temperature if temperature > 0 else 1.0)
   return out.tokens, logps
+
+
+_sample = jax.jit(_sample_fn, static_argnums=(0, 4, 5))
+
+
+def sample_program(model: decoder_lm.DecoderLM, params: Any, rows: int,
+                   prompt_len: int, num_steps: int, temperature: float,
+                   mesh: jax.sharding.Mesh) -> aot.Program:
+  """`sample`'s program on shapes only (for `launch.compile`): the policy
+  (abstract `params`) replicated on `mesh`, `rows` prompts of
+  `prompt_len` tokens split over its 'data' axis, `num_steps` tokens
+  generated with the KV cache."""
+  repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  split = jax.sharding.NamedSharding(mesh,
+                                     jax.sharding.PartitionSpec('data'))
+  place = lambda tree, sharding: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+      tree)
+  fn = jax.jit(lambda p, prompt, valid, rng: _sample_fn(
+      model, p, prompt, valid, num_steps, float(temperature), rng))
+  return aot.Program(
+      f'rollout_generate ({num_steps} tokens)', fn,
+      (place(params, repl),
+       jax.ShapeDtypeStruct((rows, prompt_len), np.int32, sharding=split),
+       jax.ShapeDtypeStruct((rows, prompt_len), np.bool_, sharding=split),
+       place(jax.eval_shape(lambda: jax.random.key(0)), repl)))
 
 
 def sample(model: decoder_lm.DecoderLM, params: Any,

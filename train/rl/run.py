@@ -32,27 +32,34 @@ pass@1 against wall time.
 """
 
 import dataclasses
+import functools
 import hashlib
+import math
 import threading
 import time
 from typing import Any
 
 from absl import logging
+import flax.linen as nn
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 import numpy as np
 import optax
 
+from train import aot
 from train import checkpointing
 from train import fileio
 from train import metrics as metrics_lib
 from train import plots
 from train import preemption
 from train import resume_check
+from train import sharding as sharding_lib
 from train import workdir_lock
 from train.errors import ConfigError, Preempted
 from train.experiment import check_workdir
+from train.lm import decoder as decoder_lm
+from train.lm import trainer as lm_trainer
 from train.rl import grpo
 from train.rl import learner as learner_lib
 from train.rl import rollout as rollout_lib
@@ -115,15 +122,52 @@ def _positive_int(config, field: str) -> None:
     raise ConfigError(field, value, 'must be a positive integer')
 
 
-def check_config(config: ml_collections.ConfigDict) -> None:
-  """ConfigError naming the field, before anything is read or computed."""
+def learner_layout(config) -> tuple[tuple[str, ...], tuple[int, ...],
+                                    tuple[tuple[str, Any], ...]]:
+  """The learner mesh's axes, shape and logical-axis rules: the config's
+  `learner_mesh` block (absent by default: older runs' configs stay
+  equal), else one 'data' axis with the policy replicated."""
+  block = config.get('learner_mesh')
+  if block is None:
+    return ('data',), (-1,), (('batch', 'data'),)
+  return (tuple(block.axes), tuple(block.shape),
+          tuple(tuple(r) for r in block.rules))
+
+
+def meshes(config, devices: list | None = None) -> tuple[Mesh, Mesh]:
+  """(rollout mesh, learner mesh) of `devices` (default: this job's)."""
+  axes, shape, rules = learner_layout(config)
+  rollout_mesh, learner_mesh = runtime_lib.split_devices(
+      config.rollout_devices, devices, axes, shape)
+  sharding_lib.check_rules(rules, axes, field='learner_mesh.rules')
+  return rollout_mesh, learner_mesh
+
+
+def learner_shardings(config, model: decoder_lm.DecoderLM,
+                      mesh: Mesh) -> tuple[Any, NamedSharding]:
+  """The policy's parameter shardings on the learner mesh (from its
+  logical axes and the learner's rules) and the batch rows'."""
+  _, _, rules = learner_layout(config)
+  boxed = jax.eval_shape(functools.partial(lm_trainer.init_variables, model),
+                         jax.random.key(0))
+  params = sharding_lib.logical_to_shardings(boxed['params'], mesh, rules)
+  return params, sharding_lib.batch_sharding(mesh, rules)
+
+
+def check_config(config: ml_collections.ConfigDict,
+                 devices: list | None = None,
+                 require_sft: bool = True) -> None:
+  """ConfigError naming the field, before anything is read or computed.
+  `devices`: the job's (default: this process's); `require_sft=False`
+  lets the SFT workdir be unset (compiling needs its config only)."""
   if config.get('task') != TASK:
     raise ConfigError('task', config.get('task'), f'must be {TASK!r}')
-  if not config.sft_workdir:
-    raise ConfigError('sft_workdir', config.sft_workdir,
-                      'required: the workdir of the SFT warm start '
-                      '(launch.train with configs/rl_sft.py)')
-  sft.check_has_checkpoints(config.sft_workdir)
+  if require_sft:
+    if not config.sft_workdir:
+      raise ConfigError('sft_workdir', config.sft_workdir,
+                        'required: the workdir of the SFT warm start '
+                        '(launch.train with configs/rl_sft.py)')
+    sft.check_has_checkpoints(config.sft_workdir)
   if not config.difficulties:
     raise ConfigError('difficulties', config.difficulties,
                       f'needs a difficulty in 1..{tasks.MAX_DIFFICULTY}')
@@ -146,16 +190,78 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     if not config.optimizer[field] > 0:
       raise ConfigError(f'optimizer.{field}', config.optimizer[field],
                         'must be > 0')
-  devices = jax.device_count()
-  rollout_mesh, learner_mesh = runtime_lib.split_devices(
-      config.rollout_devices)
+  count = jax.device_count() if devices is None else len(devices)
+  rollout_mesh, learner_mesh = meshes(config, devices)
   rows = config.prompts_per_batch * config.grpo.group_size
-  for name, mesh in (('rollout', rollout_mesh), ('learner', learner_mesh)):
-    if rows % mesh.devices.size:
+  _, _, rules = learner_layout(config)
+  learner_rows = math.prod(learner_mesh.shape[a] for a in jax.tree.leaves(
+      tuple(nn.logical_to_mesh_axes(('batch',), rules))))
+  for name, size in (('rollout', rollout_mesh.devices.size),
+                     ('learner data-parallel', learner_rows)):
+    if rows % size:
       raise ConfigError('prompts_per_batch', config.prompts_per_batch,
                         f'x group_size={config.grpo.group_size} = {rows} '
-                        f'rows must split over the {mesh.devices.size} '
-                        f'{name} devices (of {devices})')
+                        f'rows must split over the {size} {name} devices '
+                        f'(of {count})')
+
+
+def check_policy(config, policy_config, max_len: int) -> None:
+  """The SFT policy's family and length against this run's."""
+  if config.family not in policy_config.data.families:
+    raise ConfigError('family', config.family,
+                      f'the SFT policy was trained on '
+                      f'{list(policy_config.data.families)}')
+  length = sequence_length(config)
+  if length > max_len:
+    raise ConfigError('difficulties', config.difficulties,
+                      f'need {length} tokens; the SFT model holds '
+                      f'{max_len}')
+
+
+def _update_program(config, model, tx, lsettings, params, learner_mesh
+                    ) -> aot.Program:
+  """The learner's update on abstract `params` (with their shardings)."""
+  param_shardings, rows = learner_shardings(config, model, learner_mesh)
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=s), params, param_shardings)
+  opt_shardings = sharding_lib.optimizer_state_shardings(
+      tx, params, param_shardings, learner_mesh)
+  opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=s), jax.eval_shape(tx.init, params),
+                           opt_shardings)
+  return learner_lib.update_program(
+      model, tx, lsettings, params=params, opt_state=opt_state,
+      rows=config.prompts_per_batch * config.grpo.group_size,
+      length=sequence_length(config), batch_sharding=rows,
+      rules=learner_layout(config)[2])
+
+
+def programs(config: ml_collections.ConfigDict,
+             policy_config: ml_collections.ConfigDict, devices: list
+             ) -> list[tuple[str, Mesh, Any, list[aot.Program]]]:
+  """For `launch.compile`: the learner's update on the learner mesh and
+  the rollout's generation (prefill and KV-cached decoding of the longest
+  answer, with behaviour log-probabilities) on the rollout mesh, for the
+  policy `policy_config` describes, on shapes only. Returns (name, mesh,
+  rules, programs) per mesh."""
+  check_config(config, devices, require_sft=False)
+  model = lm_trainer.create_model(policy_config)
+  check_policy(config, policy_config, model.max_len)
+  rollout_mesh, learner_mesh = meshes(config, devices)
+  params = nn.meta.unbox(jax.eval_shape(
+      functools.partial(lm_trainer.init_variables, model),
+      jax.random.key(0)))['params']
+  update = _update_program(config, model, optimizer(config),
+                           loss_settings(config), params, learner_mesh)
+  top = max(config.difficulties)
+  rows = config.prompts_per_batch * config.grpo.group_size
+  return [('learner', learner_mesh, learner_layout(config)[2], [update]),
+          ('rollout', rollout_mesh, (('batch', 'data'),),
+           [rollout_lib.sample_program(
+               model, params, rows, tasks.max_prompt_tokens(config.family,
+                                                            top),
+               tasks.max_answer_tokens(config.family, top),
+               config.temperature, rollout_mesh)])]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,32 +343,28 @@ def _counters(bound: int, saved: dict | None = None
 
 def _train(config, workdir: str) -> dict[str, Any]:
   sft_config, model, sft_params = sft.load_policy(config.sft_workdir)
-  if config.family not in sft_config.data.families:
-    raise ConfigError('family', config.family,
-                      f'the SFT policy was trained on '
-                      f'{list(sft_config.data.families)}')
+  check_policy(config, sft_config, model.max_len)
   length = sequence_length(config)
-  if length > model.max_len:
-    raise ConfigError('difficulties', config.difficulties,
-                      f'need {length} tokens; the SFT model holds '
-                      f'{model.max_len}')
   rsettings = runtime_settings(config)
   lsettings = loss_settings(config)
   s = rsettings.max_staleness
-  rollout_mesh, learner_mesh = runtime_lib.split_devices(
-      config.rollout_devices)
-  learner_repl = NamedSharding(learner_mesh, P())
+  rollout_mesh, learner_mesh = meshes(config)
   rollout_repl = NamedSharding(rollout_mesh, P())
-  learner_rows = NamedSharding(learner_mesh, P('data'))
+  param_shardings, learner_rows = learner_shardings(config, model,
+                                                    learner_mesh)
   rollout_rows = NamedSharding(rollout_mesh, P('data'))
 
   tx = optimizer(config)
-  params = jax.device_put(sft_params, learner_repl)
+  params = jax.device_put(sft_params, param_shardings)
   reference = params
-  fresh = {'params': params, 'opt_state': jax.device_put(tx.init(params),
-                                                         learner_repl),
+  fresh = {'params': params, 'opt_state': jax.jit(
+      tx.init, out_shardings=sharding_lib.optimizer_state_shardings(
+          tx, params, param_shardings, learner_mesh))(params),
            'history': [params] * s}
-  update = learner_lib.make_update(model, tx, lsettings)
+  # Compiled ahead of time under the learner's mesh and rules, as
+  # `launch.compile` compiles it.
+  update = _update_program(config, model, tx, lsettings, params,
+                           learner_mesh).lower().compile()
   heldout = {d: tasks.evaluation_set(config.family, d, config.eval_examples)
              for d in config.difficulties}
 
@@ -347,7 +449,8 @@ def _train(config, workdir: str) -> dict[str, Any]:
       history = [snapshots.held().get(v - s + i) for i in range(s)]
       tree = {'params': state['params'], 'opt_state': state['opt_state'],
               'history': [state['params'] if h is None else
-                          jax.device_put(h, learner_repl) for h in history]}
+                          jax.device_put(h, param_shardings)
+                          for h in history]}
       meta = {'config': resume_check.as_json(config),
               'counters': {k: v.tolist() for k, v in counters.items()},
               'scheduler': scheduler.save(v),

@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from train import sharding as sharding_lib
 from train.errors import ConfigError, RunError
 
 _POLL = 0.05  # Seconds between checks of the stop flag in every wait.
@@ -94,16 +95,22 @@ class RuntimeSettings:
             else self.max_staleness + self.num_actors)
 
 
-def split_devices(num_rollout: int, devices: list | None = None
+def split_devices(num_rollout: int, devices: list | None = None,
+                  learner_axes: tuple[str, ...] = ('data',),
+                  learner_shape: tuple[int, ...] = (-1,)
                   ) -> tuple[Mesh, Mesh]:
-  """(rollout mesh, learner mesh), each 1-D over axis 'data', disjoint."""
+  """(rollout mesh, learner mesh), disjoint: the first `num_rollout`
+  devices, 1-D over axis 'data'; the rest, over `learner_axes` in
+  `learner_shape` (errors name config.learner_mesh)."""
   devices = list(jax.devices() if devices is None else devices)
   if not isinstance(num_rollout, int) or not 1 <= num_rollout < len(devices):
     raise ConfigError('rollout_devices', num_rollout,
                       f'must be in 1..{len(devices) - 1} (of {len(devices)} '
                       'devices: the rest train)')
   return (Mesh(np.array(devices[:num_rollout]), ('data',)),
-          Mesh(np.array(devices[num_rollout:]), ('data',)))
+          sharding_lib.make_mesh(learner_shape, learner_axes,
+                                 devices[num_rollout:],
+                                 field='learner_mesh'))
 
 
 class Snapshots:

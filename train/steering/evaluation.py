@@ -39,11 +39,15 @@ import re
 from typing import Any, NamedTuple
 
 from absl import logging
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import ml_collections
 import numpy as np
 
 from geom import steering as steering_lib
+from train import aot
 from train import experiment as experiment_lib
 from train import metrics as metrics_lib
 from train.errors import ConfigError
@@ -268,6 +272,53 @@ def _unsteered_ce(model, params, prompt, valid, generated):
   return -jnp.mean(jnp.take_along_axis(logp, generated[..., None], -1))
 
 
+def programs(config: ml_collections.ConfigDict,
+             lm_config: ml_collections.ConfigDict, devices: list
+             ) -> tuple[Mesh, Any, list[aot.Program]]:
+  """For `launch.compile`: the generation of each of `config.methods` as
+  the evaluation compiles it (steered at `config.layer`, KV-cached or
+  recomputed per `config.generation.mode`), for the LM `lm_config`
+  describes, on shapes only and one of `devices` (the evaluation runs on
+  one device). Prompts are as long as the byte tokenizer makes them (the
+  longest a tokenizer makes them). Returns the mesh, no rules, and the
+  programs."""
+  check_config(config, require_lm=False)
+  model = lm_trainer.create_model(lm_config)
+  params = nn.meta.unbox(jax.eval_shape(
+      functools.partial(lm_trainer.init_variables, model),
+      jax.random.key(0)))['params']
+  try:
+    layer_path = steering_hooks.resolve_layer(params, config.layer)
+  except ValueError as e:
+    raise ConfigError('layer', config.layer, str(e).split(': ', 1)[1]) from None
+  prompt, _ = generation_prompts(config.generation.prompts)
+  gen = config.generation
+  if prompt.shape[1] + gen.steps > model.max_len:
+    raise ConfigError('generation.steps', gen.steps,
+                      f'prompts of {prompt.shape[1]} tokens and this many '
+                      f'steps exceed the LM\'s max_len={model.max_len}')
+  mesh = Mesh(np.array(devices[:1]), ('data',))
+  repl = NamedSharding(mesh, PartitionSpec())
+  place = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=repl), tree)
+  direction = jax.ShapeDtypeStruct((model.d_model,), np.float32)
+  out = []
+  for method in config.methods:
+    steer = jax.eval_shape(lambda d, m=method: make_steering(
+        m, d, 0.5, kappa=config.kappa, beta=config.beta, coefficient=1.0),
+                           direction)
+    fn = jax.jit(lambda p, tokens, valid, s, rng: lm_generate.generate(
+        model, p, tokens, valid, gen.steps, steering=s,
+        layer_path=layer_path, mode=gen.mode, temperature=gen.temperature,
+        rng=rng))
+    out.append(aot.Program(
+        f'generate ({method}, {gen.mode}, {gen.steps} tokens)', fn,
+        place((params, jax.ShapeDtypeStruct(prompt.shape, np.int32),
+               jax.ShapeDtypeStruct(prompt.shape, np.bool_), steer,
+               jax.eval_shape(lambda: jax.random.key(0))))))
+  return mesh, None, out
+
+
 def generation_metrics(model, params, prompts, steering, layer_path: str,
                        num_steps: int, temperature: float, seed: int,
                        mode: str = 'cached',
@@ -330,9 +381,11 @@ def extract(model: decoder_lm.DecoderLM, params, layer_path: str,
   return np.asarray(direction), float(np.concatenate(norms).mean())
 
 
-def check_config(config) -> None:
-  """ConfigError naming the field, before anything is loaded or run."""
-  if not config.get('lm_workdir'):
+def check_config(config, require_lm: bool = True) -> None:
+  """ConfigError naming the field, before anything is loaded or run;
+  `require_lm=False` lets the LM's workdir be unset (compiling needs its
+  config only)."""
+  if require_lm and not config.get('lm_workdir'):
     raise ConfigError('lm_workdir', config.get('lm_workdir'),
                       'is required: the workdir of a trained LM '
                       '(python -m launch.train --config=configs/lm.py)')

@@ -18,17 +18,21 @@ stream's data read before anything is compiled.
 
 from collections.abc import Mapping
 import dataclasses
+import functools
 import time
 from typing import Any
 
 from absl import logging
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 import numpy as np
 import optax
 
 from geom import conga
+from train import aot
 from train import checkpointing
 from train import fileio
 from train import metrics as metrics_lib
@@ -36,12 +40,14 @@ from train import plots
 from train import preemption
 from train import resume_check
 from train import workdir_lock
-from train.errors import ConfigError, Preempted
+from train.errors import ConfigError, Preempted, UsageError
 from train.experiment import check_workdir
 from train.tta import data as tta_data
 from train.tta import methods
 from train.tta import source as source_lib
 from train.tta import streams
+from train.vision import datasets
+from train.vision import models
 
 RESULTS = 'results.json'
 PLOT = 'errors.png'
@@ -62,8 +68,11 @@ def _finite_positive(field: str, value) -> None:
     raise ConfigError(field, value, 'must be a finite number > 0')
 
 
-def check_config(config: ml_collections.ConfigDict) -> None:
-  """Every setting the run reads, before anything else (UsageError)."""
+def check_config(config: ml_collections.ConfigDict,
+                 require_source: bool = True) -> None:
+  """Every setting the run reads, before anything else (UsageError);
+  `require_source=False` lets the source workdir be unset (compiling the
+  step needs the source's config only)."""
   m = config.method
   if m.name not in methods.METHODS:
     raise ConfigError('method.name', m.name, 'unknown method',
@@ -88,7 +97,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     if not isinstance(value, int) or value <= 0:
       raise ConfigError(field, value, 'must be a positive integer')
   tta_data.check(config)
-  if not config.source_workdir:
+  if require_source and not config.source_workdir:
     raise ConfigError('source_workdir', config.source_workdir,
                       'required: the workdir of a classifier trained by '
                       '`python -m launch.train`')
@@ -178,6 +187,65 @@ def _check_latest(config, workdir: str) -> None:
     _check_resume(config, workdir, *newest)
 
 
+def _settings(config, num_classes: int) -> methods.Settings:
+  return methods.Settings(
+      method=config.method.name, num_classes=num_classes,
+      d_margin=config.method.d_margin,
+      fisher_alpha=config.method.fisher_alpha,
+      reset_below=config.method.reset_below, rho=config.method.rho)
+
+
+# The adapt step: the method's arrays are arguments, not constants.
+_step = jax.jit(methods.Method.step)
+
+
+def programs(config: ml_collections.ConfigDict,
+             source_config: ml_collections.ConfigDict,
+             devices: list[Any]) -> tuple[Mesh, list[aot.Program]]:
+  """The adapt step as the loop compiles it, on shapes only, for
+  `launch.compile`: the source classifier of `source_config` and a full
+  batch of the stream, on one of `devices` (adaptation runs on one
+  device). Returns the (one-device) mesh and the program."""
+  check_config(config, require_source=False)
+  stream = tta_data.stream_spec(config)
+  spec = datasets.get_spec(source_config.dataset)
+  if (spec.image_shape, spec.num_classes) != (stream.image_shape,
+                                              stream.num_classes):
+    raise UsageError('--model_config', source_config.dataset,
+                     f'the source classifier\'s images {spec.image_shape} '
+                     f'and {spec.num_classes} classes differ from the '
+                     f'stream\'s ({config.dataset!r})')
+  model = models.create_model(source_config.model, spec.num_classes,
+                              spec.pixel_max)
+  example = np.zeros((1, *spec.image_shape), np.uint8)
+  variables = nn.meta.unbox(jax.eval_shape(
+      functools.partial(model.init, train=False), jax.random.key(0),
+      example))
+  settings = _settings(config, spec.num_classes)
+  # CONGA's horizon is a constant of the program; its value does not
+  # change what is compiled.
+  tx = _tx(config, spec.num_classes, 1)
+
+  def bind(params, batch_stats):
+    fisher = (jax.tree.map(jnp.zeros_like, methods.split(
+        params, methods.adapted_names(params))[0])
+              if settings.method == 'eata' else None)
+    return methods.bind(settings, model, params, batch_stats, tx, fisher)
+
+  method = jax.eval_shape(bind, variables['params'],
+                          variables.get('batch_stats', {}))
+  state = jax.eval_shape(methods.Method.init, method)
+  mesh = Mesh(np.array(devices[:1]), ('data',))
+  place = lambda tree: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                     sharding=NamedSharding(mesh, P())),
+      tree)
+  images = jax.ShapeDtypeStruct((config.batch_size, *spec.image_shape),
+                                np.uint8)
+  return mesh, [aot.Program(f'adapt_step ({settings.method})', _step,
+                            place((method, state, images)))]
+
+
 def _adapt(config, workdir: str) -> dict[str, Any]:
   _check_latest(config, workdir)
   source = source_lib.load(config)
@@ -186,11 +254,7 @@ def _adapt(config, workdir: str) -> dict[str, Any]:
                       config.seed, config.order)
   longest = max((len(l) for l in stream.labels), default=0)
   per_episode = -(-longest // config.batch_size)
-  settings = methods.Settings(
-      method=config.method.name, num_classes=source.spec.num_classes,
-      d_margin=config.method.d_margin,
-      fisher_alpha=config.method.fisher_alpha,
-      reset_below=config.method.reset_below, rho=config.method.rho)
+  settings = _settings(config, source.spec.num_classes)
   # CONGA's progress runs over an episode (a corruption's batches) when the
   # stream resets between corruptions, else over the whole stream.
   total = per_episode if config.protocol == 'episodic' else len(plan)
@@ -230,7 +294,6 @@ def _adapt(config, workdir: str) -> dict[str, Any]:
       position, run = 0, fresh
       writer = metrics_lib.MetricWriter(workdir, None)
 
-    step = jax.jit(method.step)
     initial = method.init()
     has_conga = config.method.schedule == 'conga'
     stop = preemption.StopFlag()
@@ -248,7 +311,7 @@ def _adapt(config, workdir: str) -> dict[str, Any]:
           batch = plan[index]
           if batch.reset:
             run.state = initial
-          run.state, out = step(run.state, images)
+          run.state, out = _step(method, run.state, images)
           # The next batch is gathered while the devices run this one.
           if index + 1 < len(plan):
             images = stream.images_of(plan[index + 1])

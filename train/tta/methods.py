@@ -127,9 +127,13 @@ class Settings:
   ema_decay: float = 0.9          # SAR's loss average and EATA's m.
 
 
-@dataclasses.dataclass(frozen=True)
+@flax.struct.dataclass
 class Method:
   """A method bound to a source model: `init()` and a pure `step`.
+
+  A pytree of its arrays (the source model's and EATA's Fisher), so that
+  a jitted `Method.step(method, state, images)` takes them as arguments
+  instead of baking them into the program as constants.
 
   Attributes:
     settings: the method and its hyperparameters.
@@ -140,12 +144,13 @@ class Method:
     tx: the optimizer of the adapted parameters.
     fisher: EATA's Fisher diagonal over the adapted parameters, else None.
   """
-  settings: Settings
-  model: nn.Module
+  settings: Settings = flax.struct.field(pytree_node=False)
+  model: nn.Module = flax.struct.field(pytree_node=False)
   frozen: Flat
   source: Flat
   batch_stats: Any
-  tx: optax.GradientTransformationExtraArgs
+  tx: optax.GradientTransformationExtraArgs = flax.struct.field(
+      pytree_node=False)
   fisher: Flat | None = None
 
   def logits(self, adapted: Flat, images: jax.Array,
@@ -328,14 +333,20 @@ def make(settings: Settings, model: nn.Module, params, batch_stats,
       bn_stats).
     fisher_batches: EATA's in-distribution images.
   """
-  skip = ('bn_hidden',) if settings.method == 'sar' else ()
-  params, batch_stats = jax.device_put((params, batch_stats))
-  names = adapted_names(params, skip)
-  adapted, frozen = split(params, names)
-  method = Method(settings=settings, model=model, frozen=frozen,
-                  source=adapted, batch_stats=batch_stats or {},
-                  tx=optax.with_extra_args_support(tx))
+  method = bind(settings, model, *jax.device_put((params, batch_stats)), tx)
   if settings.method == 'eata':
-    method = dataclasses.replace(
-        method, fisher=fisher_diagonal(method, fisher_batches or []))
+    method = method.replace(
+        fisher=fisher_diagonal(method, fisher_batches or []))
   return method
+
+
+def bind(settings: Settings, model: nn.Module, params, batch_stats,
+         tx: optax.GradientTransformationExtraArgs,
+         fisher: Flat | None = None) -> Method:
+  """The method on `params` as they are (arrays or their abstract shapes:
+  `launch.compile` binds a method to shapes only); `fisher` given."""
+  skip = ('bn_hidden',) if settings.method == 'sar' else ()
+  adapted, frozen = split(params, adapted_names(params, skip))
+  return Method(settings=settings, model=model, frozen=frozen,
+                source=adapted, batch_stats=batch_stats or {},
+                tx=optax.with_extra_args_support(tx), fisher=fisher)

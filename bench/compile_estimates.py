@@ -1,0 +1,200 @@
+r"""Per-chip memory and roofline time of the pod-scale jobs, from the compilers.
+
+  python -m bench.compile_estimates            # print the tables
+  python -m bench.compile_estimates --write    # and put them in BENCHMARKS.md
+  python -m bench.compile_estimates --only='LM 1b'
+
+Each row is one `python -m launch.compile` run (a process of its own) of a
+job users take to a pod or a GPU node, on a TPU v5e pod (v5e:16x16, 256
+chips) and a node of 8 H100s (h100:1x1x8), with the layout that fits
+there (the overrides column): the LMs of configs/lm.py `size=`, with and
+without SAM; the SAM paper's WRN-28-10 on CIFAR-10 and ResNet-50 on
+ImageNet, SAM against the base step; GRPO with the 1b policy on a pod
+split into rollout and learner meshes; steering generation on the 1b LM.
+Every figure is the compiler's estimate (memory analysis; FLOPs and HBM
+bytes from its cost model; roofline = max(FLOPs / peak, bytes /
+bandwidth)), never a measured time: nothing here ran on a TPU or GPU.
+The workdirs with each run's compile.json are kept under --workdir.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+from bench import report
+
+_WRITE = flags.DEFINE_bool('write', False, 'Write the tables to BENCHMARKS.md.')
+_ONLY = flags.DEFINE_string('only', None, 'Run only rows whose name starts so.')
+_WORKDIR = flags.DEFINE_string('workdir', '/tmp/geom_compile_estimates',
+                               'Where each row writes its compile.json.')
+
+POD, NODE = 'v5e:16x16', 'h100:1x1x8'
+SAM = {'optimizer.sam.enabled': True}
+# (name, config, model config, target, overrides). A GPU node holds fewer
+# chips than a pod: smaller global batches there, and the 8b model split
+# over 4 GPUs by tensor parallelism.
+ROWS = [
+    *[(f'LM {size}{" + SAM" if sam else ""}', f'configs/lm.py:size={size}',
+       None, target, {**(SAM if sam else {}), **extra})
+      for size, node in (('125m', {'batch_size': 64}),
+                         ('1b', {'batch_size': 32}),
+                         ('8b', {'batch_size': 16}))
+      for target, extra in ((POD, {}), (NODE, node))
+      for sam in (False, True)],
+    ('LM 8b (does not fit)', 'configs/lm.py:size=8b', None, 'v5e:2x2', {}),
+    *[(f'{name}{" + SAM" if sam else ""}', config, None, target,
+       {**extra, 'optimizer.sam.enabled': sam})
+      for name, config in (('WRN-28-10 CIFAR-10', 'configs/wrn_cifar10.py'),
+                           ('ResNet-50 ImageNet',
+                            'configs/resnet50_imagenet.py'))
+      for target, extra in ((POD, {}), (NODE, {}))
+      for sam in (False, True)],
+    ('GRPO 1b', 'configs/rl.py:size=1b', 'configs/rl_sft.py:size=1b', POD,
+     {}),
+    ('GRPO 1b', 'configs/rl.py:size=1b', 'configs/rl_sft.py:size=1b', NODE,
+     {'rollout_devices': 4}),
+    ('Steering 1b', 'configs/steering.py', 'configs/lm.py:size=1b', POD, {}),
+    ('Steering 1b', 'configs/steering.py', 'configs/lm.py:size=1b', NODE, {}),
+]
+
+
+def _flag(key: str, value) -> str:
+  if isinstance(value, tuple):
+    value = '(' + ','.join(map(str, value)) + ')'
+  return f'--config.{key}={value}'
+
+
+def run_row(row, workdir: str) -> tuple[dict | None, str, float]:
+  """compile.json of one row (None if it wrote none), its error line and
+  the wall time."""
+  name, config, model, target, overrides = row
+  os.makedirs(workdir, exist_ok=True)
+  cmd = [sys.executable, '-m', 'launch.compile', f'--config={config}',
+         f'--target={target}', f'--workdir={workdir}',
+         *[_flag(k, v) for k, v in overrides.items()]]
+  if model:
+    cmd.append(f'--model_config={model}')
+  path = os.path.join(workdir, 'compile.json')
+  if os.path.exists(path):
+    os.remove(path)
+  start = time.perf_counter()
+  done = subprocess.run(cmd, capture_output=True, text=True,
+                        cwd=os.path.dirname(os.path.dirname(
+                            os.path.abspath(__file__))))
+  seconds = time.perf_counter() - start
+  error = next((l for l in done.stderr.splitlines()
+                if l.startswith('error:')), '')
+  if done.returncode not in (0, 3):
+    print(f'{name} on {target}: exit {done.returncode}: {error or done.stderr[-2000:]}')
+  result = json.load(open(path)) if os.path.exists(path) else None
+  return result, error, seconds
+
+
+def command(row) -> str:
+  name, config, model, target, overrides = row
+  del name
+  parts = [f'--config={config}', f'--target={target}']
+  parts += [_flag(k, v) for k, v in overrides.items()]
+  if model:
+    parts.append(f'--model_config={model}')
+  return 'python -m launch.compile ' + ' '.join(parts)
+
+
+def _gib(n: float) -> str:
+  return f'{n / 2**30:.2f}'
+
+
+def table(results) -> list[str]:
+  lines = [
+      '| job | target | overrides | function | args GiB | temp GiB | '
+      'total GiB/chip | of HBM | TFLOPs/chip | HBM GB/chip | roofline ms |',
+      '|' + '---|' * 11]
+  for row, result, error in results:
+    name, _, _, target, overrides = row
+    shown = ', '.join(f'{k}={v}' for k, v in overrides.items()
+                      if k != 'optimizer.sam.enabled') or '-'
+    if result is None:
+      lines.append(f'| {name} | {target} | {shown} | (no result: {error}) '
+                   '| | | | | | | |')
+      continue
+    for r in result['rows']:
+      b = r['bytes']
+      flops = '-' if r['flops'] is None else f'{r["flops"] / 1e12:.3g}'
+      traffic = ('-' if r['hbm_traffic'] is None
+                 else f'{r["hbm_traffic"] / 1e9:.3g}')
+      roof = ('-' if r['roofline_seconds'] is None
+              else f'{r["roofline_seconds"] * 1e3:.3g}')
+      verdict = (f'{100 * r["total_bytes"] / r["hbm_bytes"]:.0f}%'
+                 + ('' if r['fits'] else ' DOES NOT FIT'))
+      lines.append(
+          f'| {name} | {target} | {shown} | {r["function"]} | '
+          f'{_gib(b["argument"]) if b else "-"} | '
+          f'{_gib(b["temp"]) if b else "-"} | {_gib(r["total_bytes"])} | '
+          f'{verdict} | {flops} | {traffic} | {roof} |')
+  return lines
+
+
+def sam_ratios(results) -> list[str]:
+  """SAM's train step against the base step's, per job and target."""
+  by_key = {}
+  for row, result, _ in results:
+    if result is None:
+      continue
+    name, _, _, target, _ = row
+    step = next((r for r in result['rows']
+                 if r['function'].startswith('train_step')), None)
+    if step is not None:
+      by_key[(name, target)] = step
+  lines = ['| job | target | memory SAM / base | roofline SAM / base |',
+           '|---|---|---|---|']
+  for (name, target), sam in by_key.items():
+    if not name.endswith(' + SAM'):
+      continue
+    base = by_key.get((name[:-len(' + SAM')], target))
+    if base is None or not (sam['fits'] and base['fits']):
+      continue
+    roof = ('-' if not (sam['roofline_seconds'] and base['roofline_seconds'])
+            else f'{sam["roofline_seconds"] / base["roofline_seconds"]:.2f}x')
+    lines.append(f'| {name[:-len(" + SAM")]} | {target} | '
+                 f'{sam["total_bytes"] / base["total_bytes"]:.2f}x | {roof} |')
+  return lines
+
+
+def main(argv):
+  del argv
+  rows = [r for r in ROWS if not _ONLY.value or r[0].startswith(_ONLY.value)]
+  results = []
+  for i, row in enumerate(rows):
+    workdir = os.path.join(_WORKDIR.value, f'{i:02d}')
+    result, error, seconds = run_row(row, workdir)
+    print(f'{row[0]} on {row[3]}: {seconds:.0f} s'
+          + (f' ({error})' if error else ''), flush=True)
+    results.append((row, result, error))
+  lines = [
+      '## Estimated from the compiler (not measured): pod-scale jobs',
+      '',
+      'Per-chip memory and roofline time of each job\'s programs as the '
+      'TPU compiler (libtpu 0.0.42) and the GPU compiler (jax-cuda12-plugin '
+      '0.10.2, no autotuning) plan them for a v5e pod (v5e:16x16, 256 chips, '
+      '15.75 GiB usable each) and a node of 8 H100s (h100:1x1x8, 59.3 GiB '
+      'each: 80 GB x JAX\'s 0.75 preallocation). Roofline = max(FLOPs / '
+      'peak bf16, HBM bytes / bandwidth) per chip from the datasheets: a '
+      'lower bound that ignores collectives and overlap. Nothing here ran '
+      'on a TPU or GPU. Reproduce: `python -m bench.compile_estimates '
+      '--write`; one row: the `launch.compile` command below it.',
+      '', *table(results), '',
+      'SAM against the base step (train step only):', '',
+      *sam_ratios(results), '',
+      'Commands:', '',
+      *[f'- {row[0]} on {row[3]}: `{command(row)}`' for row in rows],
+  ]
+  report.publish('compile_estimates', lines, _WRITE.value)
+
+
+if __name__ == '__main__':
+  app.run(main)

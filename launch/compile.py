@@ -1,0 +1,168 @@
+r"""Compile a job for a TPU pod or GPU node from this host: per-chip memory and cost.
+
+  python -m launch.compile --config=configs/lm.py:size=1b --target=v5e:16x16
+  python -m launch.compile --config=configs/wrn_cifar10.py --target=h100:1x1x8 \
+    --workdir=/tmp/compile_wrn
+  python -m launch.compile --config=configs/lm.py:size=8b --target=v5p:4x4x4 \
+    --num_slices=2
+
+This repository's `train_compile` (MaxText's, for every job here): the job's
+real step functions are built from the config with abstract arrays only
+(every program its loop compiles: each kind of train step the method asks
+for, e.g. SAM's and its plain warm-up steps; the eval step and the check
+that guards checkpoints; TTA's adapt step; GRPO's learner update and the
+rollout's generation, each on its own mesh; steering's generation), placed
+on the target's compile-only devices with the config's mesh and logical-axis
+rules, and compiled by the target's own compiler (libtpu for TPU, Mosaic
+kernels included; XLA's GPU compiler, Triton kernels to cubin). Nothing
+runs and no accelerator is needed. One table row per program: per-chip
+bytes (arguments, outputs, temporaries, aliased, total) against the chip's
+usable HBM, FLOPs and HBM bytes per chip, and a roofline step time
+(`train.compile_report`). `--workdir` gets `compile.json`.
+
+Targets: `v4:AxBxC`, `v5e:AxB`, `v5p:AxBxC`, `v6e:AxB` (TPU chips per
+dimension; `--num_slices=N` compiles for N such slices over the
+data-centre network, with the data axis spanning them), `h100:NxGx1`..
+as XLA spells GPU topologies, e.g. `h100:1x1x8` (one node of 8 GPUs) and
+`h200:2x1x8` (two nodes). The compilers are the compile toolchain (`make
+compile-toolchain`, or `pip install .[tpu]` / `.[cuda12]`).
+
+Jobs that read a trained model from another workdir (TTA's source, GRPO's
+policy, steering's LM) take its config from `--model_config` (a config
+file, e.g. `configs/lm.py:size=1b`), else from that workdir's checkpoint
+when it has one, else from the job's documented default.
+
+Exit status: 0 when every program compiles and fits; 3 when one does not
+fit (one line naming it, its bytes and the chip's); 1 when one does not
+compile (one line naming it and the compiler's message); 2 for an unknown
+target (the line lists the valid ones) or any other mistake in the flags
+or config.
+"""
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from launch import entry
+
+_CONFIG = config_flags.DEFINE_config_file(
+    'config', None, 'The job\'s config file (get_config(arg)).',
+    lock_config=True)
+_TARGET = flags.DEFINE_string(
+    'target', None, 'What to compile for: v5e:16x16, v5p:4x4x4, v6e:8x8, '
+    'v4:2x2x2, h100:1x1x8, h200:2x1x8, ... (TPU chips per dimension; GPU '
+    'nodes x 1 x GPUs per node).')
+_NUM_SLICES = flags.DEFINE_integer(
+    'num_slices', 1, 'TPU slices over the data-centre network (the data '
+    'axis spans them).')
+_WORKDIR = flags.DEFINE_string(
+    'workdir', None, 'Where to write compile.json (optional).')
+_MODEL_CONFIG = config_flags.DEFINE_config_file(
+    'model_config', None, 'For jobs that read a trained model from another '
+    'workdir: that model\'s config file.', lock_config=True)
+flags.mark_flags_as_required(['config', 'target'])
+
+RESULT = 'compile.json'
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+  """Silences file descriptor 2: the CUDA plugin's C++ start-up lines ("Could
+  not find cuda drivers") are not about compiling. Shown if the block fails."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as sink:
+    os.dup2(sink.fileno(), 2)
+    try:
+      yield
+    except BaseException:
+      os.dup2(saved, 2)
+      sink.seek(0)
+      sys.stderr.write(sink.read().decode(errors='replace'))
+      raise
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+
+
+def _start_jax() -> None:
+  """JAX on the CPU only, with the target compilers importable."""
+  os.environ['JAX_PLATFORMS'] = 'cpu'
+  from train import targets  # pylint: disable=g-import-not-at-top
+  targets.enable_toolchain()
+  with _quiet_stderr():
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.devices()  # Starts the backend: the plugins load here.
+
+
+def run(config, target_text: str, num_slices: int, workdir: str | None,
+        model_config) -> dict:
+  """Compiles `config`'s programs for the target; returns compile.json's
+  content after printing the table (raises the launcher's errors)."""
+  # pylint: disable=g-import-not-at-top
+  from launch import compile_jobs
+  from train import compile_report
+  from train import targets
+  from train.errors import UsageError
+  # pylint: enable=g-import-not-at-top
+  try:
+    target = targets.parse(target_text)
+    if not isinstance(num_slices, int) or num_slices < 1:
+      raise targets.TargetError(f'--num_slices={num_slices}: must be >= 1')
+    with _quiet_stderr():
+      devices = targets.devices(target, num_slices)
+  except targets.TargetError as e:
+    raise UsageError('--target', target_text, str(e).split(': ', 1)[-1]
+                     ) from None
+  chip = targets.chip_for(target)
+  label = str(target) + (f' x {num_slices} slices' if num_slices > 1 else '')
+  with tempfile.TemporaryDirectory() as scratch:
+    groups = compile_jobs.programs(config, devices, model_config,
+                                   workdir or scratch)
+    rows = []
+    for group in groups:
+      rows += compile_report.compile_programs(group.programs, chip)
+  print(f'{label}: {len(devices)} x {chip.device_kind}, '
+        f'{compile_report.gib(chip.hbm_bytes)} GiB usable per chip '
+        f'(peak {chip.peak_flops / 1e12:.0f} TFLOP/s bf16, '
+        f'{chip.hbm_bandwidth / 1e9:.0f} GB/s; {chip.source})')
+  for group in groups:
+    print(f'  {group.name}: {group.description}')
+  print(compile_report.table(rows, chip))
+  result = {
+      'target': str(target), 'num_slices': num_slices,
+      'devices': len(devices), 'device_kind': chip.device_kind,
+      'hbm_bytes': chip.hbm_bytes, 'peak_flops': chip.peak_flops,
+      'hbm_bandwidth': chip.hbm_bandwidth, 'chip_source': chip.source,
+      'meshes': {g.name: g.description for g in groups},
+      'config': config.to_dict(),
+      'rows': [r.to_json() for r in rows],
+  }
+  if workdir:
+    from train import fileio  # pylint: disable=g-import-not-at-top
+    fileio.makedirs(workdir)
+    fileio.write_text_atomic(fileio.join(workdir, RESULT),
+                             json.dumps(result, indent=1))
+  compile_report.check(rows, chip, label)
+  return result
+
+
+def main(argv):
+  del argv
+  entry.quiet_libraries()
+  config = _CONFIG.value
+
+  # Before run_job, whose imports start JAX.
+  _start_jax()
+  entry.run_job(lambda: run(config, _TARGET.value, _NUM_SLICES.value,
+                            _WORKDIR.value, _MODEL_CONFIG.value))
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=lambda argv: entry.parse_flags(argv, _CONFIG))

@@ -1,0 +1,359 @@
+"""Every job compiled for real TPU and GPU targets from this CPU host.
+
+`launch.compile` builds each job's programs on shapes only and compiles
+them with the target's own compiler (libtpu; XLA's GPU compiler), from the
+compile toolchain that `make test` installs. Here: every job on a small
+topology (v5e:2x2, v5p:2x2x1, h100:1x1x2, ...), checked against what is
+known independently of the report: the compiler's own argument sizes
+against the shards the config's rules make, the FLOP counts of programs
+whose count has a closed form, the chip table against the TPU compiler's
+own out-of-memory messages, the mesh a multi-slice target builds, and the
+one-line errors and exit statuses of the launcher. The pod-size rows of
+BENCHMARKS.md are `slow` (`make test-all`).
+"""
+
+import functools
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import ml_collections
+import numpy as np
+import pytest
+
+from launch import compile as compile_launcher
+from launch import compile_jobs
+from train import compile_report
+from train import targets
+from train.errors import UsageError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _toolchain_missing() -> str | None:
+  path = targets.toolchain_dir()
+  for name in ('libtpu', 'jax_plugins'):
+    if not os.path.isdir(os.path.join(path, name)):
+      return (f'the compile toolchain is not installed ({path}/{name} is '
+              'missing): run `make compile-toolchain`')
+  return None
+
+
+pytestmark = pytest.mark.skipif(_toolchain_missing() is not None,
+                                reason=str(_toolchain_missing()))
+
+
+@pytest.fixture(scope='module', autouse=True)
+def _toolchain():
+  targets.enable_toolchain()
+
+
+def _config(spec: str, overrides: dict | None = None
+            ) -> ml_collections.ConfigDict:
+  path, _, arg = spec.partition(':')
+  config = compile_jobs._config_from_file(path, arg or None)  # pylint: disable=protected-access
+  for key, value in (overrides or {}).items():
+    node = config
+    *parents, leaf = key.split('.')
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+def _compile(spec, target, overrides=None, model=None, num_slices=1):
+  return compile_launcher.run(_config(spec, overrides), target, num_slices,
+                              None, None if model is None else _config(model))
+
+
+def _rows(result):
+  return {r['function']: r for r in result['rows']}
+
+
+# (config, target, overrides, model config, the functions it must compile).
+JOBS = {
+    # SAM with a plain-SGD warm-up: two kinds of train step.
+    'digits_sam': ('configs/digits.py:runlocal', 'v5e:2x2',
+                   {'optimizer.sam.enabled': True,
+                    'optimizer.sam.warmup_steps': 5, 'mesh.shape': (2, 2)},
+                   None, ['train_step (sam_step=True)',
+                          'train_step (sam_step=False)', 'eval_step',
+                          'state_is_finite']),
+    'digits_mlp': ('configs/digits.py:runlocal,model=mlp', 'h100:1x1x2',
+                   {'mesh.shape': (1, 2)}, None,
+                   ['train_step', 'eval_step', 'state_is_finite']),
+    # The pod LM's layout (GQA, bfloat16, remat, FSDP + tensor parallel).
+    'lm_size_layout': ('configs/lm.py:size=1b,runlocal', 'v5p:2x2x1', {},
+                       None, ['train_step', 'eval_step', 'state_is_finite']),
+    'rl_sft': ('configs/rl_sft.py:runlocal', 'h100:1x1x2', {}, None,
+               ['train_step', 'eval_step', 'state_is_finite']),
+    'tta': ('configs/tta.py:runlocal,method=sar', 'h100:1x1x2', {},
+            None, ['adapt_step (sar)']),
+    'rl': ('configs/rl.py:runlocal', 'v5e:2x2', {'rollout_devices': 2},
+           'configs/rl_sft.py:runlocal',
+           ['learner_update', 'rollout_generate (5 tokens)']),
+    'steering': ('configs/steering.py:runlocal', 'v5p:2x2x1',
+                 {'methods': ('none', 'spherical_gate')},
+                 'configs/lm.py:runlocal',
+                 ['generate (none, cached, 8 tokens)',
+                  'generate (spherical_gate, cached, 8 tokens)']),
+}
+
+
+@pytest.fixture(scope='module')
+def compiled_jobs():
+  return {name: _compile(spec, target, overrides, model)
+          for name, (spec, target, overrides, model, _) in JOBS.items()}
+
+
+@pytest.mark.parametrize('name', JOBS)
+def test_every_job_compiles_and_fits_on_a_small_target(compiled_jobs, name):
+  result = compiled_jobs[name]
+  rows = _rows(result)
+  assert list(rows) == JOBS[name][4]
+  chip = targets.chip_for(targets.parse(JOBS[name][1]))
+  for row in rows.values():
+    assert row['error'] is None and row['fits'], row
+    assert row['total_bytes'] == pytest.approx(
+        row['bytes']['argument'] + row['bytes']['output']
+        - row['bytes']['alias'] + row['bytes']['temp']
+        + row['bytes']['generated_code'])
+    assert row['hbm_bytes'] == chip.hbm_bytes
+    # Every program here multiplies matrices: the cost is read.
+    assert row['flops'] > 0 and row['hbm_traffic'] > 0, row
+    assert row['roofline_seconds'] == pytest.approx(max(
+        row['flops'] / chip.peak_flops,
+        row['hbm_traffic'] / chip.hbm_bandwidth))
+  assert result['devices'] == targets.parse(JOBS[name][1]).num_chips
+
+
+def test_donated_state_is_aliased_in_train_steps(compiled_jobs):
+  # The loop donates the train state: its buffers are reused for the new
+  # state, which the compiler reports as aliased bytes.
+  for name in ('digits_sam', 'lm_size_layout', 'rl_sft'):
+    row = _rows(compiled_jobs[name])['train_step' if name != 'digits_sam'
+                                     else 'train_step (sam_step=False)']
+    assert row['bytes']['alias'] > 0.5 * row['bytes']['argument'], row
+
+
+def test_rl_compiles_learner_and_rollout_on_their_own_meshes(compiled_jobs):
+  meshes = compiled_jobs['rl']['meshes']
+  assert meshes['learner'].startswith('mesh data=2 (2 devices)')
+  assert meshes['rollout'].startswith('mesh data=2 (2 devices)')
+
+
+def _abstract_lm(target, overrides=None):
+  from train.lm import trainer  # pylint: disable=g-import-not-at-top
+  config = _config('configs/lm.py:size=1b,runlocal', overrides)
+  devices = targets.devices(targets.parse(target))
+  return trainer.build(config, '/tmp/geom_compile_test', devices=devices,
+                       check_data=False)
+
+
+def test_compiled_arguments_are_the_shards_the_rules_make():
+  # The compiler's argument bytes for the train step equal the bytes of
+  # one device's shards of the state and batch, computed here from the
+  # config's rules alone: 'embed' over 'data' (2), heads, MLP and
+  # vocabulary over 'model' (2).
+  from train import aot  # pylint: disable=g-import-not-at-top
+  exp = _abstract_lm('h100:1x1x4')
+  program = aot.train_programs(exp)[None]
+  compiled = program.lower().compile()
+  expected = 0
+  for path, leaf in jax.tree_util.tree_leaves_with_path(program.args):
+    spec = leaf.sharding.spec
+    shard = list(leaf.shape)
+    for i, axis in enumerate(spec):
+      if axis is not None:
+        shard[i] //= exp.mesh.shape[axis]
+    expected += math.prod(shard) * leaf.dtype.itemsize
+    if 'embedding' in jax.tree_util.keystr(path) and 'params' in (
+        jax.tree_util.keystr(path)):
+      assert tuple(spec) == ('model', 'data'), path
+  assert compiled.memory_analysis().argument_size_in_bytes == expected
+  # And the compiled program keeps the rules' shardings for its inputs.
+  shardings = compiled.input_shardings[0][0]
+  for want, got in zip(jax.tree.leaves(program.args[0]),
+                       jax.tree.leaves(shardings)):
+    assert got.is_equivalent_to(want.sharding, len(want.shape))
+
+
+def test_a_sharding_rule_that_does_not_divide_is_one_line_before_compiling():
+  # Break the layout: the 2 key/value heads split over a model axis of 8.
+  with pytest.raises(UsageError, match=r"config.mesh.shape=\(1, 8\): "
+                     r"parameter .*\['attention'\]\['key'\] of shape "
+                     r"\(64, 2, 16\) cannot be split over mesh axis "
+                     r"'model' of size 8"):
+    _compile('configs/lm.py:size=1b,runlocal', 'h100:1x1x8',
+             {'mesh.shape': (1, 8)})
+
+
+def test_multi_slice_puts_the_data_axis_over_the_slices():
+  from train.lm import trainer  # pylint: disable=g-import-not-at-top
+  config = _config('configs/lm.py:size=1b,runlocal', {'mesh.shape': (4, 2)})
+  devices = targets.devices(targets.parse('v5e:2x2'), num_slices=2)
+  exp = trainer.build(config, '/tmp/geom_compile_test', devices=devices,
+                      check_data=False)
+  grid = exp.mesh.devices  # (data, model)
+  slices = np.vectorize(lambda d: d.slice_index)(grid)
+  # Each model-parallel group stays within one slice; data spans both.
+  assert (slices == slices[:, :1]).all()
+  assert sorted(set(slices[:, 0])) == [0, 1]
+  result = _compile('configs/lm.py:size=1b,runlocal', 'v5e:2x2',
+                    {'mesh.shape': (4, 2)}, num_slices=2)
+  assert result['devices'] == 8 and result['num_slices'] == 2
+  assert all(r['fits'] for r in result['rows'])
+
+
+@pytest.mark.parametrize('target', ['v5e:2x2', 'h100:1x1x2'])
+def test_cost_of_a_matmul_is_its_closed_form(target):
+  devices = targets.devices(targets.parse(target))
+  mesh = Mesh(np.array(devices), ('data',))
+  m, k, n = 1024, 512, 2048
+  x = jax.ShapeDtypeStruct((m, k), jnp.float32,
+                           sharding=NamedSharding(mesh, P('data')))
+  w = jax.ShapeDtypeStruct((k, n), jnp.float32,
+                           sharding=NamedSharding(mesh, P()))
+  compiled = jax.jit(jnp.matmul).lower(x, w).compile()
+  flops, traffic, _ = compile_report.cost(compiled, devices[0].platform)
+  assert flops == 2 * m * k * n / len(devices)
+  # At least the operands and the result are read and written once.
+  assert traffic >= 4 * (m * k / len(devices) + k * n + m * n / len(devices))
+
+
+def _conv_grad_program(mesh):
+  x = jax.ShapeDtypeStruct((8, 16, 16, 3), jnp.float32,
+                           sharding=NamedSharding(mesh, P()))
+  k = jax.ShapeDtypeStruct((3, 3, 3, 32), jnp.float32,
+                           sharding=NamedSharding(mesh, P()))
+
+  def loss(x, k):
+    y = jax.lax.conv_general_dilated(
+        x, k, (1, 1), 'VALID', dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+    return jnp.sum(y ** 2)
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, k).compile()
+
+
+def test_gpu_convolution_flops_are_counted_from_the_cudnn_calls():
+  # XLA's cost model counts the GPU compiler's cuDNN custom calls as no
+  # FLOPs. A VALID 3x3 convolution of 8 x 16 x 16 x 3 into 32 features
+  # has 8 x 14 x 14 x 32 outputs of 27 multiply-adds; its gradient with
+  # respect to both operands does it three times (forward, input, filter).
+  devices = targets.devices(targets.parse('h100:1x1x1'))
+  compiled = _conv_grad_program(Mesh(np.array(devices), ('d',)))
+  one = 2 * 8 * 14 * 14 * 32 * 27
+  assert compile_report.cudnn_conv_flops(compiled.as_text()) == 3 * one
+  flops, _, _ = compile_report.cost(compiled, 'cuda')
+  assert flops >= 3 * one
+
+
+def test_cudnn_conv_flops_reads_operand_shapes_by_name():
+  text = '\n'.join([
+      '  %p0 = f32[2,10,10,4]{3,2,1,0} parameter(0)',
+      '  %w = f32[8,3,3,4]{3,2,1,0} parameter(1)',
+      '  %conv = (f32[2,8,8,8]{3,2,1,0}, u8[0]{0}) custom-call(%p0, %w), '
+      'window={size=3x3}, dim_labels=b01f_o01i->b01f, '
+      'custom_call_target="__cudnn$convForward"',
+      '  %dx = (f32[2,10,10,4]{3,2,1,0}, u8[0]{0}) custom-call(%conv.1, %w), '
+      'window={size=3x3}, dim_labels=b01f_o01i->b01f, '
+      'custom_call_target="__cudnn$convBackwardInput"',
+      '  %conv.1 = f32[2,8,8,8]{3,2,1,0} parameter(2)',
+  ])
+  # 2 x 8 x 8 x 8 outputs of 3 x 3 x 4 = 36 multiply-adds, twice.
+  assert compile_report.cudnn_conv_flops(text) == 2 * (2 * 2 * 8 * 8 * 8 * 36)
+
+
+@pytest.mark.parametrize('family', ['v4', 'v5e', 'v5p', 'v6e'])
+def test_usable_hbm_of_each_tpu_is_what_its_compiler_allows(family):
+  # The table's usable HBM is the TPU compiler's own limit: a program
+  # whose temporaries exceed it is refused with that number.
+  topology = {'v4': '1x1x1', 'v5p': '1x1x1'}.get(family, '1x1')
+  devices = targets.devices(targets.parse(f'{family}:{topology}'))
+  chip = targets.chip_for(targets.parse(f'{family}:{topology}'))
+  mesh = Mesh(np.array(devices), ('d',))
+  side = 2 ** 18  # A 256 GiB float32 result.
+  x = jax.ShapeDtypeStruct((side,), jnp.float32,
+                           sharding=NamedSharding(mesh, P()))
+  fn = jax.jit(lambda v: jnp.outer(v, v))
+  with pytest.raises(Exception, match='RESOURCE_EXHAUSTED') as caught:
+    fn.lower(x).compile()
+  available = re.search(r'available HBM \(([\d.]+)G\)', str(caught.value))
+  assert available, str(caught.value)[:500]
+  assert float(available.group(1)) * 2**30 == chip.hbm_bytes
+
+
+def test_gpu_memory_is_the_cards_times_jaxs_preallocated_fraction(
+    monkeypatch):
+  monkeypatch.delenv(targets.GPU_MEMORY_FRACTION_ENV, raising=False)
+  h100 = targets.chip_for(targets.parse('h100:1x1x8'))
+  assert h100.hbm_bytes == 0.75 * 84942979072
+  assert h100.device_kind == targets.devices(
+      targets.parse('h100:1x1x1'))[0].device_kind
+  monkeypatch.setenv(targets.GPU_MEMORY_FRACTION_ENV, '0.9')
+  assert targets.chip_for(targets.parse('h200:1x1x8')).hbm_bytes == (
+      0.9 * 151397597184)
+
+
+@pytest.mark.parametrize('text', ['v7:2x2', 'v5e:2x2x2', 'h100:8', 'tpu',
+                                  'v5p:4x4'])
+def test_unknown_targets_are_refused_naming_the_valid_ones(text):
+  with pytest.raises(targets.TargetError, match='valid: v4:<topology>, '
+                     r'v5e:<topology>.*\(e\.g\. v5e:16x16'):
+    targets.parse(text)
+
+
+def _launch(*args, timeout=300):
+  return subprocess.run(
+      [sys.executable, '-m', 'launch.compile', *args], cwd=REPO,
+      capture_output=True, text=True, timeout=timeout)
+
+
+def _error_lines(stderr: str) -> list[str]:
+  return [l for l in stderr.splitlines() if l.startswith('error:')]
+
+
+def test_launcher_exit_statuses_and_one_line_errors(tmp_path):
+  # An unknown target: exit 2, one line listing the valid ones.
+  bad = _launch('--config=configs/digits.py:runlocal', '--target=v9:2x2')
+  assert bad.returncode == 2, bad.stderr
+  lines = _error_lines(bad.stderr)
+  assert len(lines) == 1 and 'v5e:16x16' in lines[0] and 'v9:2x2' in lines[0]
+  # A model that does not fit (arguments alone exceed the chip): exit 3,
+  # naming the function, its bytes and the chip's.
+  big = _launch('--config=configs/lm.py:runlocal', '--target=v5e:2x2',
+                f'--workdir={tmp_path}', '--config.model.d_model=16384',
+                '--config.model.num_heads=64', '--config.model.mlp_dim=65536',
+                '--config.mesh.shape=(4,1)')
+  assert big.returncode == 3, big.stderr[-2000:]
+  lines = _error_lines(big.stderr)
+  assert len(lines) == 1, big.stderr[-2000:]
+  assert re.match(r'error: train_step does not fit on v5e:2x2: needs '
+                  r'[\d.]+ GiB per chip.*TPU v5 lite has 15.75 GiB usable',
+                  lines[0]), lines[0]
+  saved = json.loads((tmp_path / 'compile.json').read_text())
+  assert saved['target'] == 'v5e:2x2' and not saved['rows'][0]['fits']
+  # The per-chip parameters alone: d_model 16384 x (4 x 16384 + 3 x 65536)
+  # x 2 layers, float32, with AdamW's two moments, over 4 chips.
+  params = 2 * 16384 * (4 * 16384 + 3 * 65536)
+  assert saved['rows'][0]['total_bytes'] > 3 * 4 * params / 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('spec,target,overrides,model,fits', [
+    ('configs/lm.py:size=1b', 'v5e:16x16', {}, None, True),
+    ('configs/lm.py:size=8b', 'v5e:2x2', {}, None, False),
+])
+def test_pod_sizes(spec, target, overrides, model, fits):
+  if fits:
+    result = _compile(spec, target, overrides, model)
+    assert all(r['fits'] for r in result['rows'])
+  else:
+    with pytest.raises(compile_report.DoesNotFit):
+      _compile(spec, target, overrides, model)
