@@ -9,8 +9,9 @@ On a TPU pod or GPU nodes, with ImageNet prepared as array_record files
     --config.data_dir=gs://BUCKET/tensorflow_datasets --multihost
 
 Here, a smoke run of the same recipe at toy size (a narrow bottleneck
-ResNet of two stages, 2 + 1 blocks, on 5,000 MNIST images, offline, well
-under a minute on 2 cores; learning rate 0.3 for its 40 steps of 64):
+ResNet of two stages, 2 + 1 blocks, on 5,000 MNIST images, offline; about
+40 s of CPU time, most of it compiling; learning rate 0.3 for its 40
+steps of 64):
 
   python -m launch.train --config=configs/resnet50_imagenet.py:runlocal \
     --workdir=/tmp/r50

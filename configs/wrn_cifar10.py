@@ -7,7 +7,7 @@ On a TPU pod or GPU node, with CIFAR-10 prepared as array_record files
     --config.data_dir=gs://BUCKET/tensorflow_datasets [--multihost]
 
 Here, a smoke run of the same recipe at toy size (WRN-10-1 on the 8x8
-digits images, offline, well under a minute on 2 cores):
+digits images, offline; about 35 s of CPU time, most of it compiling):
 
   python -m launch.train --config=configs/wrn_cifar10.py:runlocal --workdir=/tmp/wrn
 
