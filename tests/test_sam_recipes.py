@@ -6,6 +6,7 @@ through the real trainer."""
 import json
 import os
 
+import flax.linen as nn
 import jax
 from jax.sharding import PartitionSpec as P
 import numpy as np
@@ -17,6 +18,7 @@ from configs import wrn_cifar10
 from train.errors import ConfigError
 from train.vision import datasets
 from train.vision import experiment
+from train.vision import loss
 from train.vision import trainer
 
 RECIPES = {'wrn_cifar10': wrn_cifar10, 'resnet50_imagenet': resnet50_imagenet}
@@ -78,6 +80,27 @@ def test_the_recipes_are_the_paper_s():
   assert tuple(r50.model.stage_sizes) == (3, 4, 6, 3)
   assert (r50.optimizer.learning_rate, r50.optimizer.weight_decay) == (1.0,
                                                                        1e-4)
+  assert r50.label_smoothing == 0.1 and 'label_smoothing' not in wrn
+
+
+def test_label_smoothing_reaches_the_training_loss_only(tmp_path):
+  # The run's per-example loss against the loss function called directly:
+  # smoothed in training, plain in evaluation.
+  config = resnet50_imagenet.get_config('runlocal')
+  exp = experiment.build(config, str(tmp_path))
+  variables = jax.tree.map(
+      np.asarray, nn.meta.unbox(exp.init_variables(jax.random.key(0))))
+  rng = np.random.default_rng(0)
+  batch = {'image': rng.integers(0, 256, (4, 28, 28, 1), np.uint8),
+           'label': rng.integers(0, 10, (4,), np.int32)}
+  for train, smoothing in ((True, 0.1), (False, 0.0)):
+    got = exp.per_example(exp.model, variables, batch, train)[0]
+    want = loss.classification_loss(exp.model, variables, batch, train,
+                                     label_smoothing=smoothing)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+  plain = loss.classification_loss(exp.model, variables, batch, True)[0]
+  assert not np.allclose(exp.per_example(exp.model, variables, batch,
+                                         True)[0], plain)
 
 
 def test_training_batches_are_the_configured_views():
@@ -115,6 +138,7 @@ def test_runlocal_trains_the_recipe_and_learns(smoke_run):
      r"config.augmentation='inception': not an augmentation of"),
     ('model.dtype', 'float16', r"config.model.dtype='float16'"),
     ('model.depth', 26, r'config.model.depth=26'),
+    ('label_smoothing', 1.0, r'config.label_smoothing=1.0: .*\[0, 1\)'),
 ])
 def test_a_bad_setting_fails_before_the_workdir_is_touched(field, value,
                                                            match, tmp_path):

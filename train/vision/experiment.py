@@ -41,12 +41,20 @@ def build(config: ml_collections.ConfigDict, workdir: str, *,
     raise errors.ConfigError('label_noise', rate,
                              'the fraction of training labels to corrupt '
                              'must be in [0, 1)')
+  smoothing = config.get('label_smoothing', 0.0)
+  if not (isinstance(smoothing, (int, float)) and 0.0 <= smoothing < 1.0):
+    raise errors.ConfigError('label_smoothing', smoothing,
+                             'the weight of the uniform target must be in '
+                             '[0, 1)')
   model = models.create_model(config.model, spec.num_classes, spec.pixel_max)
   example = np.zeros((1, *spec.image_shape), np.uint8)
   return experiment_lib.assemble(
       config, workdir, model=model,
       init_variables=functools.partial(_init_variables, model, example),
-      per_example=loss.classification_loss,
+      # Absent (0) in older configs: their loss is unchanged.
+      per_example=(functools.partial(loss.classification_loss,
+                                     label_smoothing=float(smoothing))
+                   if smoothing else loss.classification_loss),
       columns={'image': (spec.image_shape, np.uint8),
                'label': ((), np.int32)},
       check_data=(functools.partial(datasets.check_available,
