@@ -18,6 +18,10 @@ Conventions:
   aliases (XLA's (operands, outputs, context) tuples).
 - Sizes are physical: a TPU tiled layout `T(8,128)` pads the minor
   dimensions to whole tiles (an f32[10] with T(128) is 512 bytes).
+- A slice reads only what it keeps: a slice, dynamic-slice or gather
+  (and their async `-start` forms) reads its result's bytes of operand 0,
+  and so does a fusion for each operand that its fused computation only
+  slices (as XLA unpacks a packed buffer into leaves).
 - Instructions that call other computations (while, conditional, call)
   count their operands and result once; their bodies are not entered.
   The programs measured here (the SAM perturbation) have none.
@@ -41,6 +45,8 @@ FREE = frozenset({
     'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast',
     'partition-id', 'replica-id', 'after-all', 'opt-barrier',
 })
+SLICING = frozenset({'slice', 'dynamic-slice', 'gather', 'slice-start',
+                     'dynamic-slice-start'})
 
 _ARRAY = re.compile(r'([a-z0-9]+)\[([0-9,]*)\](\{[^}]*\})?')
 _LINE = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$')
@@ -109,48 +115,96 @@ def _operands(rest: str) -> list[str]:
   raise ValueError(f'unbalanced operands: {rest[:80]}')
 
 
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+  """Instruction lines of every computation, by name ('ENTRY' too)."""
+  out, name = {}, None
+  for line in hlo_text.splitlines():
+    head = re.match(r'^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$', line)
+    if head and not line.startswith(' '):
+      name = 'ENTRY' if head.group(1) else head.group(2)
+      out[name] = []
+    elif line.startswith('}'):
+      name = None
+    elif name is not None and line.strip():
+      out[name].append(line)
+  return out
+
+
 def entry_lines(hlo_text: str) -> list[str]:
   """The instruction lines of the ENTRY computation."""
-  lines = hlo_text.splitlines()
-  start = next(i for i, line in enumerate(lines)
-               if line.startswith('ENTRY'))
-  out = []
-  for line in lines[start + 1:]:
-    if line.startswith('}'):
-      break
-    if line.strip():
-      out.append(line)
-  return out
+  return _computations(hlo_text)['ENTRY']
+
+
+def _parse(line: str):
+  """(name, result shape, opcode, rest) of an instruction line, or None."""
+  match = _LINE.match(line)
+  if not match:
+    return None
+  name, text = match.groups()
+  shape, rest = _split_shape(text)
+  return name, shape, re.match(r'([\w\-]+)', rest).group(1), rest
+
+
+def _sliced_parameters(lines: list[str]) -> dict[int, int]:
+  """{parameter index: bytes its users keep} for each parameter of a fused
+  computation that is only sliced."""
+  parsed = [p for p in map(_parse, lines) if p]
+  index = {name: int(re.search(r'parameter\((\d+)\)', rest).group(1))
+           for name, _, opcode, rest in parsed if opcode == 'parameter'}
+  kept, other = {}, set()
+  for _, shape, opcode, rest in parsed:
+    if opcode == 'parameter':
+      continue
+    for position, operand in enumerate(_operands(rest)):
+      if operand not in index:
+        continue
+      if opcode in SLICING and position == 0:
+        kept[index[operand]] = kept.get(index[operand], 0) + sum(
+            b for b, _ in _elements(shape))
+      else:
+        other.add(index[operand])
+  return {i: b for i, b in kept.items() if i not in other}
 
 
 def instructions(hlo_text: str) -> list[Instruction]:
   """Every entry instruction with its HBM bytes read and written."""
+  computations = _computations(hlo_text)
   shapes = {}
   out = []
-  for line in entry_lines(hlo_text):
-    match = _LINE.match(line)
-    if not match:
+  for line in computations['ENTRY']:
+    parsed = _parse(line)
+    if not parsed:
       continue
-    name, text = match.groups()
-    shape, rest = _split_shape(text)
-    opcode = re.match(r'([\w\-]+)', rest).group(1)
+    name, shape, opcode, rest = parsed
     elements = _elements(shape)
     shapes[name] = elements
     if opcode in FREE or opcode.endswith('-done'):
       out.append(Instruction(name, opcode, 0, 0))
       continue
-    operands = list(dict.fromkeys(_operands(rest)))
-    read = sum(b for op in operands for b, hbm in shapes.get(op, []) if hbm)
-    if opcode == 'copy-start':
-      written_elements = elements[:1]
-    elif opcode.endswith('-start') and len(elements) > 1:
-      written_elements = elements[len(operands):]
-      # The context (u32/s32 scalars) is no data.
-      written_elements = [e for e in written_elements if e[0] > 4] or (
+    operands = _operands(rest)
+    if opcode.endswith('-start') and len(elements) > 1:
+      # (operands..., outputs..., context): the outputs follow.
+      outputs = [e for e in elements[len(operands):] if e[0] > 4] or (
           elements[-1:])
+      if opcode == 'copy-start':  # (destination, source, context).
+        outputs = elements[:1]
     else:
-      written_elements = elements
-    written = sum(b for b, hbm in written_elements if hbm)
+      outputs = elements
+    # What each operand position reads: all of it, or what a slice keeps.
+    partial = {}
+    if opcode in SLICING:
+      partial[0] = sum(b for b, _ in outputs)
+    called = re.search(r'calls=%?([\w.\-]+)', rest)
+    if opcode == 'fusion' and called and called.group(1) in computations:
+      partial = _sliced_parameters(computations[called.group(1)])
+    read, seen = 0, set()
+    for position, operand in enumerate(operands):
+      if operand in seen:
+        continue
+      seen.add(operand)
+      hbm = sum(b for b, in_hbm in shapes.get(operand, []) if in_hbm)
+      read += min(hbm, partial.get(position, hbm))
+    written = sum(b for b, hbm in outputs if hbm)
     target = re.search(r'custom_call_target="([^"]+)"', rest)
     out.append(Instruction(name, opcode, read, written,
                            target.group(1) if target else None))
@@ -167,15 +221,15 @@ def collectives(hlo_text: str, kind: str) -> list[int]:
   ...; its async '-start' form included) in any computation of the
   program (the largest array of a tuple result)."""
   out = []
-  for line in hlo_text.splitlines():
-    match = _LINE.match(line)
-    if not match:
-      continue
-    shape, rest = _split_shape(match.group(2))
-    opcode = re.match(r'([\w\-]+)', rest).group(1)
-    if opcode in (kind, f'{kind}-start'):
-      elements = _elements(shape)
-      if opcode.endswith('-start') and len(elements) > 1:
-        elements = elements[len(_operands(rest)):] or elements
-      out.append(max(b for b, _ in elements))
+  for lines in _computations(hlo_text).values():
+    for line in lines:
+      parsed = _parse(line)
+      if not parsed:
+        continue
+      _, shape, opcode, rest = parsed
+      if opcode in (kind, f'{kind}-start'):
+        elements = _elements(shape)
+        if opcode.endswith('-start') and len(elements) > 1:
+          elements = elements[len(_operands(rest)):] or elements
+        out.append(max(b for b, _ in elements))
   return out

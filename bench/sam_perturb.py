@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import report
+from bench import sam_perturb_trees
 from geom.kernels import sam_perturb as k
 
 _SIZES = flags.DEFINE_list('sizes', ['1e6', '4e6'], 'Element counts.')
@@ -46,15 +47,12 @@ _WRITE = flags.DEFINE_bool('write', True, 'Update BENCHMARKS.md.')
 _CHECK = flags.DEFINE_bool('check', True,
                            'Check fused == reference on the device first.')
 
+# The trees of the kernel's lowering and compile tests, as (shape, dtype).
 _CHECK_TREES = {
-    'large': {'w': ((4096, 1024), jnp.float32)},
-    'ragged': {'a': ((1000, 3), jnp.float32), 'b': ((7,), jnp.float32),
-               'c': ((1,), jnp.float32)},
-    'mlp': {'k0': ((784, 512), jnp.float32), 'b0': ((512,), jnp.float32),
-            'k1': ((512, 512), jnp.bfloat16), 'b1': ((512,), jnp.bfloat16),
-            'k2': ((512, 10), jnp.float32), 'b2': ((10,), jnp.float32)},
-    '40_small': {f'l{i}': ((i + 3,), jnp.float32) for i in range(40)},
-}
+    name: {'/'.join(str(getattr(key, 'key', key)) for key in path):
+           (leaf.shape, leaf.dtype)
+           for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    for name, (params, _) in sam_perturb_trees.TREES.items()}
 
 
 def check(scales=(1.0, 1e20, 1e-25)) -> list[str]:

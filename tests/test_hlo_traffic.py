@@ -83,6 +83,43 @@ def test_collectives_report_their_output_sizes():
       3 * KIB128) + 8
 
 
+# Slices read what they keep: an unpacking fusion (two leaves sliced out of
+# a packed buffer), a slice, and an async slice into on-chip memory.
+SLICING = """\
+HloModule m, is_scheduled=true
+
+%unpack (p0: f32[1024], p1: f32[16]) -> (f32[100], f32[16]) {
+  %p0 = f32[1024]{0} parameter(0)
+  %p1 = f32[16]{0} parameter(1)
+  %s = f32[100]{0} slice(%p0), slice={[0:100]}
+  %m = f32[16]{0} multiply(%p1, %p1)
+  ROOT %t = (f32[100]{0}, f32[16]{0}) tuple(%s, %m)
+}
+
+ENTRY %main (packed: f32[1024], small: f32[16]) -> (f32[100], f32[16]) {
+  %packed = f32[1024]{0} parameter(0)
+  %small = f32[16]{0} parameter(1)
+  %fusion = (f32[100]{0}, f32[16]{0}) fusion(%packed, %small), kind=kLoop, calls=%unpack
+  %slice = f32[24]{0} slice(%packed), slice={[1000:1024]}
+  %slice-start = ((f32[1024]{0}), f32[512]{0:S(1)}, s32[]{:S(2)}) slice-start(%packed), slice={[0:512]}
+  %slice-done = f32[512]{0:S(1)} slice-done(%slice-start)
+  ROOT %out = (f32[100]{0}, f32[16]{0}) tuple(%fusion)
+}
+"""
+
+
+def test_slices_read_only_what_they_keep():
+  got = {i.name: (i.read, i.written)
+         for i in hlo_traffic.instructions(SLICING) if i.bytes}
+  assert got == {
+      # 100 of the packed buffer's 1024 floats; all of the other operand.
+      'fusion': (4 * (100 + 16), 4 * (100 + 16)),
+      'slice': (4 * 24, 4 * 24),
+      # 512 floats out of HBM into on-chip memory.
+      'slice-start': (4 * 512, 0),
+  }
+
+
 N = 1024 * 1024
 X = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
 

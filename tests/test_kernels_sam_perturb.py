@@ -22,9 +22,14 @@ from bench import hlo_traffic
 from geom import sam
 from geom.kernels import sam_perturb as k
 
-# Odd sizes: the packed buffer (541 rows) and the one aligned leaf (300
-# rows of 128, a buffer of its own) both end in a ragged block of 32 rows.
-SHAPES = [(3,), (17, 5), (129, 31), (7,), (1000, 65), (2, 3, 5), (300, 128)]
+# Odd sizes: the packed buffer (541 rows) and the aligned leaf of 300 rows
+# of 128 (a buffer of its own) both end in a ragged block of 32 rows. On
+# TPU the 60 x 384 leaf keeps its 384 lanes (blocks of 8 float32 rows, 16
+# bfloat16 ones; a ragged last block), and so does 2 x 8 x 256 in float32
+# (16 rows of 256; in bfloat16 its 8 rows are half a sublane tile, so it
+# is viewed as 32 rows of 128).
+SHAPES = [(3,), (17, 5), (129, 31), (7,), (1000, 65), (2, 3, 5), (300, 128),
+          (60, 384), (2, 8, 256)]
 SMALL_BLOCKS = k.BlockSizes(block_rows=32, pack_below=1024)
 F32 = jnp.float32
 
@@ -291,6 +296,28 @@ def test_each_device_runs_the_kernels_on_its_shards():
   rows = set(re.findall(r'(?:f32|bf16)\[(\d+),128\]', text)) - {'1'}
   assert rows == {str(-(-n // 128))
                   for n in (8000, 2304, 1500, 4006, 12288 + 48)}
+
+
+def test_tpu_buffers_keep_a_leafs_own_lanes_where_that_moves_no_data():
+  width = lambda shape, dtype=F32: k._tpu_width(jnp.zeros(shape, dtype),
+                                                jnp.zeros(shape, dtype))
+  assert width((60, 384)) == width((60, 384), jnp.bfloat16) == 384
+  # Leading dimensions merge into rows for free when the second-minor one
+  # is whole sublane tiles (8 rows of float32, 16 of bfloat16).
+  assert width((2, 8, 256)) == width((3, 3, 64, 256)) == 256
+  assert width((2, 8, 256), jnp.bfloat16) == 128
+  assert width((768, 12, 64)) == 128  # 64 lanes: half a TPU vector.
+  # 8 rows of 2^15 float32 lanes fit VMEM three times, double-buffered;
+  # 8 rows of 2^17 do not: that leaf is viewed as rows of 128.
+  assert width((8, 2**15)) == 2**15 and width((8, 2**17)) == 128
+  assert width((4096,)) == 128
+  # The Triton bodies see 128 lanes whatever the leaf (power-of-two blocks,
+  # and a reshape is free in GPU memory).
+  for target, rows in (('gpu', 'f32[180,128]'), ('tpu', 'f32[60,384]')):
+    text = str(jax.make_jaxpr(lambda a, t=target: k.sam_perturb(
+        a, a, 0.1, target=t, interpret=True, block_sizes=SMALL_BLOCKS))(
+            {'a': jnp.ones((60, 384))}))
+    assert rows in text and ('f32[180,128]' in text) == (target == 'gpu')
 
 
 def test_uneven_dimensions_are_not_split():

@@ -19,27 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bench.sam_perturb_trees import TREES
 from geom import validation
 from geom.kernels import sam_perturb as k
 
 S = jax.ShapeDtypeStruct
 F32, BF16 = jnp.float32, jnp.bfloat16
 
-# name: (tree of parameter shapes, buffers the kernels see).
-TREES = {
-    # 4M float32 elements: a buffer of its own, no copy.
-    'large': ({'w': S((4096, 1024), F32)}, 1),
-    # Not multiples of 128: one packed, zero-padded buffer.
-    'ragged': ({'a': S((1000, 3), F32), 'b': S((7,), F32), 'c': S((1,), F32)},
-               1),
-    # Two aligned kernels (one bfloat16) and a pack per dtype.
-    'mlp': ({'dense0': {'kernel': S((784, 512), F32), 'bias': S((512,), F32)},
-             'dense1': {'kernel': S((512, 512), BF16),
-                        'bias': S((512,), BF16)},
-             'head': {'kernel': S((512, 10), F32), 'bias': S((10,), F32)}},
-            4),
-    '40_small': ({f'l{i}': S((i + 3,), F32) for i in range(40)}, 1),
-}
 SCALAR = S((), F32)
 TRITON_CALL = '__gpu$xla.gpu.triton'
 TPU_CALL = 'tpu_custom_call'

@@ -2,8 +2,9 @@
 
 Two passes over the parameters, as in apex's multi-tensor L2-norm-and-scale:
 
-1. The norm pass: per block of `BlockSizes.block_rows` rows of 128 lanes,
-   for each lane the largest magnitude m and the sum of (x / m)^2, in
+1. The norm pass: per block of rows (`BlockSizes.block_rows` rows of 128
+   lanes, or as many elements of a wider buffer), for each lane the
+   largest magnitude m and the sum of (x / m)^2, in
    float32 whatever the input dtype (x = g, or T g with T = |w| + eta for
    ASAM). Rows past the end of a ragged last block are masked. Combining
    the per-lane results of all blocks as M sqrt(sum s (m / M)^2),
@@ -12,16 +13,22 @@ Two passes over the parameters, as in apex's multi-tensor L2-norm-and-scale:
 2. The update pass: w' = w + scale * g (ASAM: + scale * T^2 g) with
    scale = rho / (norm + eps), computed in float32 and cast to w's dtype.
 
-Layout. Every buffer is (rows, 128): 128 lanes is the TPU vector width
-and a whole number of 128-byte GPU memory transactions, and a block of
-whole rows is a tile both backends accept. A leaf of at least
-`BlockSizes.pack_below` elements whose size is a multiple of 128 is its
-own buffer (a reshape, no copy); every other leaf is packed with the
-others of its dtype pair into one zero-padded buffer (one copy, and one
-launch per pass for any number of small leaves). The zeros add nothing
-to the norm and their update is dropped. The per-block results are
-written as (1, 128) vectors, not scalars (TPU cannot store scalars to
-vector memory), and combined in jnp.
+Layout. Every buffer is (rows, width), width a multiple of 128: 128
+lanes is the TPU vector width and a whole number of 128-byte GPU memory
+transactions, and a block of whole rows is a tile both backends accept.
+A leaf of at least `BlockSizes.pack_below` elements whose size is a
+multiple of 128 is its own buffer: on GPU (rows, 128), a reshape, free
+in GPU memory; on TPU (rows, its last dimension) where that dimension is
+a multiple of 128 and the view moves no data in TPU's tiled HBM layout
+(`_tpu_width`), else (rows, 128), which on TPU is a relayout copy of w
+and g and of w' back (compiled for one v5e, a 62500 x 1024 float32 leaf moves 40 bytes of
+HBM traffic per parameter viewed as rows of 128, 16 with its own 1024
+lanes; XLA's fusion of `sam_perturb_reference` moves 20). Every other leaf is packed with the others of its dtype pair into
+one zero-padded (rows, 128) buffer (one copy, and one launch per pass
+for any number of small leaves). The zeros add nothing to the norm and
+their update is dropped. The per-block results are written as (1, width)
+vectors, not scalars (TPU cannot store scalars to vector memory), and
+combined in jnp.
 
 Backends. Each pass has two bodies, chosen where the call is lowered
 (`jax.lax.platform_dependent`), so one jitted or exported function
@@ -45,10 +52,20 @@ carries the right kernel for the platform it runs on:
   bodies, so tests check both bodies' arithmetic on CPU.
 Lowering enforces block shape, alignment and memory-space rules, and
 `tests/test_kernels_sam_perturb_lowering.py` lowers every pass for 'cuda'
-and 'tpu' (v5e, v6e, v5p) from a CPU host with `jax.export`. Register
-pressure, VMEM and occupancy are only known on the hardware: the GPU
-defaults in `BlockSizes.for_target` are a first choice, untuned until
-`bench.sam_perturb` runs on a GPU (see BENCHMARKS.md).
+and 'tpu' (v5e, v6e, v5p) from a CPU host with `jax.export`.
+`tests/test_kernels_sam_perturb_compile.py` compiles them, without the
+hardware (`train.targets`), for TPU v4, v5e, v5p and v6e (Mosaic, VMEM
+allocation included) and H100 and H200 (Triton to PTX and a cubin), one
+chip and sharded over several. What compiling showed: VMEM is the limit
+lowering cannot see (with the 16 MiB guard below lifted, 16384-row
+float32 blocks compile on v5e and v6e but not on v4 and v5p, and a
+single 16384-row update needs 24 MiB of the 16 MiB scoped VMEM); the
+relayout above; XLA keeps small working sets in on-chip memory (VMEM,
+v4's CMEM), which the kernels, streaming from HBM, do not; and on TPU
+the traffic against XLA's own fusion depends on the model (BENCHMARKS.md,
+"estimated from the compiler"). Registers, occupancy and speed are only
+known on the hardware: the GPU defaults in `BlockSizes.for_target` are a
+first choice, untuned until `bench.sam_perturb` runs on a GPU.
 
 Sharding. The norm is always the global one, and each device runs the
 kernels on its own shards; nothing parameter-sized is gathered:
@@ -179,8 +196,28 @@ def _sublane_tile(dtypes) -> int:
   return 8 * (4 // min(jnp.dtype(d).itemsize for d in dtypes))
 
 
+def _tpu_width(w, g) -> int:
+  """The lanes of a large leaf's TPU buffer: its own last dimension where
+  that is a multiple of 128 and viewing the leaf as (rows, last) moves no
+  data in TPU's tiled layout (the second-minor dimension a whole number of
+  sublane tiles, or the leaf 2-D), and a block of one tile of rows fits
+  VMEM; else 128 (a relayout copy)."""
+  width = w.shape[-1] if w.ndim >= 2 else LANES
+  tile = _sublane_tile((w.dtype, g.dtype))
+  if width % LANES or (w.ndim > 2 and w.shape[-2] % tile):
+    return LANES
+  if (2 * tile * width * (2 * w.dtype.itemsize + g.dtype.itemsize)
+      > _TPU_SCOPED_VMEM_BYTES // 2):
+    return LANES
+  return width
+
+
 def _block_rows(rows: int, w, g, block_sizes: BlockSizes, target: str) -> int:
-  """The rows of one block of a (rows, 128) buffer, checked for `target`."""
+  """The rows of one block of a (rows, width) buffer, checked for `target`.
+
+  `block_sizes.block_rows` counts rows of 128 lanes: a wider TPU buffer
+  gets as many elements per block (rounded down to whole sublane tiles).
+  """
   b = block_sizes.block_rows
   owner = f'{_OWNER}.BlockSizes'
   if target == 'gpu':
@@ -195,8 +232,12 @@ def _block_rows(rows: int, w, g, block_sizes: BlockSizes, target: str) -> int:
         f'the TPU kernels need a multiple of {_sublane_tile((w.dtype, g.dtype))}'
         f' (the sublane tiling of {w.dtype}/{g.dtype}) for a buffer of '
         f'{rows} rows', value=b)
+  width = w.shape[1]
+  if width > LANES:
+    tile = _sublane_tile((w.dtype, g.dtype))
+    b = max(tile, b * LANES // width // tile * tile)
   b = min(b, rows)
-  vmem = 2 * b * LANES * (2 * w.dtype.itemsize + g.dtype.itemsize)
+  vmem = 2 * b * width * (2 * w.dtype.itemsize + g.dtype.itemsize)
   if vmem > _TPU_SCOPED_VMEM_BYTES:
     raise validation.ArgumentError(
         owner, 'block_rows',
@@ -206,9 +247,9 @@ def _block_rows(rows: int, w, g, block_sizes: BlockSizes, target: str) -> int:
   return b
 
 
-def _rows_valid(rows: int, block_rows: int) -> jax.Array:
+def _rows_valid(rows: int, block_rows: int, width: int) -> jax.Array:
   row = (pl.program_id(0) * block_rows
-         + jax.lax.broadcasted_iota(jnp.int32, (block_rows, LANES), 0))
+         + jax.lax.broadcasted_iota(jnp.int32, (block_rows, width), 0))
   return row < rows
 
 
@@ -224,7 +265,7 @@ def _norm_kernel(*refs, rows: int, block_rows: int, adaptive: bool,
     eta_ref, w_ref, g_ref, m_ref, s_ref = refs
   else:
     g_ref, m_ref, s_ref = refs
-  valid = _rows_valid(rows, block_rows)
+  valid = _rows_valid(rows, block_rows, g_ref.shape[-1])
   x = _read(g_ref, valid, masked)
   if adaptive:
     x = (jnp.abs(_read(w_ref, valid, masked)) + eta_ref[0]) * x
@@ -243,7 +284,8 @@ def _norm_kernel(*refs, rows: int, block_rows: int, adaptive: bool,
 def _update_kernel(scalars_ref, w_ref, g_ref, o_ref, *, rows: int,
                    block_rows: int, adaptive: bool, masked: bool):
   # scalars: (scale, eta).
-  valid = _rows_valid(rows, block_rows) if masked else None
+  valid = (_rows_valid(rows, block_rows, g_ref.shape[-1]) if masked
+           else None)
   w = _read(w_ref, valid, masked)
   g = _read(g_ref, valid, masked)
   if adaptive:
@@ -285,11 +327,12 @@ class _Launch:
     return pltriton.CompilerParams(num_warps=self.block_sizes.num_warps)
 
   def norm_stats(self, eta, w, g, adaptive: bool):
-    """Per-lane (max |x|, sum (x / max)^2) of each block: (grid, 1, 128)."""
+    """Per-lane (max |x|, sum (x / max)^2) of each block: (grid, 1, width)."""
     rows, block_rows, grid = self.layout(w, g)
-    tile = pl.BlockSpec((block_rows, LANES), lambda i: (i, 0))
-    per_block = pl.BlockSpec((None, 1, LANES), lambda i: (i, 0, 0))
-    stats = _out_like(g, (grid, 1, LANES), jnp.float32)
+    width = w.shape[1]
+    tile = pl.BlockSpec((block_rows, width), lambda i: (i, 0))
+    per_block = pl.BlockSpec((None, 1, width), lambda i: (i, 0, 0))
+    stats = _out_like(g, (grid, 1, width), jnp.float32)
     if adaptive:
       operands = (eta.reshape(1), w, g)
       in_specs = [self.scalars_spec(1), tile, tile]
@@ -305,7 +348,7 @@ class _Launch:
 
   def update(self, scale, eta, w, g, adaptive: bool):
     rows, block_rows, grid = self.layout(w, g)
-    tile = pl.BlockSpec((block_rows, LANES), lambda i: (i, 0))
+    tile = pl.BlockSpec((block_rows, w.shape[1]), lambda i: (i, 0))
     return pl.pallas_call(
         functools.partial(_update_kernel, rows=rows, block_rows=block_rows,
                           adaptive=adaptive, masked=self.target == 'gpu'),
@@ -315,9 +358,13 @@ class _Launch:
         name='sam_perturb_update')(jnp.stack([scale, eta]), w, g)
 
 
-def _buffers(params, grads, pack_below: int, leaf_axes=None):
-  """(rows, 128) (w, g, axes) buffers: one per large aligned leaf, one per
-  (dtype pair, axes) of the others (zero-padded).
+def _buffers(params, grads, pack_below: int, leaf_axes=None,
+             own_width: bool = False):
+  """(rows, width) (w, g, axes) buffers: one per large aligned leaf, one
+  per (dtype pair, axes) of the others (zero-padded, 128 wide).
+
+  `own_width` (TPU): a large leaf keeps its last dimension as the width
+  where that moves no data (`_tpu_width`); else every buffer is 128 wide.
 
   `leaf_axes[i]`: the mesh axes leaf i is sharded over (per device, the
   leaves are shards; leaves sharded over different axes are never packed
@@ -339,7 +386,8 @@ def _buffers(params, grads, pack_below: int, leaf_axes=None):
           f'leaf {i} has shape {g.shape}, its parameter {w.shape}')
     if w.size >= max(pack_below, 1) and w.size % LANES == 0:
       slots.append((len(buffers), None))
-      buffers.append((w.reshape(-1, LANES), g.reshape(-1, LANES),
+      width = _tpu_width(w, g) if own_width else LANES
+      buffers.append((w.reshape(-1, width), g.reshape(-1, width),
                       leaf_axes[i]))
     else:
       packs.setdefault((w.dtype, g.dtype, leaf_axes[i]), []).append(i)
@@ -420,7 +468,8 @@ def _fused(params, grads, rho, eta, eps, *, adaptive: bool,
   each device's shards with the norm combined across the mesh."""
   eta = jnp.asarray(eta, jnp.float32)
   buffers, unflatten = _buffers(params, grads, launch.block_sizes.pack_below,
-                                shards and shards.leaf_axes)
+                                shards and shards.leaf_axes,
+                                own_width=launch.target == 'tpu')
   live = [(w, g, axes) for w, g, axes in buffers if w.size]
   stats = [(launch.norm_stats(eta, w, g, adaptive), axes)
            for w, g, axes in live]

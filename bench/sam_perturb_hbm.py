@@ -1,0 +1,158 @@
+r"""HBM traffic of the fused SAM perturbation against XLA's, from the compilers.
+
+  python -m bench.sam_perturb_hbm             # every target and tree; writes BENCHMARKS.md
+
+Estimated from compiled programs, not measured: no accelerator runs here.
+For each target, a 4-chip slice or node (v4:2x2x1, v5e:2x2, v5p:2x2x1,
+v6e:2x2, h100:1x1x4, h200:1x1x4), and each parameter tree
+(`bench.sam_perturb_trees.realistic()`: the 125M and 1B LMs, ResNet-50, the
+tests' MLP; float32, FSDP: each leaf split over the 4 chips along its first
+dimension they divide, the others replicated), it compiles from this CPU
+host (`train.targets`)
+(a) `geom.kernels.sam_perturb`, SAM: the Mosaic kernels on TPU (in a
+    shard_map over the slice, `shardings=`), the Triton kernels split by
+    the partitioner on GPU;
+(b) `sam_perturb_reference` under jit: the plain-jnp perturbation that XLA
+    fuses by itself (what `geom.sam` computes without `fused=True`);
+and counts the HBM bytes each chip reads and writes with
+`bench.hlo_traffic` (every top-level instruction's operands read plus its
+result written; TPU layouts padded to their tiles, on-chip memory not
+counted). On TPU it also gives `cost_analysis()['bytes accessed']`, which
+GPU compilers do not report. `ideal` is one pass over g for the norm and
+one over w and g writing w' (16 bytes per float32 parameter). The roofline
+time is bytes / the chip's HBM bandwidth (`train.targets.CHIPS`).
+"""
+
+import os
+import sys
+import time
+
+# The compile toolchain must be importable before JAX starts, so that the
+# CUDA plugin is found (and given custom_partitioning's partitioner) at
+# start-up; everything runs on CPU.
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+from train import targets  # pylint: disable=g-import-not-at-top,g-bad-import-order
+targets.enable_toolchain()
+
+from absl import app  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from absl import flags  # pylint: disable=g-import-not-at-top
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+
+from bench import hlo_traffic  # pylint: disable=g-import-not-at-top
+from bench import report  # pylint: disable=g-import-not-at-top
+from bench import sam_perturb_trees  # pylint: disable=g-import-not-at-top
+from geom.kernels import sam_perturb as k  # pylint: disable=g-import-not-at-top
+
+TARGETS = ('v4:2x2x1', 'v5e:2x2', 'v5p:2x2x1', 'v6e:2x2', 'h100:1x1x4',
+           'h200:1x1x4')
+_TARGETS = flags.DEFINE_list('targets', list(TARGETS), 'Compile targets.')
+_TREES = flags.DEFINE_list('trees', list(sam_perturb_trees.realistic()),
+                           'Parameter trees.')
+_WRITE = flags.DEFINE_bool('write', True, 'Update BENCHMARKS.md.')
+SECTION = 'sam_perturb_hbm'
+
+
+def fsdp_spec(shape, n: int) -> P:
+  """Split along the first dimension `n` divides; replicated if none."""
+  for d, size in enumerate(shape):
+    if size % n == 0:
+      return P(*([None] * d), 'data')
+  return P()
+
+
+def programs(target: str, tree):
+  """{'fused': compiled, 'xla': compiled} for a tree on a target."""
+  devices = targets.devices(targets.parse(target))
+  mesh = Mesh(np.array(devices), ('data',))
+  shardings = jax.tree.map(
+      lambda x: NamedSharding(mesh, fsdp_spec(x.shape, len(devices))), tree)
+  params = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+      shardings)
+  rho = jax.ShapeDtypeStruct((), jnp.float32,
+                             sharding=NamedSharding(mesh, P()))
+  given = shardings if targets.parse(target).platform == 'tpu' else None
+  fns = {'fused': lambda w, g, r: k.sam_perturb(w, g, r, shardings=given),
+         'xla': lambda w, g, r: k.sam_perturb_reference(w, g, r)}
+  return {name: jax.jit(fn, out_shardings=(shardings, None)).lower(
+      params, params, rho).compile() for name, fn in fns.items()}, shardings
+
+
+def measure(target: str, tree) -> dict[str, float]:
+  compiled, shardings = programs(target, tree)
+  out = {}
+  for name, c in compiled.items():
+    instructions = hlo_traffic.instructions(c.as_text())
+    out[name] = sum(i.bytes for i in instructions)
+    out[f'{name}_ops'] = sum(1 for i in instructions if i.bytes)
+    out[f'{name}_kernels'] = sum(i.bytes for i in instructions
+                                 if i.opcode == 'custom-call')
+    cost = c.cost_analysis()
+    out[f'{name}_cost'] = cost.get('bytes accessed') if cost else None
+  local = sum(np.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+              for x, s in zip(jax.tree.leaves(tree),
+                              jax.tree.leaves(shardings)))
+  out['ideal'] = 4 * local  # Read g, then read w and g and write w'.
+  return out
+
+
+def _mb(b) -> str:
+  return '-' if b is None else f'{b / 1e6:,.0f}'
+
+
+def main(argv):
+  del argv
+  trees = sam_perturb_trees.realistic()
+  rows, verdicts = [], {}
+  for target in _TARGETS.value:
+    chip = targets.chip_for(targets.parse(target))
+    for name in _TREES.value:
+      start = time.time()
+      r = measure(target, trees[name])
+      ratio = r['fused'] / r['xla']
+      verdicts.setdefault(chip.name, []).append(ratio)
+      rows.append(
+          f'| {chip.name} | {name} | '
+          f'{sam_perturb_trees.parameters(trees[name]) / 1e6:,.1f}M | '
+          f'{_mb(r["ideal"])} | {_mb(r["fused"])} '
+          f'({_mb(r["fused_kernels"])} in kernels) | {_mb(r["xla"])} | '
+          f'**{ratio:.2f}x** | {_mb(r["fused_cost"])} | {_mb(r["xla_cost"])} '
+          f'| {r["fused_ops"]} | {r["xla_ops"]} '
+          f'| {1e3 * r["fused"] / chip.hbm_bandwidth:.2f} | '
+          f'{1e3 * r["xla"] / chip.hbm_bandwidth:.2f} |')
+      print(rows[-1], f'({time.time() - start:.0f} s)', file=sys.stderr)
+  lines = [
+      '## Fused SAM perturbation: HBM traffic per chip (estimated from the '
+      'compiler, not measured)',
+      '',
+      'Per chip of a 4-chip slice or node, float32 parameters split FSDP-'
+      'style over the 4 chips, SAM; MB = 10^6 bytes read plus written, '
+      'counted from each compiled program\'s optimized HLO '
+      '(`bench.hlo_traffic`). `fused`: `geom.kernels.sam_perturb` (TPU: '
+      'Mosaic kernels in a shard_map, `shardings=`; GPU: Triton kernels split '
+      'by the partitioner); `XLA`: `sam_perturb_reference` under jit. '
+      '`ideal`: 16 bytes per parameter (g read for the norm; w and g read, w\' '
+      'written). `cost_analysis`: TPU\'s `bytes accessed` (GPU compilers give '
+      'none). `ops`: top-level instructions that touch memory (kernels, '
+      'fusions, copies: launches on GPU). Roofline: HLO bytes / HBM bandwidth '
+      '(`train.targets.CHIPS`). jax '
+      f'{jax.__version__}.',
+      '',
+      '| chip | tree | parameters | ideal MB | fused MB | XLA MB | fused / '
+      'XLA | fused cost_analysis MB | XLA cost_analysis MB | fused ops | XLA '
+      'ops | roofline fused (ms) | roofline XLA (ms) |',
+      '|---|---|---|---|---|---|---|---|---|---|---|---|---|',
+      *rows,
+      '',
+      'Reproduce: `python -m bench.sam_perturb_hbm` (needs the compile '
+      'toolchain, `make compile-toolchain`; about '
+      'ten minutes on 2 cores).',
+  ]
+  report.publish(SECTION, lines, _WRITE.value)
+
+
+if __name__ == '__main__':
+  app.run(main)
