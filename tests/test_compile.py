@@ -106,6 +106,14 @@ JOBS = {
 }
 
 
+# The SAM paper's recipes (SAM on), full size: `slow` (the classification
+# job's programs are compiled above; these take minutes).
+RECIPES = {
+    'wrn_cifar10': ('configs/wrn_cifar10.py', 'h100:1x1x8', {}),
+    'resnet50_imagenet': ('configs/resnet50_imagenet.py', 'h100:1x1x8', {}),
+}
+
+
 @pytest.fixture(scope='module')
 def compiled_jobs():
   return {name: _compile(spec, target, overrides, model)
@@ -343,6 +351,15 @@ def test_launcher_exit_statuses_and_one_line_errors(tmp_path):
   # x 2 layers, float32, with AdamW's two moments, over 4 chips.
   params = 2 * 16384 * (4 * 16384 + 3 * 65536)
   assert saved['rows'][0]['total_bytes'] > 3 * 4 * params / 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', RECIPES)
+def test_the_sam_recipes_compile_full_size(name):
+  spec, target, overrides = RECIPES[name]
+  rows = _rows(_compile(spec, target, overrides))
+  assert list(rows) == ['train_step', 'eval_step', 'state_is_finite']
+  assert all(r['fits'] for r in rows.values())
 
 
 @pytest.mark.slow

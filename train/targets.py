@@ -210,10 +210,13 @@ def enable_toolchain() -> None:
   Call before `import jax` where possible (`launch.compile` does); after
   it, TPU targets still work and the CUDA plugin is registered on first
   use of a GPU target. Sets what libtpu needs to start without a TPU
-  (no GCE metadata query; several processes may load it).
+  (no GCE metadata query, no worker hosts to find; several processes may
+  load it).
   """
   os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
   os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+  # Without it libtpu logs an error line looking for its workers.
+  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
   path = toolchain_dir()
   if os.path.isdir(path) and path not in sys.path:
     sys.path.append(path)
