@@ -1,6 +1,6 @@
 r"""HBM traffic of the fused SAM perturbation against XLA's, from the compilers.
 
-  python -m bench.sam_perturb_hbm             # every target and tree; writes BENCHMARKS.md
+  python -m bench.sam_perturb_hbm    # every target and tree; BENCHMARKS.md
 
 Estimated from compiled programs, not measured: no accelerator runs here.
 For each target, a 4-chip slice or node (v4:2x2x1, v5e:2x2, v5p:2x2x1,
@@ -23,6 +23,7 @@ one over w and g writing w' (16 bytes per float32 parameter). The roofline
 time is bytes / the chip's HBM bandwidth (`train.targets.CHIPS`).
 """
 
+# pylint: disable=g-import-not-at-top,wrong-import-position
 import os
 import sys
 import time
@@ -31,20 +32,22 @@ import time
 # CUDA plugin is found (and given custom_partitioning's partitioner) at
 # start-up; everything runs on CPU.
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-from train import targets  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from train import targets
 targets.enable_toolchain()
 
-from absl import app  # pylint: disable=g-import-not-at-top,g-bad-import-order
-from absl import flags  # pylint: disable=g-import-not-at-top
-import jax  # pylint: disable=g-import-not-at-top
-import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-import numpy as np  # pylint: disable=g-import-not-at-top
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
 
-from bench import hlo_traffic  # pylint: disable=g-import-not-at-top
-from bench import report  # pylint: disable=g-import-not-at-top
-from bench import sam_perturb_trees  # pylint: disable=g-import-not-at-top
-from geom.kernels import sam_perturb as k  # pylint: disable=g-import-not-at-top
+from bench import hlo_traffic
+from bench import report
+from bench import sam_perturb_trees
+from geom.kernels import sam_perturb as k
 
 TARGETS = ('v4:2x2x1', 'v5e:2x2', 'v5p:2x2x1', 'v6e:2x2', 'h100:1x1x4',
            'h200:1x1x4')

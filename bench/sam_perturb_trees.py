@@ -39,7 +39,8 @@ TREES = {
 
 VOCAB = 32_000
 # configs/lm.py's SIZES: (d_model, layers, heads, key/value heads, MLP).
-LM_SIZES = {'lm_125m': (768, 12, 12, 12, 2048), 'lm_1b': (2048, 16, 32, 8, 8192)}
+LM_SIZES = {'lm_125m': (768, 12, 12, 12, 2048),
+            'lm_1b': (2048, 16, 32, 8, 8192)}
 
 
 def lm(d_model: int, layers: int, heads: int, kv_heads: int, mlp: int,

@@ -23,23 +23,25 @@ from geom import sam
 from geom.kernels import sam_perturb as k
 
 # Odd sizes: the packed buffer (541 rows) and the aligned leaf of 300 rows
-# of 128 (a buffer of its own) both end in a ragged block of 32 rows. On
-# TPU the 60 x 384 leaf keeps its 384 lanes (blocks of 8 float32 rows, 16
-# bfloat16 ones; a ragged last block), and so does 2 x 8 x 256 in float32
-# (16 rows of 256; in bfloat16 its 8 rows are half a sublane tile, so it
-# is viewed as 32 rows of 128).
-SHAPES = [(3,), (17, 5), (129, 31), (7,), (1000, 65), (2, 3, 5), (300, 128),
-          (60, 384), (2, 8, 256)]
+# of 128 (a buffer of its own) both end in a ragged block of 32 rows.
+SHAPES = [(3,), (17, 5), (129, 31), (7,), (1000, 65), (2, 3, 5), (300, 128)]
+# With the TPU bodies the 60 x 384 leaf keeps its 384 lanes (blocks of 8
+# float32 rows, 16 bfloat16 ones; a ragged last block), and so does
+# 2 x 8 x 256 in float32 (16 rows of 256; in bfloat16 its 8 rows are half
+# a sublane tile, so it is viewed as 32 rows of 128). The Triton bodies
+# see every leaf as rows of 128.
+WIDE_SHAPES = SHAPES + [(60, 384), (2, 8, 256)]
 SMALL_BLOCKS = k.BlockSizes(block_rows=32, pack_below=1024)
 F32 = jnp.float32
 
 
-def _tree(dtype=jnp.float32, scale=1.0, seed=0):
-  keys = jax.random.split(jax.random.key(seed), 2 * len(SHAPES))
+def _tree(dtype=jnp.float32, scale=1.0, seed=0, shapes=None):
+  shapes = SHAPES if shapes is None else shapes
+  keys = jax.random.split(jax.random.key(seed), 2 * len(shapes))
   w = {f'l{i}': (jax.random.normal(keys[2 * i], s) * 0.5).astype(dtype)
-       for i, s in enumerate(SHAPES)}
+       for i, s in enumerate(shapes)}
   g = {f'l{i}': (jax.random.normal(keys[2 * i + 1], s) * scale).astype(dtype)
-       for i, s in enumerate(SHAPES)}
+       for i, s in enumerate(shapes)}
   return w, g
 
 
@@ -73,6 +75,10 @@ def _launches(jaxpr) -> int:
 class TestSamPerturb:
   INTERPRET = False
   TARGET = None
+  SHAPES = WIDE_SHAPES
+
+  def tree(self, *args, **kw):
+    return _tree(*args, shapes=self.SHAPES, **kw)
 
   def setup_method(self):
     if not self.INTERPRET and jax.default_backend() == 'cpu':
@@ -85,7 +91,7 @@ class TestSamPerturb:
 
   @pytest.mark.parametrize('adaptive', [False, True])
   def test_matches_the_reference_in_float32(self, adaptive):
-    w, g = _tree()
+    w, g = self.tree()
     got, norm = self.perturb(w, g, 0.3, adaptive=adaptive)
     want, want_norm = k.sam_perturb_reference(w, g, 0.3, adaptive=adaptive)
     np.testing.assert_allclose(norm, want_norm, rtol=1e-6)
@@ -93,7 +99,7 @@ class TestSamPerturb:
 
   @pytest.mark.parametrize('adaptive', [False, True])
   def test_bfloat16_leaves_accumulate_in_float32(self, adaptive):
-    w, g = _tree(jnp.bfloat16)
+    w, g = self.tree(jnp.bfloat16)
     got, norm = self.perturb(w, g, 0.3, adaptive=adaptive)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(got))
     assert norm.dtype == jnp.float32
@@ -107,7 +113,7 @@ class TestSamPerturb:
       np.testing.assert_allclose(float(norm), norm64, rtol=1e-6)
 
   def test_mixed_dtypes_keep_each_leaf_dtype(self):
-    w, g = _tree()
+    w, g = self.tree()
     w['l1'] = w['l1'].astype(jnp.bfloat16)
     g['l1'] = g['l1'].astype(jnp.bfloat16)
     got, norm = self.perturb(w, g, 0.1)
@@ -117,7 +123,7 @@ class TestSamPerturb:
 
   @pytest.mark.parametrize('adaptive', [False, True])
   def test_zero_gradient_gives_the_weights_back(self, adaptive):
-    w, g = _tree()
+    w, g = self.tree()
     zeros = jax.tree.map(jnp.zeros_like, g)
     got, norm = self.perturb(w, zeros, 0.3, adaptive=adaptive)
     assert float(norm) == 0.0
@@ -125,7 +131,7 @@ class TestSamPerturb:
 
   @pytest.mark.parametrize('scale', [1e20, 1e-25])
   def test_no_overflow_or_underflow_in_the_norm(self, scale):
-    w, g = _tree(scale=scale)
+    w, g = self.tree(scale=scale)
     # eps = 0: the step is then rho g / |g| however small |g| is.
     got, norm = self.perturb(w, g, 0.3, eps=0.0)
     exact = jax.tree.map(lambda x: np.asarray(x, np.float64), g)
@@ -149,7 +155,7 @@ class TestSamPerturb:
   @pytest.mark.parametrize('scale', [1.0, 1e20, 1e-25])
   def test_equals_geom_sams_unfused_perturbation_at_every_scale(
       self, adaptive, scale):
-    w, g = _tree(scale=scale)
+    w, g = self.tree(scale=scale)
     got, norm = self.perturb(w, g, 0.3, adaptive=adaptive, eps=0.0)
     e, unfused_norm = jax.jit(functools.partial(
         sam.perturbation, adaptive=adaptive, eps=0.0))(g, w, 0.3)
@@ -158,7 +164,7 @@ class TestSamPerturb:
     _assert_tree_close(got, sam.perturbed_params(w, e), rtol=1e-5, atol=1e-7)
 
   def test_equals_unfused_geom_sam_inside_jit(self):
-    w, g = _tree()
+    w, g = self.tree()
     loss = lambda p: sum(jnp.sum(jnp.sin(x) ** 2) for x in jax.tree.leaves(p))
     grad = jax.grad(loss)
     outs = {}
@@ -185,7 +191,7 @@ class TestSamPerturb:
     assert _launches(jaxpr.jaxpr) == 4
 
   def test_grad_through_the_kernel_is_a_clear_error(self):
-    w, g = _tree()
+    w, g = self.tree()
     f = lambda p: jnp.sum(self.perturb(p, g, 0.1)[0]['l0'])
     with pytest.raises(TypeError, match='not differentiable'):
       jax.grad(f)(w)
@@ -199,6 +205,7 @@ class TestSamPerturbInterpretTriton(TestSamPerturb):
   """The GPU bodies (masked loads and stores, power-of-two blocks)."""
   INTERPRET = True
   TARGET = 'gpu'
+  SHAPES = SHAPES
 
 
 # Sharded calls: a tree with large, aligned, ragged and tiny leaves on a

@@ -56,10 +56,11 @@ def _plugin_callbacks_for_late_cuda_plugin():
   program fails with "No registered implementation for custom call to
   CustomSPMDPartitioning for platform CUDA". Private API, kept here.
   """
-  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
-  factory = xla_bridge._backend_factories.get('cuda')  # pylint: disable=protected-access
+  # pylint: disable=g-import-not-at-top,protected-access
+  from jax._src import xla_bridge
+  factory = xla_bridge._backend_factories.get('cuda')
   if factory is not None and factory.c_api is not None:
-    for callback in xla_bridge._plugin_callbacks:  # pylint: disable=protected-access
+    for callback in xla_bridge._plugin_callbacks:
       callback(c_api=factory.c_api)
 
 

@@ -21,9 +21,10 @@ multiple of 128 is its own buffer: on GPU (rows, 128), a reshape, free
 in GPU memory; on TPU (rows, its last dimension) where that dimension is
 a multiple of 128 and the view moves no data in TPU's tiled HBM layout
 (`_tpu_width`), else (rows, 128), which on TPU is a relayout copy of w
-and g and of w' back (compiled for one v5e, a 62500 x 1024 float32 leaf moves 40 bytes of
-HBM traffic per parameter viewed as rows of 128, 16 with its own 1024
-lanes; XLA's fusion of `sam_perturb_reference` moves 20). Every other leaf is packed with the others of its dtype pair into
+and g and of w' back (compiled for one v5e, a 62500 x 1024 float32 leaf
+moves 40 bytes of HBM traffic per parameter viewed as rows of 128, 16
+with its own 1024 lanes; XLA's fusion of `sam_perturb_reference` moves
+20). Every other leaf is packed with the others of its dtype pair into
 one zero-padded (rows, 128) buffer (one copy, and one launch per pass
 for any number of small leaves). The zeros add nothing to the norm and
 their update is dropped. The per-block results are written as (1, width)
@@ -703,15 +704,17 @@ def _differentiation_guarded(adaptive, block_sizes, target, interpret,
       return _shard_mapped(choices, shardings, args)
     if not jax.tree.leaves(params) or _one_device_context():
       return _on_platform(choices, None)(*args)
-    per_platform = {}
+    # One branch per distinct body (CUDA and ROCm share theirs): each is
+    # traced once.
+    branches, per_platform = {}, {}
     for platform, fused in choices.items():
-      if platform == 'tpu':
-        per_platform[platform] = functools.partial(
-            _kernels_or_xla, fused, adaptive)
-      else:
-        per_platform[platform] = functools.partial(_custom_partitioned, fused)
-    return jax.lax.platform_dependent(
-        args, **{p: f for p, f in per_platform.items()})
+      key = (platform == 'tpu', fused.keywords['launch'])
+      if key not in branches:
+        branches[key] = (functools.partial(_kernels_or_xla, fused, adaptive)
+                         if platform == 'tpu' else
+                         functools.partial(_custom_partitioned, fused))
+      per_platform[platform] = branches[key]
+    return jax.lax.platform_dependent(args, **per_platform)
 
   guarded = jax.custom_vjp(fn)
 
