@@ -41,27 +41,7 @@ def _devices(target: str):
     found = targets.devices(targets.parse(target))
   except targets.ToolchainMissing as e:
     return f'compile toolchain missing: {e}'
-  if targets.parse(target).platform == 'cuda':
-    _plugin_callbacks_for_late_cuda_plugin()
   return found
-
-
-@functools.lru_cache(maxsize=None)
-def _plugin_callbacks_for_late_cuda_plugin():
-  """What JAX does for a plugin it discovers at start-up, for the CUDA
-  plugin that `train.targets` registers after JAX started (the tests
-  import JAX before the toolchain is on the path): run the registered
-  plugin callbacks with its C API, among them the one that gives XLA's GPU
-  compiler `custom_partitioning`'s partitioner. Without it a sharded
-  program fails with "No registered implementation for custom call to
-  CustomSPMDPartitioning for platform CUDA". Private API, kept here.
-  """
-  # pylint: disable=g-import-not-at-top,protected-access
-  from jax._src import xla_bridge
-  factory = xla_bridge._backend_factories.get('cuda')
-  if factory is not None and factory.c_api is not None:
-    for callback in xla_bridge._plugin_callbacks:
-      callback(c_api=factory.c_api)
 
 
 def devices(target: str):

@@ -228,8 +228,14 @@ class ToolchainMissing(RuntimeError):
 
 def _register_cuda_plugin() -> None:
   """Registers the CUDA plugin with a JAX whose backends started before
-  the plugin was importable (the plugin's own entry point; it declines to
-  start a client without JAX_PLATFORMS naming cuda)."""
+  the plugin was importable (the test suite's), as JAX does for a plugin
+  it finds at start-up: the plugin's own entry point (which declines to
+  start a client without JAX_PLATFORMS naming cuda), then the callbacks
+  JAX runs on each plugin's C API, among them the one that gives the GPU
+  compiler `custom_partitioning`'s partitioner (without it a sharded
+  program fails: "No registered implementation for custom call to
+  CustomSPMDPartitioning for platform CUDA"). The callbacks are private
+  API, used here only."""
   import importlib  # pylint: disable=g-import-not-at-top
   try:
     plugin = importlib.import_module('jax_plugins.xla_cuda12')
@@ -239,6 +245,12 @@ def _register_cuda_plugin() -> None:
         f'compile-toolchain` (installs into {toolchain_dir()}) or `pip '
         'install .[cuda12]`') from None
   plugin.initialize()
+  # pylint: disable=g-import-not-at-top,protected-access
+  from jax._src import xla_bridge
+  factory = xla_bridge._backend_factories.get('cuda')
+  if factory is not None and factory.c_api is not None:
+    for callback in xla_bridge._plugin_callbacks:
+      callback(c_api=factory.c_api)
 
 
 def devices(target: Target, num_slices: int = 1) -> list[Any]:
