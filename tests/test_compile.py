@@ -202,6 +202,26 @@ def test_a_sharding_rule_that_does_not_divide_is_one_line_before_compiling():
              {'mesh.shape': (1, 8)})
 
 
+def test_a_kernel_block_over_vmem_fails_the_compile_naming_the_step(
+    monkeypatch):
+  # Break the fused SAM kernel's TPU block size (16384 rows: its update
+  # pass needs more than the 16 MiB of scoped VMEM) and lift the kernel's
+  # own check: the train step does not compile, and the error names it
+  # and carries Mosaic's message (exit 1 in the launcher), not an HBM OOM.
+  from geom.kernels import sam_perturb  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(sam_perturb, '_TPU_SCOPED_VMEM_BYTES', 2**40)
+  monkeypatch.setitem(sam_perturb._DEFAULTS, 'tpu',  # pylint: disable=protected-access
+                      sam_perturb.BlockSizes(block_rows=16384))
+  with pytest.raises(compile_report.CompileFailed,
+                     match=r'^train_step \(sam_step=True\) does not compile '
+                     r'for v5e:1x1: .*vmem') as caught:
+    _compile('configs/digits.py:runlocal,model=mlp', 'v5e:1x1',
+             {'optimizer.sam.enabled': True, 'optimizer.sam.fused': True,
+              'optimizer.sam.warmup_steps': 5, 'mesh.shape': (1, 1),
+              'model.widths': (2048, 2048)})
+  assert '\n' not in str(caught.value)
+
+
 def test_multi_slice_puts_the_data_axis_over_the_slices():
   from train.lm import trainer  # pylint: disable=g-import-not-at-top
   config = _config('configs/lm.py:size=1b,runlocal', {'mesh.shape': (4, 2)})

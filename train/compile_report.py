@@ -214,7 +214,9 @@ def roofline(flops: float | None, traffic: float | None,
   return max(flops / chip.peak_flops, traffic / chip.hbm_bandwidth)
 
 
-_TPU_OOM = re.compile(r'RESOURCE_EXHAUSTED')
+# Out of HBM (the program does not fit), not of a kernel's on-chip memory
+# (VMEM: the kernel does not compile).
+_TPU_OOM = re.compile(r'RESOURCE_EXHAUSTED.*\b(HBM|hbm)\b')
 # The TPU compiler's statements of what a program needs, e.g. "the total
 # memory required for HLO temporaries (16.00G) exceeds available HBM
 # (15.75G)" or "Used 40.23G of 15.75G hbm".
