@@ -15,7 +15,7 @@ host (`train.targets`)
 (b) `sam_perturb_reference` under jit: the plain-jnp perturbation that XLA
     fuses by itself (what `geom.sam` computes without `fused=True`);
 and counts the HBM bytes each chip reads and writes with
-`bench.hlo_traffic` (every top-level instruction's operands read plus its
+`train.hlo_traffic` (every top-level instruction's operands read plus its
 result written; TPU layouts padded to their tiles, on-chip memory not
 counted). On TPU it also gives `cost_analysis()['bytes accessed']`, which
 GPU compilers do not report. `ideal` is one pass over g for the norm and
@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from bench import hlo_traffic
+from train import hlo_traffic
 from bench import report
 from bench import sam_perturb_trees
 from geom.kernels import sam_perturb as k
@@ -134,7 +134,7 @@ def main(argv):
       'Per chip of a 4-chip slice or node, float32 parameters split FSDP-'
       'style over the 4 chips, SAM; MB = 10^6 bytes read plus written, '
       'counted from each compiled program\'s optimized HLO '
-      '(`bench.hlo_traffic`). `fused`: `geom.kernels.sam_perturb` (TPU: '
+      '(`train.hlo_traffic`). `fused`: `geom.kernels.sam_perturb` (TPU: '
       'Mosaic kernels in a shard_map, `shardings=`; GPU: Triton kernels split '
       'by the partitioner); `XLA`: `sam_perturb_reference` under jit. '
       '`ideal`: 16 bytes per parameter (g read for the norm; w and g read, w\' '

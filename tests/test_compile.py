@@ -278,8 +278,13 @@ def test_gpu_convolution_flops_are_counted_from_the_cudnn_calls():
   compiled = _conv_grad_program(Mesh(np.array(devices), ('d',)))
   one = 2 * 8 * 14 * 14 * 32 * 27
   assert compile_report.cudnn_conv_flops(compiled.as_text()) == 3 * one
-  flops, _, _ = compile_report.cost(compiled, 'cuda')
+  flops, traffic, _ = compile_report.cost(compiled, 'cuda')
   assert flops >= 3 * one
+  # Each convolution reads two of x (24 KiB), the kernel (3.4 KiB) and
+  # the output's gradient (196 KiB) and writes the third: at least what
+  # the three calls move, which XLA's cost model alone counts as -3 bytes.
+  x, k, y = 8 * 16 * 16 * 3 * 4, 3 * 3 * 3 * 32 * 4, 8 * 14 * 14 * 32 * 4
+  assert traffic >= 3 * (x + k + y)
 
 
 def test_cudnn_conv_flops_reads_operand_shapes_by_name():

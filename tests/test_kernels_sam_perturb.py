@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 
-from bench import hlo_traffic
+from train import hlo_traffic
 from geom import sam
 from geom.kernels import sam_perturb as k
 

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
-from bench import hlo_traffic
+from train import hlo_traffic
 from bench.sam_perturb_trees import TREES
 from geom.kernels import sam_perturb as k
 from train import targets

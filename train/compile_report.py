@@ -13,8 +13,10 @@ for the target's compile-only devices (`train.targets`) and returns one
   compiler gives none, so for GPU programs XLA's cost model
   (HloCostAnalysis, the one the TPU numbers come from) is run on the
   compiled GPU module through the CPU client (private API: a row whose
-  cost cannot be read this way shows none). Custom kernels (Pallas) count
-  their bytes but no FLOPs;
+  cost cannot be read this way shows none), with the custom calls it
+  cannot see added: the cuDNN convolutions' FLOPs, and every custom
+  call's operand and result bytes (`train.hlo_traffic`); Pallas kernels
+  count their bytes but no FLOPs;
 - a roofline step time, max(FLOPs / peak, bytes / HBM bandwidth), from
   the chip's datasheet figures: a lower bound that ignores collectives,
   latency and overlap, for comparing steps (a method's step against its
@@ -38,6 +40,7 @@ from typing import Any
 import jax
 
 from train import aot
+from train import hlo_traffic
 from train import targets
 from train.errors import RunError
 
@@ -183,11 +186,17 @@ def _gpu_cost(compiled: jax.stages.Compiled) -> dict[str, float] | None:
     return None
   text = compiled.as_text()
   # The cost model counts -1 FLOPs and -1 bytes for each custom call (an
-  # unknown op); the calls' FLOPs are added back where known (cuDNN).
+  # unknown op: cuDNN convolutions, cuBLAS GEMMs, Pallas kernels). Their
+  # FLOPs are added back where known (cuDNN), their HBM bytes for those
+  # of the entry computation (`hlo_traffic`: operands read, result
+  # written).
   calls = len(re.findall(r'\bcustom-call\(', text))
+  call_bytes = sum(i.bytes for i in hlo_traffic.instructions(text)
+                   if i.opcode == 'custom-call')
   return {'flops': sum(c.get('flops', 0.0) for c in costs) + calls
                    + cudnn_conv_flops(text),
-          'bytes accessed': sum(c.get('bytes accessed', 0.0) for c in costs)}
+          'bytes accessed': sum(c.get('bytes accessed', 0.0) for c in costs)
+                            + calls + call_bytes}
 
 
 def cost(compiled: jax.stages.Compiled, platform: str

@@ -23,8 +23,8 @@ Conventions:
   and so does a fusion for each operand that its fused computation only
   slices (as XLA unpacks a packed buffer into leaves).
 - Instructions that call other computations (while, conditional, call)
-  count their operands and result once; their bodies are not entered.
-  The programs measured here (the SAM perturbation) have none.
+  count their operands and result once; their bodies are not entered
+  (a program with loops is undercounted).
 
 This is an estimate from the compiler's plan, not a measurement: it does
 not see caches, or a fusion that reads an operand twice.
