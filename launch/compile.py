@@ -39,16 +39,13 @@ target (the line lists the valid ones) or any other mistake in the flags
 or config.
 """
 
-import contextlib
-import json
 import os
-import sys
-import tempfile
 
 from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from launch import compile_jobs
 from launch import entry
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -68,89 +65,15 @@ _MODEL_CONFIG = config_flags.DEFINE_config_file(
     'workdir: that model\'s config file.', lock_config=True)
 flags.mark_flags_as_required(['config', 'target'])
 
-RESULT = 'compile.json'
-
-
-@contextlib.contextmanager
-def _quiet_stderr():
-  """Silences file descriptor 2: the CUDA plugin's C++ start-up lines ("Could
-  not find cuda drivers") are not about compiling. Shown if the block fails."""
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile() as sink:
-    os.dup2(sink.fileno(), 2)
-    try:
-      yield
-    except BaseException:
-      os.dup2(saved, 2)
-      sink.seek(0)
-      sys.stderr.write(sink.read().decode(errors='replace'))
-      raise
-    finally:
-      os.dup2(saved, 2)
-      os.close(saved)
-
 
 def _start_jax() -> None:
   """JAX on the CPU only, with the target compilers importable."""
   os.environ['JAX_PLATFORMS'] = 'cpu'
   from train import targets  # pylint: disable=g-import-not-at-top
   targets.enable_toolchain()
-  with _quiet_stderr():
+  with compile_jobs.quiet_stderr():
     import jax  # pylint: disable=g-import-not-at-top
     jax.devices()  # Starts the backend: the plugins load here.
-
-
-def run(config, target_text: str, num_slices: int, workdir: str | None,
-        model_config) -> dict:
-  """Compiles `config`'s programs for the target; returns compile.json's
-  content after printing the table (raises the launcher's errors)."""
-  # pylint: disable=g-import-not-at-top
-  from launch import compile_jobs
-  from train import compile_report
-  from train import targets
-  from train.errors import UsageError
-  # pylint: enable=g-import-not-at-top
-  try:
-    target = targets.parse(target_text)
-    if not isinstance(num_slices, int) or num_slices < 1:
-      raise targets.TargetError(f'--num_slices={num_slices}: must be >= 1')
-    with _quiet_stderr():
-      devices = targets.devices(target, num_slices)
-  except targets.TargetError as e:
-    raise UsageError('--target', target_text, str(e).split(': ', 1)[-1]
-                     ) from None
-  chip = targets.chip_for(target)
-  label = str(target) + (f' x {num_slices} slices' if num_slices > 1 else '')
-  with tempfile.TemporaryDirectory() as scratch:
-    groups = compile_jobs.programs(config, devices, model_config,
-                                   workdir or scratch)
-    rows = []
-    for group in groups:
-      rows += compile_report.compile_programs(group.programs, chip)
-  print(f'{label}: {len(devices)} x {chip.device_kind}, '
-        f'{compile_report.gib(chip.hbm_bytes)} GiB usable per chip '
-        f'(peak {chip.peak_flops / 1e12:.0f} TFLOP/s bf16, '
-        f'{chip.hbm_bandwidth / 1e9:.0f} GB/s; {chip.source})')
-  for group in groups:
-    print(f'  {group.name}: {group.description}')
-  print(compile_report.table(rows, chip))
-  result = {
-      'target': str(target), 'num_slices': num_slices,
-      'devices': len(devices), 'device_kind': chip.device_kind,
-      'hbm_bytes': chip.hbm_bytes, 'peak_flops': chip.peak_flops,
-      'hbm_bandwidth': chip.hbm_bandwidth, 'chip_source': chip.source,
-      'meshes': {g.name: g.description for g in groups},
-      'config': config.to_dict(),
-      'rows': [r.to_json() for r in rows],
-  }
-  if workdir:
-    from train import fileio  # pylint: disable=g-import-not-at-top
-    fileio.makedirs(workdir)
-    fileio.write_text_atomic(fileio.join(workdir, RESULT),
-                             json.dumps(result, indent=1))
-  compile_report.check(rows, chip, label)
-  return result
 
 
 def main(argv):
@@ -160,8 +83,9 @@ def main(argv):
 
   # Before run_job, whose imports start JAX.
   _start_jax()
-  entry.run_job(lambda: run(config, _TARGET.value, _NUM_SLICES.value,
-                            _WORKDIR.value, _MODEL_CONFIG.value))
+  entry.run_job(lambda: compile_jobs.run(
+      config, _TARGET.value, _NUM_SLICES.value, _WORKDIR.value,
+      _MODEL_CONFIG.value))
 
 
 if __name__ == '__main__':

@@ -1,6 +1,6 @@
-"""The programs each job compiles, for `launch.compile`: config -> program groups.
+"""The programs each job compiles, and compiling them for `launch.compile`.
 
-Flagless, like `launch.trainers`. A group is the programs of one mesh
+Flagless, like `launch.trainers` (tests call `run` in-process). A group is the programs of one mesh
 (training runs have one; GRPO has the learner's and the rollout's), with a
 description of the mesh. Jobs that read a trained model from another
 workdir get that model's config (`model_config`) here: the given one, else
@@ -9,9 +9,12 @@ default (`DEFAULT_MODEL_CONFIGS`).
 """
 
 from collections.abc import Sequence
+import contextlib
 import dataclasses
 import json
 import os
+import sys
+import tempfile
 from typing import Any
 
 import ml_collections
@@ -26,6 +29,7 @@ DEFAULT_MODEL_CONFIGS = {
 MODEL_WORKDIR_FIELDS = {'tta': 'source_workdir', 'rl': 'sft_workdir',
                         'steering': 'lm_workdir'}
 TASKS = ('classification', 'lm', 'rl_sft', 'tta', 'rl', 'steering')
+RESULT = 'compile.json'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,12 +131,83 @@ def programs(config: ml_collections.ConfigDict, devices: Sequence[Any],
     mesh, progs = adapt.programs(config, model, devices)
     return [Group('adapt', mesh_description(mesh), progs)]
   if task == 'rl':
-    from train.rl import run  # pylint: disable=g-import-not-at-top
+    from train.rl import run as rl_run  # pylint: disable=g-import-not-at-top
     return [Group(name, mesh_description(mesh, rules), progs)
-            for name, mesh, rules, progs in run.programs(config, model,
-                                                         devices)]
+            for name, mesh, rules, progs in rl_run.programs(config, model,
+                                                            devices)]
   if task == 'steering':
     from train.steering import evaluation  # pylint: disable=g-import-not-at-top
     mesh, rules, progs = evaluation.programs(config, model, devices)
     return [Group('generation', mesh_description(mesh, rules), progs)]
   raise ConfigError('task', task, 'unknown task', TASKS)
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+  """Silences file descriptor 2: the CUDA plugin's C++ start-up lines ("Could
+  not find cuda drivers") are not about compiling. Shown if the block fails."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as sink:
+    os.dup2(sink.fileno(), 2)
+    try:
+      yield
+    except BaseException:
+      os.dup2(saved, 2)
+      sink.seek(0)
+      sys.stderr.write(sink.read().decode(errors='replace'))
+      raise
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+
+
+def run(config, target_text: str, num_slices: int, workdir: str | None,
+        model_config) -> dict:
+  """Compiles `config`'s programs for the target; returns compile.json's
+  content after printing the table (raises the launcher's errors)."""
+  # pylint: disable=g-import-not-at-top
+  from train import compile_report
+  from train import targets
+  from train.errors import UsageError
+  # pylint: enable=g-import-not-at-top
+  try:
+    target = targets.parse(target_text)
+    if not isinstance(num_slices, int) or num_slices < 1:
+      raise targets.TargetError(f'--num_slices={num_slices}: must be >= 1')
+    with quiet_stderr():
+      devices = targets.devices(target, num_slices)
+  except targets.TargetError as e:
+    raise UsageError('--target', target_text, str(e).split(': ', 1)[-1]
+                     ) from None
+  chip = targets.chip_for(target)
+  label = str(target) + (f' x {num_slices} slices' if num_slices > 1 else '')
+  with tempfile.TemporaryDirectory() as scratch:
+    groups = programs(config, devices, model_config,
+                                   workdir or scratch)
+    rows = []
+    for group in groups:
+      rows += compile_report.compile_programs(group.programs, chip)
+  print(f'{label}: {len(devices)} x {chip.device_kind}, '
+        f'{compile_report.gib(chip.hbm_bytes)} GiB usable per chip '
+        f'(peak {chip.peak_flops / 1e12:.0f} TFLOP/s bf16, '
+        f'{chip.hbm_bandwidth / 1e9:.0f} GB/s; {chip.source})')
+  for group in groups:
+    print(f'  {group.name}: {group.description}')
+  print(compile_report.table(rows, chip))
+  result = {
+      'target': str(target), 'num_slices': num_slices,
+      'devices': len(devices), 'device_kind': chip.device_kind,
+      'hbm_bytes': chip.hbm_bytes, 'peak_flops': chip.peak_flops,
+      'hbm_bandwidth': chip.hbm_bandwidth, 'chip_source': chip.source,
+      'meshes': {g.name: g.description for g in groups},
+      'config': config.to_dict(),
+      'rows': [r.to_json() for r in rows],
+  }
+  if workdir:
+    from train import fileio  # pylint: disable=g-import-not-at-top
+    fileio.makedirs(workdir)
+    fileio.write_text_atomic(fileio.join(workdir, RESULT),
+                             json.dumps(result, indent=1))
+  compile_report.check(rows, chip, label)
+  return result

@@ -27,7 +27,6 @@ import ml_collections
 import numpy as np
 import pytest
 
-from launch import compile as compile_launcher
 from launch import compile_jobs
 from train import compile_report
 from train import targets
@@ -68,8 +67,8 @@ def _config(spec: str, overrides: dict | None = None
 
 
 def _compile(spec, target, overrides=None, model=None, num_slices=1):
-  return compile_launcher.run(_config(spec, overrides), target, num_slices,
-                              None, None if model is None else _config(model))
+  return compile_jobs.run(_config(spec, overrides), target, num_slices,
+                          None, None if model is None else _config(model))
 
 
 def _rows(result):

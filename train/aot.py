@@ -82,7 +82,8 @@ class Program:
   """A jitted step and the arguments it is compiled for.
 
   Attributes:
-    name: what the step is, e.g. 'train_step (warmup=True)'.
+    name: what the step is, e.g. 'eval_step' or 'train_step (<the
+      method's variant argument>=<value>)'.
     fn: the `jax.jit`-wrapped function, with its shardings and donation.
     args: its arguments: abstract (ShapeDtypeStructs with shardings) or
       arrays.
