@@ -207,17 +207,25 @@ def test_a_kernel_block_over_vmem_fails_the_compile_naming_the_step(
   # pass needs more than the 16 MiB of scoped VMEM) and lift the kernel's
   # own check: the train step does not compile, and the error names it
   # and carries Mosaic's message (exit 1 in the launcher), not an HBM OOM.
-  from geom.kernels import sam_perturb  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top,protected-access
+  from geom.kernels import sam_perturb
   monkeypatch.setattr(sam_perturb, '_TPU_SCOPED_VMEM_BYTES', 2**40)
-  monkeypatch.setitem(sam_perturb._DEFAULTS, 'tpu',  # pylint: disable=protected-access
+  monkeypatch.setitem(sam_perturb._DEFAULTS, 'tpu',
                       sam_perturb.BlockSizes(block_rows=16384))
-  with pytest.raises(compile_report.CompileFailed,
-                     match=r'^train_step \(sam_step=True\) does not compile '
-                     r'for v5e:1x1: .*vmem') as caught:
-    _compile('configs/digits.py:runlocal,model=mlp', 'v5e:1x1',
-             {'optimizer.sam.enabled': True, 'optimizer.sam.fused': True,
-              'optimizer.sam.warmup_steps': 5, 'mesh.shape': (1, 1),
-              'model.widths': (2048, 2048)})
+  # The kernels per static option are cached with their default block
+  # sizes resolved: drop them, before (earlier tests') and after (ours).
+  kernels = sam_perturb._differentiation_guarded
+  kernels.cache_clear()
+  try:
+    with pytest.raises(compile_report.CompileFailed,
+                       match=r'^train_step \(sam_step=True\) does not '
+                       r'compile for v5e:1x1: .*vmem') as caught:
+      _compile('configs/digits.py:runlocal,model=mlp', 'v5e:1x1',
+               {'optimizer.sam.enabled': True, 'optimizer.sam.fused': True,
+                'optimizer.sam.warmup_steps': 5, 'mesh.shape': (1, 1),
+                'model.widths': (2048, 2048)})
+  finally:
+    kernels.cache_clear()
   assert '\n' not in str(caught.value)
 
 

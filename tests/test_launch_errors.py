@@ -31,9 +31,9 @@ def finished_workdir(tmp_path_factory):
 
 CASES = {
     'unknown model': (
-        ['--config.model.name=resnet'],
-        "config.model.name='resnet': unknown model; valid choices: 'cnn', "
-        "'mlp'"),
+        ['--config.model.name=vit'],
+        "config.model.name='vit': unknown model; valid choices: 'cnn', "
+        "'mlp', 'resnet', 'wrn'"),
     'unknown data set': (
         ['--config.dataset=imagenet'],
         "config.dataset='imagenet': unknown data set; valid choices: "
