@@ -3,6 +3,7 @@ r"""Per-chip memory and roofline time of the pod-scale jobs, from the compilers.
   python -m bench.compile_estimates            # print the tables
   python -m bench.compile_estimates --write    # and put them in BENCHMARKS.md
   python -m bench.compile_estimates --only='LM 1b'
+  python -m bench.compile_estimates --reuse --write  # rows compiled before
 
 Each row is one `python -m launch.compile` run (a process of its own) of a
 job users take to a pod or a GPU node, on a TPU v5e pod (v5e:16x16, 256
@@ -14,9 +15,11 @@ split into rollout and learner meshes; steering generation on the 1b LM.
 Every figure is the compiler's estimate (memory analysis; FLOPs and HBM
 bytes from its cost model; roofline = max(FLOPs / peak, bytes /
 bandwidth)), never a measured time: nothing here ran on a TPU or GPU.
-The workdirs with each run's compile.json are kept under --workdir.
+Each row's compile.json is kept under --workdir, in a folder named by its
+command; `--reuse` takes it from there instead of compiling again.
 """
 
+import hashlib
 import json
 import os
 import subprocess
@@ -32,6 +35,9 @@ _WRITE = flags.DEFINE_bool('write', False, 'Write the tables to BENCHMARKS.md.')
 _ONLY = flags.DEFINE_string('only', None, 'Run only rows whose name starts so.')
 _WORKDIR = flags.DEFINE_string('workdir', '/tmp/geom_compile_estimates',
                                'Where each row writes its compile.json.')
+_REUSE = flags.DEFINE_bool(
+    'reuse', False, 'Take a row\'s compile.json from --workdir when it is '
+    'there (from an earlier run of the same command) instead of compiling.')
 
 POD, NODE = 'v5e:16x16', 'h100:1x1x8'
 SAM = {'optimizer.sam.enabled': True}
@@ -41,12 +47,12 @@ SAM = {'optimizer.sam.enabled': True}
 ROWS = [
     *[(f'LM {size}{" + SAM" if sam else ""}', f'configs/lm.py:size={size}',
        None, target, {**(SAM if sam else {}), **extra})
-      for size, node in (('125m', {'batch_size': 64}),
-                         ('1b', {'batch_size': 32}),
-                         ('8b', {'batch_size': 16}))
+      for size, node in (('125m', {'batch_size': 64, 'eval_batch_size': 64}),
+                         ('1b', {'batch_size': 32, 'eval_batch_size': 32}),
+                         ('8b', {'batch_size': 16, 'eval_batch_size': 16}))
       for target, extra in ((POD, {}), (NODE, node))
       for sam in (False, True)],
-    ('LM 8b (does not fit)', 'configs/lm.py:size=8b', None, 'v5e:2x2', {}),
+    ('LM 8b', 'configs/lm.py:size=8b', None, 'v5e:2x2', {}),
     *[(f'{name}{" + SAM" if sam else ""}', config, None, target,
        {**extra, 'optimizer.sam.enabled': sam})
       for name, config in (('WRN-28-10 CIFAR-10', 'configs/wrn_cifar10.py'),
@@ -69,17 +75,27 @@ def _flag(key: str, value) -> str:
   return f'--config.{key}={value}'
 
 
+def row_workdir(row) -> str:
+  """The row's workdir under --workdir, named by its command."""
+  digest = hashlib.sha256(command(row).encode()).hexdigest()[:16]
+  return os.path.join(_WORKDIR.value, digest)
+
+
 def run_row(row, workdir: str) -> tuple[dict | None, str, float]:
   """compile.json of one row (None if it wrote none), its error line and
-  the wall time."""
+  the wall time (0 when reused)."""
   name, config, model, target, overrides = row
   os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, 'compile.json')
+  if _REUSE.value and os.path.exists(path):
+    result = json.load(open(path))
+    fits = all(r['fits'] for r in result['rows'])
+    return result, '' if fits else 'error: (reused) does not fit', 0.0
   cmd = [sys.executable, '-m', 'launch.compile', f'--config={config}',
          f'--target={target}', f'--workdir={workdir}',
          *[_flag(k, v) for k, v in overrides.items()]]
   if model:
     cmd.append(f'--model_config={model}')
-  path = os.path.join(workdir, 'compile.json')
   if os.path.exists(path):
     os.remove(path)
   start = time.perf_counter()
@@ -169,9 +185,8 @@ def main(argv):
   del argv
   rows = [r for r in ROWS if not _ONLY.value or r[0].startswith(_ONLY.value)]
   results = []
-  for i, row in enumerate(rows):
-    workdir = os.path.join(_WORKDIR.value, f'{i:02d}')
-    result, error, seconds = run_row(row, workdir)
+  for row in rows:
+    result, error, seconds = run_row(row, row_workdir(row))
     print(f'{row[0]} on {row[3]}: {seconds:.0f} s'
           + (f' ({error})' if error else ''), flush=True)
     results.append((row, result, error))
