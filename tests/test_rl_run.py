@@ -191,6 +191,25 @@ def _wait_for_checkpoint(workdir, proc, timeout=240):
   raise TimeoutError(f'no checkpoint in {checkpoints}')
 
 
+@pytest.fixture(scope='module')
+def uninterrupted(sft_workdir, tmp_path_factory):
+  """The workdir of a whole run per set of extra flags, made once: the
+  SIGTERM and SIGKILL cases compare against the same reference."""
+  made = {}
+
+  def get(extra):
+    if extra not in made:
+      workdir = tmp_path_factory.mktemp('whole')
+      whole = subprocess.run(_launch(workdir, sft_workdir, *extra),
+                             cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=600)
+      assert whole.returncode == 0, whole.stderr[-3000:]
+      made[extra] = workdir
+    return made[extra]
+
+  return get
+
+
 GAS = ('--config.scheduler=gas', '--config.gas.latency_source=model',
        '--config.gas.curvature_every=3', '--config.gas.curvature_iters=3')
 
@@ -203,12 +222,9 @@ GAS = ('--config.scheduler=gas', '--config.gas.latency_source=model',
     pytest.param(signal.SIGKILL, GAS, marks=pytest.mark.slow)],
     ids=['SIGTERM', 'SIGKILL', 'SIGKILL-gas'])
 def test_an_interrupted_run_resumes_bit_for_bit(sft_workdir, tmp_path, sig,
-                                                extra):
+                                                extra, uninterrupted):
   launch = lambda workdir: _launch(workdir, sft_workdir, *extra)
-  whole = subprocess.run(launch(tmp_path / 'whole'),
-                         cwd=REPO_ROOT, capture_output=True, text=True,
-                         timeout=600)
-  assert whole.returncode == 0, whole.stderr[-3000:]
+  whole = uninterrupted(extra)
   cut = tmp_path / 'cut'
   proc = subprocess.Popen(launch(cut), cwd=REPO_ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -224,8 +240,7 @@ def test_an_interrupted_run_resumes_bit_for_bit(sft_workdir, tmp_path, sig,
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert 'Resuming at version' in resumed.stderr
   load = lambda d: json.load(open(os.path.join(d, run.RESULTS)))
-  assert load(cut)['params_sha256'] == load(tmp_path / 'whole')[
-      'params_sha256']
+  assert load(cut)['params_sha256'] == load(whole)['params_sha256']
   steps = [json.loads(l)['step'] for l in open(cut / 'metrics.jsonl')]
   assert steps == sorted(set(steps))  # No record twice after the resume.
 
