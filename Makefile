@@ -89,19 +89,12 @@ compile-toolchain: $(TOOLCHAIN_STAMP)
 run: $(RUN_STAMP)
 	$(PY) -m launch.train --config=$(CONFIG) --workdir=$(WORKDIR)
 
-# One pytest-xdist worker per core, at most 4 (each simulates 8 devices and
-# holds its own compiled programs); a test module stays on one worker, so
-# its module-scoped fixtures are built once. `make test TEST_JOBS=0` runs
-# in this process. The slowest tests are listed at the end, to keep the
-# suite's time in view.
-TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
-XDIST := -n $(TEST_JOBS) --dist loadscope
-
+# The slowest tests are listed at the end, to keep the suite's time in view.
 test: $(TEST_STAMP) $(TOOLCHAIN_STAMP)
-	$(PY) -m pytest -q $(XDIST) --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 test-all: $(TEST_STAMP) $(TOOLCHAIN_STAMP)
-	$(PY) -m pytest -q $(XDIST) -m '' $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m '' $(PYTEST_ARGS)
 
 bench: $(RUN_STAMP)
 	$(PY) -m bench.trainer_overhead
