@@ -40,3 +40,14 @@ def digits_config():
   """The digits config in its small (runlocal) mode, unlocked for edits."""
   from configs import digits  # pylint: disable=g-import-not-at-top
   return digits.get_config('runlocal')
+
+
+@pytest.fixture(scope='session')
+def digits_runlocal_run(tmp_path_factory):
+  """(workdir, final metrics) of the digits runlocal run, trained once per
+  test session: tests read it or copy it, never write into it."""
+  from configs import digits  # pylint: disable=g-import-not-at-top
+  from train.vision import trainer  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path_factory.mktemp('digits_runlocal'))
+  return workdir, trainer.train_and_evaluate(digits.get_config('runlocal'),
+                                             workdir)

@@ -201,6 +201,34 @@ def test_a_sharding_rule_that_does_not_divide_is_one_line_before_compiling():
              {'mesh.shape': (1, 8)})
 
 
+def test_argument_bytes_count_prng_keys_by_their_key_data():
+  mesh = Mesh(np.array(jax.devices()[:2]), ('data',))
+  keys = jax.ShapeDtypeStruct((6,), jax.random.key(0).dtype,
+                              sharding=NamedSharding(mesh, P('data')))
+  floats = jax.ShapeDtypeStruct((4, 3), jnp.bfloat16,
+                                sharding=NamedSharding(mesh, P()))
+  # threefry keys: two uint32 each; three keys per device, and the
+  # replicated bfloat16 array whole.
+  assert compile_report.argument_bytes((keys, floats)) == 3 * 8 + 12 * 2
+
+
+def test_a_program_that_does_not_compile_is_a_row_naming_the_error():
+  # A key among the arguments (as GRPO's rollout has) must not stop the row.
+  from train import aot  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(jax.devices()[:2]), ('data',))
+  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
+                             sharding=NamedSharding(mesh, P()))
+
+  def fails(key):
+    raise ValueError('no such program')
+
+  program = aot.Program('broken', jax.jit(fails), (key,), mesh, ())
+  row = compile_report.compile_program(
+      program, targets.chip_for(targets.parse('v5e:2x2')))
+  assert row.error == 'no such program' and not row.oom
+  assert row.total_bytes == 8
+
+
 def test_a_kernel_block_over_vmem_fails_the_compile_naming_the_step(
     monkeypatch):
   # Break the fused SAM kernel's TPU block size (16384 rows: its update

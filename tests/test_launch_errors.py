@@ -7,7 +7,6 @@ import subprocess
 import pytest
 
 from tests import launch_runs
-from train.vision import trainer
 
 
 def _snapshot(root):
@@ -21,12 +20,9 @@ def _snapshot(root):
 
 
 @pytest.fixture(scope='module')
-def finished_workdir(tmp_path_factory):
+def finished_workdir(digits_runlocal_run):
   """A workdir holding a finished run: its files must survive every mistake."""
-  from configs import digits  # pylint: disable=g-import-not-at-top
-  workdir = str(tmp_path_factory.mktemp('finished'))
-  trainer.train_and_evaluate(digits.get_config('runlocal'), workdir)
-  return workdir
+  return digits_runlocal_run[0]
 
 
 CASES = {

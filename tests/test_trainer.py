@@ -17,11 +17,9 @@ from train.vision import trainer
 
 
 @pytest.fixture(scope='module')
-def finished_run(tmp_path_factory):
+def finished_run(digits_runlocal_run):
   from configs import digits  # pylint: disable=g-import-not-at-top
-  config = digits.get_config('runlocal')
-  workdir = str(tmp_path_factory.mktemp('run'))
-  return config, workdir, trainer.train_and_evaluate(config, workdir)
+  return (digits.get_config('runlocal'),) + tuple(digits_runlocal_run)
 
 
 def test_small_run_learns_and_reports_held_out_test_accuracy(finished_run):

@@ -40,10 +40,9 @@ def _config(**changes):
 
 
 @pytest.fixture(scope='module')
-def reference(tmp_path_factory):
-  workdir = str(tmp_path_factory.mktemp('reference'))
-  final = trainer.train_and_evaluate(_config(), workdir)
-  return workdir, final
+def reference(digits_runlocal_run):
+  """The finished runlocal run (`_config()`), copied before any damage."""
+  return digits_runlocal_run
 
 
 def _copy(source, target, *, keep_steps=(20, 40), final=True):

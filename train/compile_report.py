@@ -107,14 +107,22 @@ def argument_bytes(args: Any) -> int:
   per_device: dict[Any, int] = {}
   for leaf in jax.tree.leaves(args):
     sharding = getattr(leaf, 'sharding', None)
-    itemsize = jax.numpy.dtype(leaf.dtype).itemsize
     if sharding is None:
       continue
     shard = sharding.shard_shape(leaf.shape)
     for device in sharding.device_set:
       per_device[device] = per_device.get(device, 0) + math.prod(
-          shard) * itemsize
+          shard) * _itemsize(leaf.dtype)
   return max(per_device.values(), default=0)
+
+
+def _itemsize(dtype: Any) -> int:
+  """Bytes per element; a PRNG key's are its key data's (no NumPy dtype)."""
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    data = jax.eval_shape(jax.random.key_data,
+                          jax.ShapeDtypeStruct((), dtype))
+    return math.prod(data.shape) * data.dtype.itemsize
+  return jax.numpy.dtype(dtype).itemsize
 
 
 def _memory(compiled: jax.stages.Compiled) -> dict[str, int]:
