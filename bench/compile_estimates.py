@@ -90,7 +90,7 @@ def run_row(row, workdir: str) -> tuple[dict | None, str, float]:
   if _REUSE.value and os.path.exists(path):
     result = json.load(open(path))
     fits = all(r['fits'] for r in result['rows'])
-    return result, '' if fits else 'error: (reused) does not fit', 0.0
+    return result, '' if fits else 'error: (reused) see its rows', 0.0
   cmd = [sys.executable, '-m', 'launch.compile', f'--config={config}',
          f'--target={target}', f'--workdir={workdir}',
          *[_flag(k, v) for k, v in overrides.items()]]
@@ -147,6 +147,8 @@ def table(results) -> list[str]:
               else f'{r["roofline_seconds"] * 1e3:.3g}')
       verdict = (f'{100 * r["total_bytes"] / r["hbm_bytes"]:.0f}%'
                  + ('' if r['fits'] else ' DOES NOT FIT'))
+      if r['error'] and not r['oom']:
+        verdict = f'DOES NOT COMPILE: {r["error"][:120]}'
       lines.append(
           f'| {name} | {target} | {shown} | {r["function"]} | '
           f'{_gib(b["argument"]) if b else "-"} | '
@@ -205,6 +207,14 @@ def main(argv):
       '', *table(results), '',
       'SAM against the base step (train step only):', '',
       *sam_ratios(results), '',
+      'GRPO 1b on one v5e slice does not compile (row above, as of this '
+      'libtpu): its rollout mesh holds 128 of the slice\'s 256 chips, and on '
+      'v5e (limited ICI routing) the TPU compiler wants a program to span '
+      'the whole slice. The rollout and the learner need a slice each '
+      'there; with `--num_slices=2 --config.rollout_devices=256` the rollout '
+      'compiled (5.54 GiB/chip) but the learner update did not '
+      '("INVALID_ARGUMENT: Slice is empty"): open. On 8 H100s the split '
+      'compiles.', '',
       'Commands:', '',
       *[f'- {row[0]} on {row[3]}: `{command(row)}`' for row in rows],
   ]
