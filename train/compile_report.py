@@ -109,10 +109,10 @@ def argument_bytes(args: Any) -> int:
     sharding = getattr(leaf, 'sharding', None)
     if sharding is None:
       continue
-    shard = sharding.shard_shape(leaf.shape)
+    shard_bytes = math.prod(sharding.shard_shape(leaf.shape)) * _itemsize(
+        leaf.dtype)
     for device in sharding.device_set:
-      per_device[device] = per_device.get(device, 0) + math.prod(
-          shard) * _itemsize(leaf.dtype)
+      per_device[device] = per_device.get(device, 0) + shard_bytes
   return max(per_device.values(), default=0)
 
 
