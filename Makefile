@@ -71,8 +71,16 @@ $(RUN_STAMP): requirements.txt requirements-nodeps.txt pyproject.toml | $(INSTAL
 	$(INSTALL) --no-deps --no-build-isolation -e .
 	touch $@
 
+# The suite starts hundreds of Python processes (launchers, multihost,
+# kill-and-resume). Neither installer writes bytecode by default, and where
+# PYTHONDONTWRITEBYTECODE is set (CI images) no import ever caches it, so
+# each process compiled jax, flax and TF from source: 4.5 s against 1.2 s
+# per `import jax, flax, optax`, and a suite of 54 min against 35. The test
+# layer compiles site-packages once (25 s on 2 cores); `make run` does not
+# pay for it.
 $(TEST_STAMP): requirements-test.txt $(RUN_STAMP)
 	$(INSTALL) --no-deps -r requirements-test.txt
+	$(PY) -m compileall -q -j0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') >/dev/null
 	touch $@
 
 # Installed beside, then moved into place: an interrupted install leaves no
@@ -80,6 +88,7 @@ $(TEST_STAMP): requirements-test.txt $(RUN_STAMP)
 $(TOOLCHAIN_STAMP): requirements-compile.txt | $(INSTALLER_STAMP)
 	rm -rf $(TOOLCHAIN).partial
 	$(INSTALL) --no-deps --target $(TOOLCHAIN).partial -r requirements-compile.txt
+	$(PY) -m compileall -q -j0 $(TOOLCHAIN).partial >/dev/null
 	touch $(TOOLCHAIN).partial/.installed
 	rm -rf $(TOOLCHAIN)
 	mv $(TOOLCHAIN).partial $(TOOLCHAIN)
@@ -91,6 +100,7 @@ run: $(RUN_STAMP)
 
 # The slowest tests are listed at the end, to keep the suite's time in view.
 test: $(TEST_STAMP) $(TOOLCHAIN_STAMP)
+	$(PY) -m compileall -q geom train launch configs bench tests >/dev/null
 	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 test-all: $(TEST_STAMP) $(TOOLCHAIN_STAMP)
