@@ -32,6 +32,8 @@ import time
 # CUDA plugin is found (and given custom_partitioning's partitioner) at
 # start-up; everything runs on CPU.
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# Deviceless executables cannot be loaded from a persistent cache.
+os.environ['JAX_ENABLE_COMPILATION_CACHE'] = 'false'
 from train import targets
 targets.enable_toolchain()
 

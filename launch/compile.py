@@ -67,8 +67,14 @@ flags.mark_flags_as_required(['config', 'target'])
 
 
 def _start_jax() -> None:
-  """JAX on the CPU only, with the target compilers importable."""
+  """JAX on the CPU only, with the target compilers importable and no
+  persistent compilation cache."""
   os.environ['JAX_PLATFORMS'] = 'cpu'
+  # A deviceless executable cannot be loaded back: with a persistent
+  # compilation cache set up, every later compile of the same program read
+  # its entry, warned "PjRtCompiler must be constructed with a Client to
+  # call DeserializeLoadedExecutable" and compiled again.
+  os.environ['JAX_ENABLE_COMPILATION_CACHE'] = 'false'
   from train import targets  # pylint: disable=g-import-not-at-top
   targets.enable_toolchain()
   with compile_jobs.quiet_stderr():

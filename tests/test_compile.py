@@ -413,6 +413,20 @@ def test_launcher_exit_statuses_and_one_line_errors(tmp_path):
   assert saved['rows'][0]['total_bytes'] > 3 * 4 * params / 4
 
 
+def test_the_launcher_leaves_a_persistent_compilation_cache_alone(tmp_path):
+  # Deviceless executables cannot be loaded back: entries written here
+  # made every later compile of the program warn and compile again.
+  cache = tmp_path / 'cache'
+  result = subprocess.run(
+      [sys.executable, '-m', 'launch.compile',
+       '--config=configs/digits.py:runlocal', '--target=v5e:2x2'], cwd=REPO,
+      capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0'))
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert not cache.exists() or not os.listdir(cache), os.listdir(cache)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('name', RECIPES)
 def test_the_sam_recipes_compile_full_size(name):
