@@ -20,10 +20,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope='module')
-def pretrained(tmp_path_factory):
-  workdir = str(tmp_path_factory.mktemp('pre'))
-  trainer.train_and_evaluate(lm_config.get_config('runlocal'), workdir)
-  return workdir
+def pretrained(lm_runlocal_run):
+  return lm_runlocal_run[0]
 
 
 def _continued(init_from, **changes):

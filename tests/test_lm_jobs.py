@@ -18,11 +18,8 @@ from train.steering import vectors as steering_vectors
 
 
 @pytest.fixture(scope='module')
-def lm_workdir(tmp_path_factory):
-  workdir = str(tmp_path_factory.mktemp('lm'))
-  final = lm_trainer.train_and_evaluate(lm_config.get_config('runlocal'),
-                                        workdir)
-  return workdir, final
+def lm_workdir(lm_runlocal_run):
+  return lm_runlocal_run
 
 
 def test_lm_trains_and_reports_per_source_heldout_loss(lm_workdir):

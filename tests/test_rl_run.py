@@ -17,6 +17,7 @@ from configs import rl_sft as sft_config
 from geom import gas
 from tests.conftest import REPO_ROOT
 from tests import launch_runs
+from train import errors
 from train.rl import learner
 from train.rl import rollout
 from train.rl import run
@@ -178,95 +179,122 @@ def _launch(workdir, sft_workdir, *overrides):
           '--config.runtime.deterministic=True', *overrides]
 
 
-def _wait_for_checkpoint(workdir, proc, timeout=240):
-  """Until a checkpoint is committed (orbax renames it to its step last)."""
+def _wait_for_checkpoint(workdir, proc, after=-1, timeout=240):
+  """Until a checkpoint past `after` is committed (orbax renames it to its
+  step last); returns its step."""
   checkpoints = os.path.join(workdir, 'checkpoints')
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
     assert proc.poll() is None, proc.communicate()[1][-3000:]
-    if os.path.isdir(checkpoints) and any(
-        d.isdigit() for d in os.listdir(checkpoints)):
-      return
+    if os.path.isdir(checkpoints):
+      steps = [int(d) for d in os.listdir(checkpoints) if d.isdigit()]
+      if steps and max(steps) > after:
+        return max(steps)
     time.sleep(0.01)
-  raise TimeoutError(f'no checkpoint in {checkpoints}')
-
-
-@pytest.fixture(scope='module')
-def uninterrupted(sft_workdir, tmp_path_factory):
-  """The workdir of a whole run per set of extra flags, made once: the
-  SIGTERM and SIGKILL cases compare against the same reference."""
-  made = {}
-
-  def get(extra):
-    if extra not in made:
-      workdir = tmp_path_factory.mktemp('whole')
-      whole = subprocess.run(_launch(workdir, sft_workdir, *extra),
-                             cwd=REPO_ROOT, capture_output=True, text=True,
-                             timeout=600)
-      assert whole.returncode == 0, whole.stderr[-3000:]
-      made[extra] = workdir
-    return made[extra]
-
-  return get
+  raise TimeoutError(f'no checkpoint past {after} in {checkpoints}')
 
 
 GAS = ('--config.scheduler=gas', '--config.gas.latency_source=model',
        '--config.gas.curvature_every=3', '--config.gas.curvature_iters=3')
 
 
+# One run takes both interruptions in turn (SIGTERM, then kill -9 of the
+# resumed run), against one uninterrupted run: a resume from a SIGTERM save
+# and one from a cadence checkpoint left by a killed process.
 # The GAS case is slow (`make test-all`): test_rl_scheduler covers GAS's
 # checkpointed state (saved through JSON, restored, planning the same),
-# and the SIGKILL case here the kill and resume of the same loop.
-@pytest.mark.parametrize('sig,extra', [
-    (signal.SIGTERM, ()), (signal.SIGKILL, ()),
-    pytest.param(signal.SIGKILL, GAS, marks=pytest.mark.slow)],
-    ids=['SIGTERM', 'SIGKILL', 'SIGKILL-gas'])
-def test_an_interrupted_run_resumes_bit_for_bit(sft_workdir, tmp_path, sig,
-                                                extra, uninterrupted):
+# and the plain case here the kill and resume of the same loop.
+@pytest.mark.parametrize('extra', [
+    (), pytest.param(GAS, marks=pytest.mark.slow)], ids=['plain', 'gas'])
+def test_a_run_stopped_by_sigterm_then_killed_resumes_bit_for_bit(
+    sft_workdir, tmp_path, extra):
   launch = lambda workdir: _launch(workdir, sft_workdir, *extra)
-  whole = uninterrupted(extra)
+  start = lambda workdir: subprocess.Popen(
+      launch(workdir), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True)
+  whole = tmp_path / 'whole'
+  # Beside the interrupted one; its log goes to a file, which cannot fill
+  # up as an unread pipe would.
+  whole_log = open(tmp_path / 'whole.log', 'w+')
+  uninterrupted = subprocess.Popen(launch(whole), cwd=REPO_ROOT,
+                                   stdout=whole_log, stderr=whole_log)
   cut = tmp_path / 'cut'
-  proc = subprocess.Popen(launch(cut), cwd=REPO_ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
+  proc = start(cut)
   _wait_for_checkpoint(cut, proc)  # The first is at version 2 of 10.
-  proc.send_signal(sig)
+  proc.send_signal(signal.SIGTERM)
   _, err = proc.communicate(timeout=120)
-  assert proc.returncode == (0 if sig == signal.SIGTERM else -9), err[-3000:]
-  if sig == signal.SIGTERM:
-    assert 'checkpoint saved' in err
+  assert proc.returncode == 0, err[-3000:]
+  assert 'checkpoint saved' in err
+  saved = max(int(d) for d in os.listdir(cut / 'checkpoints') if d.isdigit())
+  proc = start(cut)
+  _wait_for_checkpoint(cut, proc, after=saved)
+  proc.send_signal(signal.SIGKILL)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == -signal.SIGKILL, err[-3000:]
+  assert 'Resuming at version' in err
   resumed = subprocess.run(launch(cut), cwd=REPO_ROOT,
                            capture_output=True, text=True, timeout=600)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert 'Resuming at version' in resumed.stderr
+  uninterrupted.wait(timeout=600)
+  whole_log.seek(0)
+  assert uninterrupted.returncode == 0, whole_log.read()[-3000:]
+  whole_log.close()
   load = lambda d: json.load(open(os.path.join(d, run.RESULTS)))
   assert load(cut)['params_sha256'] == load(whole)['params_sha256']
   steps = [json.loads(l)['step'] for l in open(cut / 'metrics.jsonl')]
-  assert steps == sorted(set(steps))  # No record twice after the resume.
+  assert steps == sorted(set(steps))  # No record twice after the resumes.
 
 
-@pytest.mark.parametrize('override,field', [
-    ('--config.family=div', 'task.family'),
-    ('--config.difficulties=(1,9)', 'task.difficulty'),
-    ('--config.grpo.correction=vtrace', 'grpo.correction'),
-    ('--config.runtime.max_staleness=-1', 'runtime.max_staleness'),
-    ('--config.rollout_devices=8', 'rollout_devices'),
-    ('--config.rollout_devices=3', 'prompts_per_batch'),
-    ('--config.sft_workdir=/nonexistent/sft', 'config.sft_workdir'),
-    ('--config.scheduler=lottery', 'scheduler'),
-    ('--config.scheduler=gas --config.gas.bandit=thompson', 'gas.bandit'),
+def _launched_config(sft_workdir):
+  """What `_launch` runs, as a config."""
+  config = rl_config.get_config('runlocal,staleness=1')
+  config.sft_workdir = str(sft_workdir)
+  config.difficulties = (1, 2)
+  config.num_versions = 10
+  config.runtime.deterministic = True
+  return config
+
+
+# In-process: the launcher prints `error: <the UsageError>` and exits 2
+# (test_bad_input_through_the_launcher_is_one_line_and_exit_2).
+@pytest.mark.parametrize('changes,field', [
+    ({'family': 'div'}, 'task.family'),
+    ({'difficulties': (1, 9)}, 'task.difficulty'),
+    ({'grpo.correction': 'vtrace'}, 'grpo.correction'),
+    ({'runtime.max_staleness': -1}, 'runtime.max_staleness'),
+    ({'rollout_devices': 8}, 'rollout_devices'),
+    ({'rollout_devices': 3}, 'prompts_per_batch'),
+    ({'sft_workdir': '/nonexistent/sft'}, 'config.sft_workdir'),
+    ({'scheduler': 'lottery'}, 'scheduler'),
+    ({'scheduler': 'gas', 'gas.bandit': 'thompson'}, 'gas.bandit'),
     # Deterministic runs (as _launch makes them) need the latency model.
-    ('--config.scheduler=gas', 'gas.latency_source'),
-])
-def test_bad_input_is_one_line_and_exit_2(sft_workdir, tmp_path, override,
-                                          field):
+    ({'scheduler': 'gas'}, 'gas.latency_source'),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_bad_input_is_one_line_before_any_work(sft_workdir, tmp_path,
+                                               changes, field):
+  config = _launched_config(sft_workdir)
+  for path, value in changes.items():
+    *parents, name = path.split('.')
+    block = config
+    for parent in parents:
+      block = block[parent]
+    block[name] = value
+  with pytest.raises(errors.UsageError) as e:
+    run.train_and_evaluate(config, str(tmp_path / 'w'))
+  assert field in str(e.value) and '\n' not in str(e.value), str(e.value)
+  assert not os.path.exists(tmp_path / 'w' / 'checkpoints')
+
+
+def test_bad_input_through_the_launcher_is_one_line_and_exit_2(sft_workdir,
+                                                               tmp_path):
   proc = subprocess.run(_launch(tmp_path / 'w', sft_workdir,
-                                *override.split()),
+                                '--config.family=div'),
                         cwd=REPO_ROOT, capture_output=True, text=True,
                         timeout=300)
   assert proc.returncode == 2, proc.stderr[-2000:]
-  errors = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
-  assert len(errors) == 1 and field in errors[0], proc.stderr[-2000:]
+  lines = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
+  assert len(lines) == 1 and 'task.family' in lines[0], proc.stderr[-2000:]
   assert 'Traceback' not in proc.stderr
   assert not os.path.exists(tmp_path / 'w' / 'checkpoints')
 

@@ -131,7 +131,7 @@ def test_m_sharpness_step_matches_a_per_device_loop(digits_config, tmp_path):
 
 
 # Slow (two runs and a preemption). The default run covers its parts: the
-# loop's bit-exact resume after SIGTERM or kill -9 (tests/test_resume.py)
+# loop's bit-exact resume after SIGTERM or kill -9 (test_workdir_faults.py)
 # and every SAM state, detector included, through an Orbax checkpoint and
 # on bit for bit (test_battery.py::test_state_survives_a_checkpoint).
 @pytest.mark.slow

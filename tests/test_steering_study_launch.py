@@ -5,6 +5,7 @@ errors (subprocesses: launchers' flags share names)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -22,9 +23,18 @@ def _study(workdir, *flags, timeout=600):
        *flags], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def test_study_trains_evaluates_aggregates_and_reuses_finished_work(tmp_path):
+def test_study_evaluates_aggregates_and_reuses_finished_work(
+    tmp_path, lm_runlocal_run):
+  # The study's LM (configs/lm.py:runlocal, seed 0) is the session's: the
+  # study still runs launch.train on it, which finds the run finished.
+  # Training itself is test_lm_jobs' and test_trainer's.
+  shutil.copytree(lm_runlocal_run[0], tmp_path / 'lm_seed0')
   result = _study(tmp_path, *SMALL)
   assert result.returncode == 0, result.stderr[-3000:]
+  assert json.loads((tmp_path / 'lm_seed0' / 'final_metrics.json'
+                     ).read_text()) == lm_runlocal_run[1]
+  assert (tmp_path / 'lm_seed0' / 'metrics.jsonl').read_bytes() == open(
+      os.path.join(lm_runlocal_run[0], 'metrics.jsonl'), 'rb').read()
   for name in ('study.md', 'study.json', 'pareto_bands.png',
                'lm_seed0/final_metrics.json', 'eval_lm0/results.json',
                'eval_lm0_beta-0.5/results.json'):

@@ -494,20 +494,64 @@ def _wait_for(predicate, proc, timeout=240):
     time.sleep(0.01)
 
 
-def test_sigint_saves_a_checkpoint_and_exits_130(tmp_path):
-  workdir = str(tmp_path)
-  proc = launch_runs.start(workdir, '--config.num_steps=100000')
-  _wait_for(lambda: os.path.isdir(os.path.join(workdir, 'checkpoints', '20')),
-            proc)
-  proc.send_signal(signal.SIGINT)
-  _, stderr = proc.communicate(timeout=120)
-  assert proc.returncode == 130
+def _checkpoint_steps(workdir):
+  path = os.path.join(workdir, 'checkpoints')
+  return [int(d) for d in os.listdir(path) if d.isdigit()] if os.path.isdir(
+      path) else []
+
+
+def _stopped_at(stderr, name):
+  """The step of the run's one `stopped by <name>` line."""
   assert 'Traceback' not in stderr and 'KeyboardInterrupt' not in stderr
   lines = [l for l in stderr.splitlines() if l.startswith('stopped by')]
   assert len(lines) == 1, stderr[-3000:]
-  step = int(lines[0].split('stopped by SIGINT at step ')[1].split(';')[0])
-  with checkpointing.Checkpoints(workdir, every_steps=1, keep=10) as ckpts:
-    assert ckpts.latest_step() == step
+  return int(lines[0].split(f'stopped by {name} at step ')[1].split(';')[0])
+
+
+def test_sigterm_and_sigint_save_a_checkpoint_and_exit_0_and_130(tmp_path):
+  # SIGTERM (a preemption) exits 0; the same command resumes from its save;
+  # SIGINT (Ctrl-C) then exits 130. Each leaves its stop step as the
+  # newest checkpoint, restorable and finite.
+  workdir = str(tmp_path)
+  steps = ('--config.num_steps=100000',)
+  last = 0
+  for sig, code in ((signal.SIGTERM, 0), (signal.SIGINT, 130)):
+    proc = launch_runs.start(workdir, *steps)
+    _wait_for(lambda: max(_checkpoint_steps(workdir), default=0) > last,
+              proc)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == code, stderr[-3000:]
+    step = _stopped_at(stderr, sig.name)
+    assert step > last
+    if last:
+      assert f'Resumed from the checkpoint at step {last}' in stderr
+    with checkpointing.Checkpoints(workdir, every_steps=1, keep=10) as ckpts:
+      assert ckpts.latest_step() == step
+    state = _state(workdir, step, num_steps=100000)
+    assert int(state.step) == step
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
+    last = step
+
+
+def test_kill_9_after_a_checkpoint_resumes_bit_exactly(reference, tmp_path):
+  workdir = str(tmp_path)
+  victim = launch_runs.start(workdir)
+  _wait_for(lambda: 20 in _checkpoint_steps(workdir), victim)
+  victim.send_signal(signal.SIGKILL)
+  victim.communicate()
+  assert victim.returncode == -signal.SIGKILL
+  assert not os.path.exists(os.path.join(workdir, trainer.FINAL_METRICS))
+  resumed = launch_runs.run(workdir)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert 'Resumed from the checkpoint at step' in resumed.stderr
+  _assert_same_state(_state(workdir, 40), _state(reference[0], 40))
+  for name in ('metrics.jsonl', trainer.FINAL_METRICS):
+    with open(os.path.join(workdir, name)) as f, open(
+        os.path.join(reference[0], name)) as g:
+      assert f.read() == g.read(), name
+  assert f"test accuracy: {reference[1]['test_accuracy']:.4f}" in (
+      resumed.stdout)
 
 
 def test_after_a_stop_signal_a_second_signal_does_not_cut_the_save_short(
@@ -675,7 +719,8 @@ def test_ctrl_c_on_a_sweep_reports_the_checkpoints_that_exist(tmp_path):
 # --- The clean path under random crashes ----------------------------------------
 
 
-@pytest.mark.slow  # test_resume.py kills once at a known step in the default run.
+@pytest.mark.slow  # test_kill_9_after_a_checkpoint_resumes_bit_exactly kills
+# once at a known step.
 def test_kill_9_at_random_moments_resumes_bit_exactly(tmp_path):
   overrides = ('--config.num_steps=80', '--config.checkpoint_every=5')
   reference = str(tmp_path / 'reference')
