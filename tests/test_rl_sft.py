@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from configs import digits as digits_config
 from configs import rl_sft as sft_config
+from launch import trainers
 from tests import launch_runs
 from train.errors import ConfigError, UsageError
 from train.rl import sft
@@ -50,32 +50,42 @@ def test_a_finished_run_reruns_without_training_or_rescoring(sft_run):
   assert os.stat(os.path.join(workdir, sft.PASS_AT_1)).st_mtime_ns == stamp
 
 
-def test_load_policy_refuses_a_missing_or_foreign_workdir(tmp_path):
+def test_load_policy_refuses_a_missing_or_foreign_workdir(tmp_path,
+                                                         digits_runlocal_run):
   with pytest.raises(UsageError, match='config.sft_workdir.*train the warm'):
     sft.load_policy(str(tmp_path / 'none'))
-  from train.vision import trainer  # pylint: disable=g-import-not-at-top
-  digits = str(tmp_path / 'digits')
-  config = digits_config.get_config('runlocal')
-  config.num_steps = 2
-  config.optimizer.warmup_steps = 1
-  trainer.train_and_evaluate(config, digits)
   with pytest.raises(UsageError, match="'classification' run, not an 'rl_sft'"):
-    sft.load_policy(digits)
+    sft.load_policy(digits_runlocal_run[0])
 
 
-@pytest.mark.parametrize('override,field', [
-    ('--config.data.families=("div",)', 'data.family'),
-    ('--config.data.difficulties=(1,9)', 'data.difficulty'),
-    ('--config.data.difficulties=()', 'data.difficulties'),
-    ('--config.data.train_examples=0', 'data.train_examples'),
-    ('--config.model.max_len=8', 'model.max_len'),
-])
-def test_bad_sft_config_is_one_line_and_exit_2(tmp_path, override, field):
-  proc = launch_runs.run(str(tmp_path / 'w'), override,
+# In-process: launch.train prints `error: <the UsageError>` and exits 2
+# (test_bad_sft_config_through_the_launcher_is_one_line_and_exit_2).
+@pytest.mark.parametrize('changes,field', [
+    ({'data.families': ('div',)}, 'data.family'),
+    ({'data.difficulties': (1, 9)}, 'data.difficulty'),
+    ({'data.difficulties': ()}, 'data.difficulties'),
+    ({'data.train_examples': 0}, 'data.train_examples'),
+    ({'model.max_len': 8}, 'model.max_len'),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_bad_sft_config_is_one_line_before_any_work(tmp_path, changes, field):
+  config = sft_config.get_config('runlocal')
+  for path, value in changes.items():
+    block, name = path.split('.')
+    config[block][name] = value
+  with pytest.raises(UsageError) as e:
+    trainers.train_and_evaluate(config, str(tmp_path / 'w'))
+  assert field in str(e.value) and '\n' not in str(e.value), str(e.value)
+  assert not os.path.exists(tmp_path / 'w' / 'checkpoints')
+
+
+def test_bad_sft_config_through_the_launcher_is_one_line_and_exit_2(tmp_path):
+  proc = launch_runs.run(str(tmp_path / 'w'),
+                         '--config.data.difficulties=(1,9)',
                          config='configs/rl_sft.py:runlocal')
   assert proc.returncode == 2, proc.stderr[-2000:]
   errors = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
-  assert len(errors) == 1 and field in errors[0], proc.stderr[-2000:]
+  assert len(errors) == 1 and 'data.difficulty' in errors[0], (
+      proc.stderr[-2000:])
   assert 'Traceback' not in proc.stderr
   assert not os.path.exists(tmp_path / 'w' / 'checkpoints')
 
