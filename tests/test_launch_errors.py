@@ -6,7 +6,9 @@ import subprocess
 
 import pytest
 
+from launch import trainers
 from tests import launch_runs
+from train import errors
 
 
 def _snapshot(root):
@@ -25,62 +27,79 @@ def finished_workdir(digits_runlocal_run):
   return digits_runlocal_run[0]
 
 
+# Config mistakes as config changes, checked in-process (the launcher
+# prints `error: <the UsageError>` and exits 2: test_a_bad_config_through_
+# the_launcher_is_one_line_and_exit_2).
 CASES = {
     'unknown model': (
-        ['--config.model.name=vit'],
+        {'model.name': 'vit'},
         "config.model.name='vit': unknown model; valid choices: 'cnn', "
         "'mlp', 'resnet', 'wrn'"),
     'unknown data set': (
-        ['--config.dataset=imagenet'],
+        {'dataset': 'imagenet'},
         "config.dataset='imagenet': unknown data set; valid choices: "
         "'cifar10', 'cifar100', 'digits'"),
     'unknown optimizer': (
-        ['--config.optimizer.name=lamb'],
+        {'optimizer.name': 'lamb'},
         "config.optimizer.name='lamb': unknown optimizer; valid choices: "
         "'sgd', 'momentum', 'adamw'"),
     'mesh does not match the devices': (
-        ['--config.mesh.shape=(3,2)'],
+        {'mesh.shape': (3, 2)},
         'config.mesh.shape=(3, 2): needs 6 devices but there are 8; shapes '
         'that fit: (-1, 1), (8, 1), (4, 2), (2, 4)'),
     'batch not divisible by the data axis': (
-        ['--config.batch_size=66'],
+        {'batch_size': 66},
         'config.batch_size=66: must be divisible by the data-parallel mesh '
         'size (4)'),
     'data set missing from data_dir': (
-        ['--config.dataset=cifar10', '--config.data_dir={empty}'],
+        {'dataset': 'cifar10', 'data_dir': '{empty}'},
         "config.dataset='cifar10': not found in data_dir='{empty}'"),
     'negative SAM radius': (
-        ['--config.optimizer.sam.enabled=True',
-         '--config.optimizer.sam.rho=-0.1'],
+        {'optimizer.sam.enabled': True, 'optimizer.sam.rho': -0.1},
         'config.optimizer.sam.rho=-0.1: must be finite and >= 0'),
     'infinite learning rate': (
-        ['--config.optimizer.learning_rate=inf'],
+        {'optimizer.learning_rate': float('inf')},
         'config.optimizer.learning_rate=inf: must be finite and > 0'),
-    'zero steps': (['--config.num_steps=0'],
+    'zero steps': ({'num_steps': 0},
                    'config.num_steps=0: must be a positive integer'),
-    'negative steps': (['--config.num_steps=-5'],
+    'negative steps': ({'num_steps': -5},
                        'config.num_steps=-5: must be a positive integer'),
 }
 
 
 @pytest.mark.parametrize('case', sorted(CASES))
 def test_bad_config_fails_before_compute_with_one_line(case, finished_workdir,
+                                                        digits_config,
                                                         tmp_path):
-  overrides, expected = CASES[case]
+  changes, expected = CASES[case]
   empty = str(tmp_path / 'no_data_here')
-  overrides = [o.format(empty=empty) for o in overrides]
+  for path, value in changes.items():
+    *parents, name = path.split('.')
+    block = digits_config
+    for parent in parents:
+      block = block[parent]
+    block[name] = value.format(empty=empty) if isinstance(value, str) else (
+        value)
   before = _snapshot(finished_workdir)
-  result = launch_runs.run(finished_workdir, *overrides, timeout=120)
-  assert result.returncode == 2
-  assert 'Traceback' not in result.stderr
-  errors = [l for l in result.stderr.splitlines() if l.startswith('error:')]
-  assert errors == [l for l in result.stderr.splitlines() if l.strip()], (
-      result.stderr)
-  assert len(errors) == 1
-  assert errors[0].startswith('error: ' + expected.format(empty=empty)), (
-      errors[0])
+  with pytest.raises(errors.UsageError) as e:
+    trainers.train_and_evaluate(digits_config, finished_workdir)
+  assert str(e.value).startswith(expected.format(empty=empty)), str(e.value)
+  assert '\n' not in str(e.value)
   assert _snapshot(finished_workdir) == before
   assert not os.path.exists(empty)
+
+
+def test_a_bad_config_through_the_launcher_is_one_line_and_exit_2(
+    finished_workdir):
+  before = _snapshot(finished_workdir)
+  result = launch_runs.run(finished_workdir, '--config.model.name=vit',
+                           timeout=120)
+  assert result.returncode == 2
+  assert 'Traceback' not in result.stderr
+  lines = [l for l in result.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith(
+      "error: config.model.name='vit': unknown model"), result.stderr
+  assert _snapshot(finished_workdir) == before
 
 
 @pytest.mark.parametrize('make_workdir', ['under_a_file', 'in_proc'])
