@@ -12,6 +12,7 @@ import pytest
 from configs import digits as digits_config
 from configs import tta as tta_config
 from tests import launch_runs
+from train import errors
 from train.tta import adapt
 from train.vision import trainer
 
@@ -90,9 +91,10 @@ def test_a_finished_workdir_reports_without_adapting_again(source_workdir,
 def test_kill_9_then_resume_is_bit_exact(source_workdir, tmp_path):
   overrides = ('--config.method.schedule=conga', '--config.batch_size=8',
                '--config.checkpoint_every=4')
-  reference = str(tmp_path / 'reference')
-  done = _run(reference, source_workdir, *overrides, arg='runlocal,method=sar')
-  assert done.returncode == 0, done.stderr[-2000:]
+  reference = str(tmp_path / 'reference')  # The same run, in-process.
+  adapt.adapt_and_evaluate(
+      _config(source_workdir, 'runlocal,method=sar', batch_size=8,
+              checkpoint_every=4, **{'method.schedule': 'conga'}), reference)
 
   workdir = str(tmp_path / 'killed')
   proc = subprocess.Popen(
@@ -142,36 +144,35 @@ def test_sigterm_saves_and_the_same_command_resumes(source_workdir, tmp_path):
   assert 'mean error' in resumed.stdout
 
 
-@pytest.mark.parametrize('override,arg,field', [
-    ('--config.method.name=tentt', 'runlocal', 'method.name'),
-    ('--config.corruptions=gaussian_noise,snowy', 'runlocal', 'corruptions'),
-    ('--config.severity=7', 'runlocal', 'severity'),
-    ('--config.method.learning_rate=-1.0', 'runlocal', 'method.learning_rate'),
-    ('--config.protocol=online', 'runlocal', 'protocol'),
-    ('--config.method.schedule=cosine', 'runlocal', 'method.schedule'),
+# In-process: launch.tta prints `error: <the UsageError>` and exits 2
+# (test_a_missing_or_incompatible_source_fails_in_one_line runs it).
+@pytest.mark.parametrize('field,value', [
+    ('method.name', 'tentt'),
+    ('corruptions', 'gaussian_noise,snowy'),
+    ('severity', 7),
+    ('method.learning_rate', -1.0),
+    ('protocol', 'online'),
+    ('method.schedule', 'cosine'),
 ])
 def test_bad_settings_fail_in_one_line_before_compute(source_workdir,
-                                                      tmp_path, override,
-                                                      arg, field):
+                                                      tmp_path, field,
+                                                      value):
   workdir = str(tmp_path / 'w')
-  result = _run(workdir, source_workdir, override, arg=arg)
-  assert result.returncode == 2, result.stderr[-2000:]
-  lines = [l for l in result.stderr.splitlines() if l.startswith('error:')]
-  assert len(lines) == 1 and field in lines[0], result.stderr[-2000:]
-  assert 'Traceback' not in result.stderr
+  with pytest.raises(errors.UsageError) as e:
+    adapt.adapt_and_evaluate(_config(source_workdir, **{field: value}),
+                             workdir)
+  assert field in str(e.value) and '\n' not in str(e.value), str(e.value)
   assert not os.path.exists(os.path.join(workdir, 'checkpoints'))
 
 
-def test_a_missing_or_incompatible_source_fails_in_one_line(tmp_path):
+def test_a_missing_or_incompatible_source_fails_in_one_line(
+    tmp_path, digits_runlocal_run):
   missing = _run(str(tmp_path / 'a'), str(tmp_path / 'nowhere'))
   assert missing.returncode == 2
   assert 'config.source_workdir' in missing.stderr
   assert 'holds no checkpoints' in missing.stderr
   # A classifier of 8x8 digits cannot adapt to 28x28 MNIST streams.
-  digits = str(tmp_path / 'digits')
-  trained = launch_runs.run(digits)
-  assert trained.returncode == 0, trained.stderr[-2000:]
-  wrong = _run(str(tmp_path / 'b'), digits)
+  wrong = _run(str(tmp_path / 'b'), digits_runlocal_run[0])
   assert wrong.returncode == 2, wrong.stderr[-2000:]
   line = [l for l in wrong.stderr.splitlines() if l.startswith('error:')]
   assert len(line) == 1 and "trained on 'digits'" in line[0]
