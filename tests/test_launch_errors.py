@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 from launch import trainers
+from tests import config_edits
 from tests import launch_runs
 from train import errors
 
@@ -73,13 +74,9 @@ def test_bad_config_fails_before_compute_with_one_line(case, finished_workdir,
                                                         tmp_path):
   changes, expected = CASES[case]
   empty = str(tmp_path / 'no_data_here')
-  for path, value in changes.items():
-    *parents, name = path.split('.')
-    block = digits_config
-    for parent in parents:
-      block = block[parent]
-    block[name] = value.format(empty=empty) if isinstance(value, str) else (
-        value)
+  config_edits.apply(digits_config, {
+      path: value.format(empty=empty) if isinstance(value, str) else value
+      for path, value in changes.items()})
   before = _snapshot(finished_workdir)
   with pytest.raises(errors.UsageError) as e:
     trainers.train_and_evaluate(digits_config, finished_workdir)

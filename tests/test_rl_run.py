@@ -16,6 +16,7 @@ from configs import rl as rl_config
 from configs import rl_sft as sft_config
 from geom import gas
 from tests.conftest import REPO_ROOT
+from tests import config_edits
 from tests import launch_runs
 from train import errors
 from train.rl import learner
@@ -273,13 +274,7 @@ def _launched_config(sft_workdir):
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_input_is_one_line_before_any_work(sft_workdir, tmp_path,
                                                changes, field):
-  config = _launched_config(sft_workdir)
-  for path, value in changes.items():
-    *parents, name = path.split('.')
-    block = config
-    for parent in parents:
-      block = block[parent]
-    block[name] = value
+  config = config_edits.apply(_launched_config(sft_workdir), changes)
   with pytest.raises(errors.UsageError) as e:
     run.train_and_evaluate(config, str(tmp_path / 'w'))
   assert field in str(e.value) and '\n' not in str(e.value), str(e.value)

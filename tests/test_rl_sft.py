@@ -7,6 +7,7 @@ import pytest
 
 from configs import rl_sft as sft_config
 from launch import trainers
+from tests import config_edits
 from tests import launch_runs
 from train.errors import ConfigError, UsageError
 from train.rl import sft
@@ -68,10 +69,7 @@ def test_load_policy_refuses_a_missing_or_foreign_workdir(tmp_path,
     ({'model.max_len': 8}, 'model.max_len'),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_sft_config_is_one_line_before_any_work(tmp_path, changes, field):
-  config = sft_config.get_config('runlocal')
-  for path, value in changes.items():
-    block, name = path.split('.')
-    config[block][name] = value
+  config = config_edits.apply(sft_config.get_config('runlocal'), changes)
   with pytest.raises(UsageError) as e:
     trainers.train_and_evaluate(config, str(tmp_path / 'w'))
   assert field in str(e.value) and '\n' not in str(e.value), str(e.value)

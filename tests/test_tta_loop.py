@@ -11,6 +11,7 @@ import pytest
 
 from configs import digits as digits_config
 from configs import tta as tta_config
+from tests import config_edits
 from tests import launch_runs
 from train import errors
 from train.tta import adapt
@@ -31,13 +32,7 @@ def source_workdir(tmp_path_factory):
 def _config(source, arg='runlocal', **fields):
   config = tta_config.get_config(arg)
   config.source_workdir = source
-  for key, value in fields.items():
-    node = config
-    *path, last = key.split('.')
-    for p in path:
-      node = node[p]
-    node[last] = value
-  return config
+  return config_edits.apply(config, fields)
 
 
 def _command(workdir, source, *overrides, arg='runlocal'):
