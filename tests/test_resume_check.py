@@ -6,6 +6,7 @@ from absl import logging
 import pytest
 
 from configs import digits
+from tests import config_edits
 from train import resume_check
 from train.errors import UsageError
 
@@ -15,14 +16,7 @@ def _meta(config):
 
 
 def _changed(**changes):
-  config = digits.get_config('runlocal')
-  for path, value in changes.items():
-    node = config
-    *parents, leaf = path.split('.')
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
+  return config_edits.apply(digits.get_config('runlocal'), changes)
 
 
 SAVED = _meta(digits.get_config('runlocal'))
