@@ -180,19 +180,23 @@ def _launch(workdir, sft_workdir, *overrides):
           '--config.runtime.deterministic=True', *overrides]
 
 
-def _wait_for_checkpoint(workdir, proc, after=-1, timeout=240):
-  """Until a checkpoint past `after` is committed (orbax renames it to its
-  step last); returns its step."""
+def _latest_checkpoint(workdir) -> int:
+  """The newest committed checkpoint's step (orbax renames it to its step
+  last), or -1."""
   checkpoints = os.path.join(workdir, 'checkpoints')
+  return max((int(d) for d in (os.listdir(checkpoints) if os.path.isdir(
+      checkpoints) else ()) if d.isdigit()), default=-1)
+
+
+def _wait_for_checkpoint(workdir, proc, after=-1, timeout=240):
+  """Until a checkpoint past `after` is committed; returns its step."""
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
     assert proc.poll() is None, proc.communicate()[1][-3000:]
-    if os.path.isdir(checkpoints):
-      steps = [int(d) for d in os.listdir(checkpoints) if d.isdigit()]
-      if steps and max(steps) > after:
-        return max(steps)
+    if (latest := _latest_checkpoint(workdir)) > after:
+      return latest
     time.sleep(0.01)
-  raise TimeoutError(f'no checkpoint past {after} in {checkpoints}')
+  raise TimeoutError(f'no checkpoint past {after} in {workdir}')
 
 
 GAS = ('--config.scheduler=gas', '--config.gas.latency_source=model',
@@ -216,9 +220,9 @@ def test_a_run_stopped_by_sigterm_then_killed_resumes_bit_for_bit(
   whole = tmp_path / 'whole'
   # Beside the interrupted one; its log goes to a file, which cannot fill
   # up as an unread pipe would.
-  whole_log = open(tmp_path / 'whole.log', 'w+')
-  uninterrupted = subprocess.Popen(launch(whole), cwd=REPO_ROOT,
-                                   stdout=whole_log, stderr=whole_log)
+  with open(tmp_path / 'whole.log', 'w') as log:
+    uninterrupted = subprocess.Popen(launch(whole), cwd=REPO_ROOT,
+                                     stdout=log, stderr=log)
   cut = tmp_path / 'cut'
   proc = start(cut)
   _wait_for_checkpoint(cut, proc)  # The first is at version 2 of 10.
@@ -226,7 +230,7 @@ def test_a_run_stopped_by_sigterm_then_killed_resumes_bit_for_bit(
   _, err = proc.communicate(timeout=120)
   assert proc.returncode == 0, err[-3000:]
   assert 'checkpoint saved' in err
-  saved = max(int(d) for d in os.listdir(cut / 'checkpoints') if d.isdigit())
+  saved = _latest_checkpoint(cut)
   proc = start(cut)
   _wait_for_checkpoint(cut, proc, after=saved)
   proc.send_signal(signal.SIGKILL)
@@ -238,9 +242,8 @@ def test_a_run_stopped_by_sigterm_then_killed_resumes_bit_for_bit(
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert 'Resuming at version' in resumed.stderr
   uninterrupted.wait(timeout=600)
-  whole_log.seek(0)
-  assert uninterrupted.returncode == 0, whole_log.read()[-3000:]
-  whole_log.close()
+  assert uninterrupted.returncode == 0, (
+      (tmp_path / 'whole.log').read_text()[-3000:])
   load = lambda d: json.load(open(os.path.join(d, run.RESULTS)))
   assert load(cut)['params_sha256'] == load(whole)['params_sha256']
   steps = [json.loads(l)['step'] for l in open(cut / 'metrics.jsonl')]
