@@ -99,12 +99,17 @@ run: $(RUN_STAMP)
 	$(PY) -m launch.train --config=$(CONFIG) --workdir=$(WORKDIR)
 
 # The slowest tests are listed at the end, to keep the suite's time in view.
+# One pytest-xdist worker per core, at most 4 (each simulates 8 devices and
+# compiles pod-size programs), a test file per worker at a time. On 2 cores
+# the suite's processes kept 1.4 cores busy on average when run one at a
+# time (tests/conftest.py shares the trained fixtures between workers).
+TEST_WORKERS ?= -n logical --maxprocesses=4 --dist loadfile
 test: $(TEST_STAMP) $(TOOLCHAIN_STAMP)
 	$(PY) -m compileall -q geom train launch configs bench tests >/dev/null
-	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-all: $(TEST_STAMP) $(TOOLCHAIN_STAMP)
-	$(PY) -m pytest -q -m '' $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m '' $(TEST_WORKERS) $(PYTEST_ARGS)
 
 bench: $(RUN_STAMP)
 	$(PY) -m bench.trainer_overhead

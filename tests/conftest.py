@@ -4,12 +4,22 @@ session-wide compilation cache.
 All must be in place before JAX or TFDS is imported anywhere, so they are
 set at import time of this file, which pytest loads first. Subprocesses
 started by tests inherit them.
+
+`make test` runs the suite in pytest-xdist workers, a file per worker at a
+time (`--dist loadfile`, so a module's fixtures are built once). The
+compilation cache is the controller's, shared by every worker; trained
+artifacts (the session fixtures below) are built by the first worker that
+needs them and read by the others (`_built_once`).
 """
 
 import atexit
+import contextlib
+import fcntl
 import os
+import pathlib
 import shutil
 import tempfile
+from typing import Iterator
 
 os.environ['XLA_FLAGS'] = ' '.join(
     [f for f in os.environ.get('XLA_FLAGS', '').split()
@@ -25,10 +35,14 @@ atexit.register(shutil.rmtree, os.environ['TFDS_DATA_DIR'], True)
 # test_battery.py alone: 215 s without it, 141 s with it. Programs under
 # 0.3 s of compile are not worth a file. A cache entry torn by a killed
 # process only costs a warning and a compile.
-os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(
-    prefix='geom_xla_cache_')
+# xdist workers inherit the controller's cache (the controller imports this
+# file before it starts them) and leave its removal to it.
+if 'PYTEST_XDIST_WORKER' not in os.environ:
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(
+      prefix='geom_xla_cache_')
+  atexit.register(shutil.rmtree, os.environ['JAX_COMPILATION_CACHE_DIR'],
+                  True)
 os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0.3'
-atexit.register(shutil.rmtree, os.environ['JAX_COMPILATION_CACHE_DIR'], True)
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -53,15 +67,34 @@ def digits_config():
   return digits.get_config('runlocal')
 
 
+@contextlib.contextmanager
+def _built_once(tmp_path_factory: pytest.TempPathFactory,
+                name: str) -> Iterator[str]:
+  """A directory for a session artifact, shared by all xdist workers.
+
+  Held under an exclusive lock: the first worker builds the artifact in it,
+  and the others wait, then find it built (a finished run returns its saved
+  final metrics without training).
+  """
+  root = tmp_path_factory.getbasetemp()
+  if 'PYTEST_XDIST_WORKER' in os.environ:
+    root = root.parent  # The session's directory, above the workers' own.
+  path = pathlib.Path(root, name)
+  with open(root / f'{name}.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    path.mkdir(exist_ok=True)
+    yield str(path)
+
+
 @pytest.fixture(scope='session')
 def digits_runlocal_run(tmp_path_factory):
   """(workdir, final metrics) of the digits runlocal run, trained once per
   test session: tests read it or copy it, never write into it."""
   from configs import digits  # pylint: disable=g-import-not-at-top
   from train.vision import trainer  # pylint: disable=g-import-not-at-top
-  workdir = str(tmp_path_factory.mktemp('digits_runlocal'))
-  return workdir, trainer.train_and_evaluate(digits.get_config('runlocal'),
-                                             workdir)
+  with _built_once(tmp_path_factory, 'digits_runlocal') as workdir:
+    return workdir, trainer.train_and_evaluate(
+        digits.get_config('runlocal'), workdir)
 
 
 @pytest.fixture(scope='session')
@@ -71,6 +104,6 @@ def lm_runlocal_run(tmp_path_factory):
   read it or copy it, never write into it."""
   from configs import lm  # pylint: disable=g-import-not-at-top
   from train.lm import trainer  # pylint: disable=g-import-not-at-top
-  workdir = str(tmp_path_factory.mktemp('lm_runlocal'))
-  return workdir, trainer.train_and_evaluate(lm.get_config('runlocal'),
-                                             workdir)
+  with _built_once(tmp_path_factory, 'lm_runlocal') as workdir:
+    return workdir, trainer.train_and_evaluate(lm.get_config('runlocal'),
+                                               workdir)
