@@ -155,10 +155,11 @@ def post_config(seed: int, pretrain_workdir: str):
   return config
 
 
-def _held_out_ce(model, params, windows, batch: int = 64) -> float:
-  """Mean next-byte cross-entropy (nats) over `windows` (N, seq + 1)."""
+@functools.cache
+def _per_window_ce(model):
+  """Jitted (params, tokens) -> per-window mean CE: one per model, so the
+  five measures of a run (and every run of one model) compile it once."""
   import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
 
   @jax.jit
@@ -166,7 +167,14 @@ def _held_out_ce(model, params, windows, batch: int = 64) -> float:
     logits, _ = model.apply({'params': p}, tokens[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, tokens[:, 1:]).mean(-1)
+  return per_window
 
+
+def _held_out_ce(model, params, windows, batch: int = 64) -> float:
+  """Mean next-byte cross-entropy (nats) over `windows` (N, seq + 1)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  per_window = _per_window_ce(model)
   tokens = np.asarray(windows, np.int32)
   out = 0.0
   for i in range(0, len(tokens), batch):

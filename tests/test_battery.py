@@ -1,5 +1,7 @@
 """Every geom transformation through the shared battery (tests/transformation_battery.py)."""
 
+import functools
+
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jax.numpy as jnp
@@ -16,6 +18,14 @@ NAMES = sorted(CASES)
 
 # tx, loss, needs_grad_fn and extra_arguments are static.
 STATIC = (0, 3, 5, 6)
+
+
+@functools.cache
+def _tx(name):
+  """One transformation object per case for the whole module: it is a
+  static argument of the jitted step, so the tests that step the same
+  problem share one compilation."""
+  return CASES[name].make()
 
 
 def _run(tx, params, loss, batch, steps, case, jit=True, state=None):
@@ -38,7 +48,7 @@ def _close(a, b, **kw):
 def test_optimises_the_toy_problem(name):
   case = CASES[name]
   params, loss, batch = battery.problem()
-  final, _ = _run(case.make(), params, loss, batch, 60, case)
+  final, _ = _run(_tx(name), params, loss, batch, 60, case)
   assert loss(final, batch) < 0.7 * loss(params, batch)
 
 
@@ -46,8 +56,8 @@ def test_optimises_the_toy_problem(name):
 def test_jit_gives_the_same_result(name):
   case = CASES[name]
   params, loss, batch = battery.problem()
-  eager, _ = _run(case.make(), params, loss, batch, 4, case, jit=False)
-  jitted, _ = _run(case.make(), params, loss, batch, 4, case)
+  eager, _ = _run(_tx(name), params, loss, batch, 4, case, jit=False)
+  jitted, _ = _run(_tx(name), params, loss, batch, 4, case)
   _close(eager, jitted, rtol=1e-5, atol=1e-6)
 
 
@@ -56,7 +66,7 @@ def test_jit_gives_the_same_result(name):
 def test_dtypes_are_preserved(name, dtype):
   case = CASES[name]
   params, loss, batch = battery.problem(dtype)
-  tx = case.make()
+  tx = _tx(name)
   state = tx.init(params)
   dtypes = jax.tree.map(lambda x: x.dtype, state)
   new_params, new_state = jax.jit(battery.step, static_argnums=STATIC)(
@@ -80,7 +90,7 @@ def test_state_stays_sharded_on_the_mesh(name):
                      'b1': NamedSharding(mesh, P('model')),
                      'w2': NamedSharding(mesh, P('model', None))}
   repl = NamedSharding(mesh, P())
-  tx = case.make()
+  tx = _tx(name)
   state_shardings = optax.tree_map_params(
       tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_shardings,
       transform_non_params=lambda _: repl)
@@ -105,8 +115,8 @@ def test_gradient_accumulation_over_identical_microbatches(name):
   if not case.accumulates:
     pytest.skip(f'{name}: one update spans several calls')
   params, loss, batch = battery.problem()
-  single, _ = _run(case.make(), params, loss, batch, 3, case)
-  accumulated, _ = _run(optax.MultiSteps(case.make(), every_k_schedule=2),
+  single, _ = _run(_tx(name), params, loss, batch, 3, case)
+  accumulated, _ = _run(optax.MultiSteps(_tx(name), every_k_schedule=2),
                         params, loss, batch, 6, case)
   _close(single, accumulated, rtol=1e-5, atol=1e-6)
 
@@ -115,8 +125,8 @@ def test_gradient_accumulation_over_identical_microbatches(name):
 def test_inside_chain(name):
   case = CASES[name]
   params, loss, batch = battery.problem()
-  plain, _ = _run(case.make(), params, loss, batch, 3, case)
-  chained, _ = _run(optax.chain(case.make(), optax.scale(1.0)), params, loss,
+  plain, _ = _run(_tx(name), params, loss, batch, 3, case)
+  chained, _ = _run(optax.chain(_tx(name), optax.scale(1.0)), params, loss,
                     batch, 3, case)
   _close(plain, chained, rtol=1e-6, atol=1e-7)
 
@@ -140,7 +150,7 @@ def test_a_hyperparameter_changed_under_inject_hyperparams_takes_effect(name):
   params, loss, batch = battery.problem()
   steps = lambda tx, p, state: _run(tx, p, loss, batch, 2, case, state=state)
   injected_tx = optax.inject_hyperparams(case.factory)(**case.kwargs)
-  plain_tx = case.make()  # One object: one compilation for both runs.
+  plain_tx = _tx(name)  # One object: one compilation for both runs.
   mid, state = steps(injected_tx, params, None)
   plain, _ = steps(plain_tx, params, None)
   _close(mid, plain, rtol=1e-5, atol=1e-6)  # The same until the change.
@@ -159,7 +169,7 @@ def test_a_hyperparameter_changed_under_inject_hyperparams_takes_effect(name):
 def test_state_survives_a_checkpoint(name, tmp_path):
   case = CASES[name]
   params, loss, batch = battery.problem()
-  tx = case.make()
+  tx = _tx(name)
   mid_params, mid_state = _run(tx, params, loss, batch, 3, case)
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(tmp_path / 'ckpt', {'params': mid_params, 'state': mid_state})

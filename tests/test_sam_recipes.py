@@ -114,7 +114,13 @@ def test_training_batches_are_the_configured_views():
   assert isinstance(trainer.load_data(config).train, datasets.ArraySplit)
 
 
-@pytest.fixture(scope='module', params=sorted(RECIPES))
+# resnet50_imagenet's run is slow (65 s of a 27 min suite on 2 cores):
+# wrn_cifar10's covers the recipe's path (crop/flip data, SAM, the
+# trainer), test_vision_models the ResNet-50 itself, and test_compile the
+# resnet50_imagenet job's steps.
+@pytest.fixture(scope='module', params=[
+    pytest.param(name, marks=pytest.mark.slow)
+    if name == 'resnet50_imagenet' else name for name in sorted(RECIPES)])
 def smoke_run(request, tmp_path_factory):
   config = RECIPES[request.param].get_config('runlocal')
   workdir = str(tmp_path_factory.mktemp(request.param))

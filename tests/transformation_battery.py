@@ -16,6 +16,8 @@ problem.
 import dataclasses
 from collections.abc import Callable
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -143,7 +145,18 @@ EXTRA_ARGUMENTS = {'entropies': entropies}
 
 
 def problem(dtype=jnp.float32):
-  """A small regression MLP: (params, loss(params, batch), batch)."""
+  """A small regression MLP: (params, loss(params, batch), batch).
+
+  One `loss` per dtype for the whole session: it is a static argument of
+  the jitted steps, so tests stepping the same transformation share their
+  compilations. The dicts are fresh copies.
+  """
+  params, loss, batch = _problem(jnp.dtype(dtype))
+  return dict(params), loss, dict(batch)
+
+
+@functools.cache
+def _problem(dtype):
   k = jax.random.split(jax.random.key(42), 5)
   params = {
       'w1': jax.random.normal(k[0], (8, 16)) * 0.5,

@@ -602,9 +602,7 @@ def _results(config, counters, curve, seconds: float) -> dict[str, Any]:
 
 
 def _plot(curve, config, path: str) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = plots.pyplot()
   fig, ax = plt.subplots(figsize=(6, 4))
   walls = [c['wall'] for c in curve]
   for d in config.difficulties:

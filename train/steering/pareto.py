@@ -1,9 +1,7 @@
 """The steering plots: success against KL per method, single runs (curves) and
 the multi-seed study (means with 95% bands at matched KL)."""
 
-from train import plots  # First: it selects the headless backend.
-
-import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-order
+from train import plots
 
 
 def plot_pareto(rows: list[dict], tasks: list[str], out_path: str) -> None:
@@ -13,7 +11,8 @@ def plot_pareto(rows: list[dict], tasks: list[str], out_path: str) -> None:
   panels = [(f'{t}_acc_mean', f'{t}: accuracy (mean log-prob)')
             for t in tasks] + [('positive_share',
                                 'generations: positive share')]
-  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+  fig, axes = plots.pyplot().subplots(1, len(panels),
+                                      figsize=(5 * len(panels), 4))
   methods = list(dict.fromkeys(r['method'] for r in rows))
   for ax, (key, title) in zip(axes, panels):
     for method in methods:
@@ -41,8 +40,8 @@ def plot_bands(panels: dict[str, dict[str, tuple]], out_path: str,
     unsteered: {title: (mean, low, high)} of the unsteered model, drawn as
       a line with its band.
   """
-  fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2),
-                           squeeze=False)
+  fig, axes = plots.pyplot().subplots(
+      1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
   for ax, (title, curves) in zip(axes[0], panels.items()):
     if unsteered and title in unsteered:
       mean, low, high = unsteered[title]

@@ -145,7 +145,7 @@ def _results(names: list[str], run: _Run, batches: int) -> dict[str, Any]:
 
 
 def _plot(results: Mapping[str, Any], title: str, path: str) -> None:
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = plots.pyplot()
   names = list(results['errors'])
   fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(names)), 4))
   ax.bar(range(len(names)), [results['errors'][n] for n in names])
