@@ -300,10 +300,8 @@ def summarize(records: list[dict], paper: dict) -> str:
 
 
 def plot(records: list[dict], path: str) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   from train import plots  # pylint: disable=g-import-not-at-top
+  plt = plots.pyplot()
   variants = [v for v in VARIANTS if any(r['variant'] == v for r in records)]
   fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
   for ax, key, title in ((axes[0], 'forgetting_post',

@@ -182,11 +182,9 @@ def _schedule_table(raw, difficulties) -> str:
 def _plot(raw) -> None:
   """pass@1 (mean over difficulties, then each difficulty) against wall
   time and trained samples, mean over seeds."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from train import plots  # pylint: disable=g-import-not-at-top
+  plt = plots.pyplot()
   difficulties = sorted(raw['sync|0']['pass_at_1'], key=int)
   keys = ['eval/pass_at_1'] + [f'eval/pass_at_1_d{d}' for d in difficulties]
   titles = ['mean over difficulties'] + [f'{d} digits' for d in difficulties]

@@ -121,9 +121,8 @@ def table(results, restart) -> str:
 
 
 def plot(results, path, *, steps, lr, rho=0.8, warm=50):
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from train import plots  # pylint: disable=g-import-not-at-top
+  plt = plots.pyplot()
   X, Y, Z = landscapes.grid()
   fig, ax = plt.subplots(figsize=(7.5, 6.5))
   ax.contour(X, Y, Z, levels=np.linspace(0, 4, 33), cmap='viridis',

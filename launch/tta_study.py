@@ -223,10 +223,8 @@ def norm() -> tuple[str, dict]:
 
 
 def _plot_rates(grid, summary) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   from train import plots  # pylint: disable=g-import-not-at-top
+  plt = plots.pyplot()
   methods = _METHODS.value
   fig, axes = plt.subplots(1, len(methods), figsize=(4.5 * len(methods), 3.8),
                            sharey=True)

@@ -14,9 +14,8 @@ problem.
 """
 
 import dataclasses
-from collections.abc import Callable
-
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
