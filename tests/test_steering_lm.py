@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.special
 
 from geom import steering as st
 from train.lm import decoder as decoder_lm
@@ -19,9 +20,20 @@ MODEL = decoder_lm.DecoderLM(vocab_size=64, d_model=32, num_layers=3,
                              num_heads=4, mlp_dim=64, max_len=48)
 
 
+# Jitted, as the product runs them: op by op, each generation pays seconds
+# of one-op compiles.
+_generate = jax.jit(lm_generate.generate, static_argnames=(
+    'model', 'num_steps', 'layer_path', 'mode', 'temperature'))
+
+
+def _init(model, seed=0):
+  return jax.jit(model.init)(jax.random.key(seed),
+                             jnp.zeros((1, 4), jnp.int32))['params']
+
+
 @pytest.fixture(scope='module')
 def params():
-  return MODEL.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))['params']
+  return _init(MODEL)
 
 
 def _prompts():
@@ -38,27 +50,27 @@ def _steering(alpha=0.8, gate=False):
 
 def test_cached_decoding_equals_one_full_pass(params):
   tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, 64)
-  full, _ = MODEL.apply({'params': params}, tokens)
+  apply = jax.jit(MODEL.apply)
+  full, _ = apply({'params': params}, tokens)
   cache = decoder_lm.init_cache(MODEL, 2, 12)
-  logits, cache = MODEL.apply({'params': params}, tokens[:, :5],
-                              jnp.ones((2, 5), bool), cache)
+  logits, cache = apply({'params': params}, tokens[:, :5],
+                        jnp.ones((2, 5), bool), cache)
   steps = [logits]
   for i in range(5, 12):
-    logits, cache = MODEL.apply({'params': params}, tokens[:, i:i + 1],
-                                jnp.ones((2, 1), bool), cache)
+    logits, cache = apply({'params': params}, tokens[:, i:i + 1],
+                          jnp.ones((2, 1), bool), cache)
     steps.append(logits)
   np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=2e-5)
 
 
 def test_kv_cached_generation_equals_recomputation_without_steering(params):
   tokens, valid = _prompts()
-  run = jax.jit(lambda p, mode: lm_generate.generate(
-      MODEL, p, tokens, valid, 10, mode=mode), static_argnums=1)
-  cached, recomputed = run(params, 'cached'), run(params, 'recompute')
+  run = lambda mode: _generate(MODEL, params, tokens, valid, 10, mode=mode)
+  cached, recomputed = run('cached'), run('recompute')
   np.testing.assert_array_equal(cached.tokens, recomputed.tokens)
   np.testing.assert_allclose(cached.logits, recomputed.logits, atol=2e-5)
   # Sampling with one key agrees too.
-  sample = lambda mode: lm_generate.generate(
+  sample = lambda mode: _generate(
       MODEL, params, tokens, valid, 10, mode=mode, temperature=1.0,
       rng=jax.random.key(3)).tokens
   np.testing.assert_array_equal(sample('cached'), sample('recompute'))
@@ -68,26 +80,24 @@ def test_kv_cached_generation_equals_recomputation_without_steering(params):
 def test_padding_is_respected_in_steered_generation(params, mode):
   tokens, valid = _prompts()
   steer = _steering()
-  batched = lm_generate.generate(MODEL, params, tokens, valid, 8,
-                                 steering=steer, layer_path='block_1',
-                                 mode=mode)
-  alone = lm_generate.generate(MODEL, params, tokens[:1, 3:], valid[:1, 3:], 8,
-                               steering=steer, layer_path='block_1',
-                               mode=mode)
+  batched = _generate(MODEL, params, tokens, valid, 8, steering=steer,
+                      layer_path='block_1', mode=mode)
+  alone = _generate(MODEL, params, tokens[:1, 3:], valid[:1, 3:], 8,
+                    steering=steer, layer_path='block_1', mode=mode)
   np.testing.assert_array_equal(batched.tokens[0], alone.tokens[0])
   np.testing.assert_allclose(batched.logits[0], alone.logits[0], atol=2e-5)
   # Steered tokens: the last prompt token and each generated one but the
   # last, per row; padding is never counted.
   assert float(batched.stats.tokens) == 2 * 8
-  plain = lm_generate.generate(MODEL, params, tokens, valid, 8, mode=mode)
+  plain = _generate(MODEL, params, tokens, valid, 8, mode=mode)
   assert not np.allclose(plain.logits, batched.logits, atol=1e-3)
 
 
 def test_modes_differ_only_once_steered_states_enter_the_cache(params):
   tokens, valid = _prompts()
   steer = _steering()
-  out = {m: lm_generate.generate(MODEL, params, tokens, valid, 6,
-                                 steering=steer, layer_path='block_1', mode=m)
+  out = {m: _generate(MODEL, params, tokens, valid, 6, steering=steer,
+                      layer_path='block_1', mode=m)
          for m in lm_generate.MODES}
   # The first token comes from the same computation in both modes.
   np.testing.assert_allclose(out['cached'].logits[:, 0],
@@ -102,17 +112,24 @@ def test_hook_steers_exactly_the_masked_outputs_of_the_layer(params):
   valid = jnp.ones((2, 9), bool)
   mask = jnp.zeros((2, 9), bool).at[:, 4:].set(True)
   steer = _steering(alpha=0.5)
-  with steering_hooks.steered(None, None, capture=('block_1',)) as clean:
-    base, _ = MODEL.apply({'params': params}, tokens, valid)
-  with steering_hooks.steered(steer, 'block_1', mask,
-                              capture=('block_1',)) as rec:
-    logits, _ = MODEL.apply({'params': params}, tokens, valid)
-  expected, _ = steer(clean.hidden['block_1'], mask)
-  np.testing.assert_allclose(rec.hidden['block_1'], expected, atol=1e-6)
+
+  @jax.jit
+  def run(p):
+    with steering_hooks.steered(None, None, capture=('block_1',)) as clean:
+      base, _ = MODEL.apply({'params': p}, tokens, valid)
+    with steering_hooks.steered(steer, 'block_1', mask,
+                                capture=('block_1',)) as rec:
+      logits, _ = MODEL.apply({'params': p}, tokens, valid)
+    return base, logits, clean.hidden['block_1'], rec.hidden['block_1'], (
+        rec.stats)
+
+  base, logits, clean, steered, stats = run(params)
+  expected, _ = jax.jit(lambda h, m: steer(h, m))(clean, mask)
+  np.testing.assert_allclose(steered, expected, atol=1e-6)
   # Causal: logits before the first steered position are unchanged.
   np.testing.assert_array_equal(logits[:, :4], base[:, :4])
   assert not np.allclose(logits[:, 4:], base[:, 4:], atol=1e-3)
-  assert float(rec.stats.tokens) == 10
+  assert float(stats.tokens) == 10
 
 
 def test_layer_paths_and_out_of_range_layer(params):
@@ -150,20 +167,16 @@ def test_vector_file_roundtrip_and_mismatches(params, tmp_path):
   assert (back.layer, back.layer_path, back.info) == (1, 'block_1',
                                                       {'method': 'mean_diff'})
 
-  other = MODEL.init(jax.random.key(9), jnp.zeros((1, 4), jnp.int32))['params']
+  other = _init(MODEL, 9)
   with pytest.raises(ValueError, match='model_fingerprint=.*does not match'):
     steering_vectors.load(path, other)
-  wider = decoder_lm.DecoderLM(vocab_size=64, d_model=48, num_layers=3,
-                               num_heads=4, mlp_dim=64).init(
-                                   jax.random.key(0),
-                                   jnp.zeros((1, 4), jnp.int32))['params']
+  wider = _init(decoder_lm.DecoderLM(vocab_size=64, d_model=48, num_layers=3,
+                                     num_heads=4, mlp_dim=64))
   with pytest.raises(ValueError, match="hidden_size=32 does not match the "
                      "model's 48"):
     steering_vectors.load(path, wider)
-  shallow = decoder_lm.DecoderLM(vocab_size=64, d_model=32, num_layers=1,
-                                 num_heads=4, mlp_dim=64).init(
-                                     jax.random.key(0),
-                                     jnp.zeros((1, 4), jnp.int32))['params']
+  shallow = _init(decoder_lm.DecoderLM(vocab_size=64, d_model=32,
+                                       num_layers=1, num_heads=4, mlp_dim=64))
   with pytest.raises(ValueError, match="layer_path='block_1'.*not a layer"):
     steering_vectors.load(path, shallow)
   with pytest.raises(ValueError, match='direction: is zero'):
@@ -297,7 +310,8 @@ def test_multiple_choice_scores_equal_a_direct_computation(params):
   from train.lm import corpus as text_corpus  # pylint: disable=g-import-not-at-top
   model = decoder_lm.DecoderLM(vocab_size=256, d_model=32, num_layers=2,
                                num_heads=4, mlp_dim=64, max_len=256)
-  p = model.init(jax.random.key(5), jnp.zeros((1, 4), jnp.int32))['params']
+  p = jax.jit(model.init)(jax.random.key(5),
+                          jnp.zeros((1, 4), jnp.int32))['params']
   items = text_corpus.mc_task('cloze', 3, seed=0)
   batch = steering_eval.encode_mc(items, 200)
   steer = st.Steering('spherical', jax.random.normal(jax.random.key(6), (32,)),
@@ -322,9 +336,10 @@ def test_multiple_choice_scores_equal_a_direct_computation(params):
       seq[0, :n] = np.concatenate([ctx, ans])
       mask = np.zeros((1, 200), bool)
       mask[0, len(ctx) - 1:n] = True
-      logits = row_logits(jnp.asarray(seq), jnp.asarray(mask))
-      logp = jax.nn.log_softmax(logits[0, len(ctx) - 1:n - 1])
-      ref = float(jnp.sum(logp[jnp.arange(len(ans)), ans]))
+      logits = np.asarray(row_logits(jnp.asarray(seq), jnp.asarray(mask)),
+                          np.float64)[0, len(ctx) - 1:n - 1]
+      logp = scipy.special.log_softmax(logits, -1)
+      ref = float(np.sum(logp[np.arange(len(ans)), ans]))
       np.testing.assert_allclose(total[i, c], ref, rtol=1e-5)
       np.testing.assert_allclose(mean[i, c], ref / len(ans), rtol=1e-5)
   # Steered: the last context byte and every choice byte, per row.
@@ -373,15 +388,16 @@ def test_generation_ce_under_the_unsteered_model_equals_a_direct_computation(
   out = steering_eval.generation_metrics(
       MODEL, params, (tokens, valid), steer, 'block_1', 7, 1.0, seed=4,
       tokenizer=_VocabTokenizer())
-  gen = lm_generate.generate(MODEL, params, tokens, valid, 7, steering=steer,
-                             layer_path='block_1', temperature=1.0,
-                             rng=jax.random.key(4)).tokens
+  gen = _generate(MODEL, params, tokens, valid, 7, steering=steer,
+                  layer_path='block_1', temperature=1.0,
+                  rng=jax.random.key(4)).tokens
+  log_probs = jax.jit(lambda p, seq: jax.nn.log_softmax(
+      MODEL.apply({'params': p}, seq)[0][0]))
   nll = []
   for row in range(2):
     prompt = np.asarray(tokens[row])[np.asarray(valid[row])]
     seq = np.concatenate([prompt, np.asarray(gen[row])])
-    logits, _ = MODEL.apply({'params': params}, jnp.asarray(seq[None]))
-    logp = np.asarray(jax.nn.log_softmax(logits[0]))
+    logp = np.asarray(log_probs(params, jnp.asarray(seq[None])))
     for i in range(len(prompt), len(seq)):
       nll.append(-logp[i - 1, seq[i]])
   np.testing.assert_allclose(out['gen_ce'], np.mean(nll), rtol=1e-5)
