@@ -186,24 +186,41 @@ def _held_out_ce(model, params, windows, batch: int = 64) -> float:
   return out / len(tokens)
 
 
-def _sharpness(model, params, windows, seed: int) -> dict:
+@functools.cache
+def _sharpness_fns(model, power_iters: int, trace_samples: int):
+  """Jitted (params, tokens, key) -> top Hessian eigenpair and Hutchinson
+  trace, one pair per model and settings: each holds the LM's
+  Hessian-vector product in a loop, the study's costliest compiles (10-20 s
+  each on a CPU), and every variant and seed reuses them."""
   import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
 
   from geom import curvature  # pylint: disable=g-import-not-at-top
+
+  def loss_on(tokens):
+    def loss(p):
+      logits, _ = model.apply({'params': p}, tokens[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits, tokens[:, 1:]).mean()
+    return loss
+
+  top = jax.jit(lambda p, tokens, key: curvature.power_iteration(
+      loss_on(tokens), p, key, power_iters, tol=1e-3))
+  trace = jax.jit(lambda p, tokens, key: curvature.hutchinson_trace(
+      loss_on(tokens), p, jax.random.fold_in(key, 1), trace_samples))
+  return top, trace
+
+
+def _sharpness(model, params, windows, seed: int) -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
   tokens = np.asarray(windows[:_HESSIAN_WINDOWS.value], np.int32)
-
-  def loss(p):
-    logits, _ = model.apply({'params': p}, tokens[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits, tokens[:, 1:]).mean()
-
+  top_fn, trace_fn = _sharpness_fns(model, _POWER_ITERS.value,
+                                    _TRACE_SAMPLES.value)
   key = jax.random.key(1000 + seed)
-  top = jax.jit(lambda p: curvature.power_iteration(
-      loss, p, key, _POWER_ITERS.value, tol=1e-3))(params)
-  trace = jax.jit(lambda p: curvature.hutchinson_trace(
-      loss, p, jax.random.fold_in(key, 1), _TRACE_SAMPLES.value))(params)
+  top = top_fn(params, tokens, key)
+  trace = trace_fn(params, tokens, key)
   return dict(lambda_max=float(top.eigenvalue),
               power_iterations=int(top.iterations),
               trace=float(trace.mean), trace_stderr=float(trace.stderr))
