@@ -1,12 +1,15 @@
 """The GRPO loss against a hand-written per-token reference (numpy, float64)."""
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.special
 
+from tests import host_params
 from train.errors import ConfigError
 from train.lm import decoder as decoder_lm
 from train.rl import grpo
@@ -48,7 +51,21 @@ def _reference(logps, batch, settings):
   return sum(per_seq) / max(len(per_seq), 1)
 
 
+# Jitted, as the learner runs them: op by op, each new shape pays a
+# one-op compile.
+_loss = jax.jit(grpo.policy_loss, static_argnums=2)
+_grad = jax.jit(jax.grad(lambda x, batch, settings: grpo.policy_loss(
+    x, batch, settings)[0]), static_argnums=2)
+_loss_and_grad = jax.jit(jax.value_and_grad(grpo.policy_loss, has_aux=True),
+                         static_argnums=2)
+
+
 def _batch(rng, b=6, t=9, spread=0.7):
+  return _batch_jit(rng, b, t, spread)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _batch_jit(rng, b, t, spread):
   keys = jax.random.split(rng, 6)
   mask = jax.random.bernoulli(keys[0], 0.7, (b, t)).astype(jnp.float32)
   mask = mask.at[0].set(0.0)  # A completion with no tokens (all padding).
@@ -74,7 +91,7 @@ SETTINGS = [grpo.LossSettings(correction=c, aggregation=a, beta=beta,
 @pytest.mark.parametrize('seed', range(3))
 def test_loss_equals_the_token_by_token_reference(settings, seed):
   logps, batch = _batch(jax.random.key(seed))
-  loss, _ = jax.jit(grpo.policy_loss, static_argnums=2)(logps, batch, settings)
+  loss, _ = _loss(logps, batch, settings)
   want = _reference(np.asarray(logps, np.float64), jax.tree.map(np.asarray,
                                                                   batch),
                     settings)
@@ -84,7 +101,7 @@ def test_loss_equals_the_token_by_token_reference(settings, seed):
 def test_gradient_equals_finite_differences():
   settings = grpo.LossSettings(correction='tis', beta=0.04)
   logps, batch = _batch(jax.random.key(7), spread=0.05)
-  grad = jax.grad(lambda x: grpo.policy_loss(x, batch, settings)[0])(logps)
+  grad = _grad(logps, batch, settings)
   ref = lambda x: _reference(x, jax.tree.map(
       lambda a: np.asarray(a, np.float64), batch), settings)
   x = np.asarray(logps, np.float64)
@@ -105,9 +122,9 @@ def test_on_policy_gradient_is_the_advantage_weighted_score():
   settings = grpo.LossSettings(aggregation='token-mean')
   for correction in grpo.CORRECTIONS:
     s = settings.__class__(**{**settings.__dict__, 'correction': correction})
-    grad = jax.grad(lambda x: grpo.policy_loss(x, batch, s)[0])(
-        batch.proximal_logps)
-    want = -batch.advantages[:, None] * batch.loss_mask / batch.loss_mask.sum()
+    grad = _grad(batch.proximal_logps, batch, s)
+    b = jax.tree.map(np.asarray, batch)
+    want = -b.advantages[:, None] * b.loss_mask / b.loss_mask.sum()
     np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-7)
 
 
@@ -124,7 +141,7 @@ def test_decoupled_ppo_is_ppo_when_proximal_is_behaviour(seed):
   logps, batch = _batch(jax.random.key(seed), spread=0.5)
   batch = batch._replace(proximal_logps=batch.behaviour_logps)
   settings = grpo.LossSettings(correction='decoupled', epsilon=0.2)
-  loss, aux = grpo.policy_loss(logps, batch, settings)
+  loss, aux = _loss(logps, batch, settings)
   b = jax.tree.map(lambda a: np.asarray(a, np.float64), batch)
   want = _ppo(np.asarray(logps, np.float64), b.behaviour_logps, b.advantages,
               b.loss_mask, 0.2)
@@ -135,44 +152,44 @@ def test_decoupled_ppo_is_ppo_when_proximal_is_behaviour(seed):
 
 def test_corrections_differ_where_the_behaviour_policy_is_stale():
   logps, batch = _batch(jax.random.key(11), spread=1.5)
-  losses = {c: float(grpo.policy_loss(
-      logps, batch, grpo.LossSettings(correction=c))[0])
+  losses = {c: float(_loss(logps, batch, grpo.LossSettings(correction=c))[0])
             for c in grpo.CORRECTIONS}
   assert len(set(losses.values())) == 3, losses
-  _, aux = grpo.policy_loss(logps, batch, grpo.LossSettings())
+  _, aux = _loss(logps, batch, grpo.LossSettings())
   assert 0 < float(aux['dropped_fraction']) < 1
   assert 0 < float(aux['ess']) < 1
-  _, aux = grpo.policy_loss(logps, batch,
-                            grpo.LossSettings(correction='tis'))
+  _, aux = _loss(logps, batch, grpo.LossSettings(correction='tis'))
   assert float(aux['weight_max']) <= 2.0
 
 
 def test_extreme_log_ratios_stay_finite():
   logps, batch = _batch(jax.random.key(2))
-  batch = batch._replace(behaviour_logps=batch.behaviour_logps - 1e4)
+  batch = batch._replace(
+      behaviour_logps=np.asarray(batch.behaviour_logps) - 1e4)
+  logps = np.asarray(logps) - 50.0
   for c in grpo.CORRECTIONS:
     s = grpo.LossSettings(correction=c, beta=0.1)
-    loss, aux = grpo.policy_loss(logps - 50.0, batch, s)
-    grad = jax.grad(lambda x: grpo.policy_loss(x, batch, s)[0])(logps - 50.0)
+    (loss, aux), grad = _loss_and_grad(logps, batch, s)
     assert np.isfinite(float(loss)) and np.all(np.isfinite(grad)), c
     assert all(np.isfinite(float(v)) for v in aux.values()), (c, aux)
 
 
 def test_empty_mask_gives_zero_loss_and_zero_gradient():
   logps, batch = _batch(jax.random.key(1))
-  batch = batch._replace(loss_mask=jnp.zeros_like(batch.loss_mask))
+  batch = batch._replace(loss_mask=np.zeros(batch.loss_mask.shape,
+                                            np.float32))
   for a in grpo.AGGREGATIONS:
     s = grpo.LossSettings(aggregation=a)
-    assert float(grpo.policy_loss(logps, batch, s)[0]) == 0.0
-    grad = jax.grad(lambda x: grpo.policy_loss(x, batch, s)[0])(logps)
+    (loss, _), grad = _loss_and_grad(logps, batch, s)
+    assert float(loss) == 0.0
     assert not np.any(grad)
 
 
 def test_bfloat16_log_probs_give_a_float32_loss_close_to_float32():
   logps, batch = _batch(jax.random.key(4))
   s = grpo.LossSettings()
-  full = grpo.policy_loss(logps, batch, s)[0]
-  half = grpo.policy_loss(logps.astype(jnp.bfloat16), batch, s)[0]
+  full = _loss(logps, batch, s)[0]
+  half = _loss(logps.astype(jnp.bfloat16), batch, s)[0]
   assert half.dtype == jnp.float32
   np.testing.assert_allclose(float(half), float(full), rtol=0.05, atol=0.01)
 
@@ -196,15 +213,21 @@ def test_group_advantages_against_numpy():
 def test_sequence_log_probs_match_per_position_softmax():
   model = decoder_lm.DecoderLM(vocab_size=32, d_model=16, num_layers=1,
                                num_heads=2, mlp_dim=32, max_len=16)
-  tokens = jax.random.randint(jax.random.key(0), (3, 10), 2, 32)
-  valid = jnp.ones((3, 10), bool).at[0, :3].set(False)
-  params = model.init(jax.random.key(1), tokens)['params']
-  got = grpo.sequence_log_probs(model, params, tokens, valid, temperature=0.7)
+  tokens = np.random.default_rng(0).integers(2, 32, (3, 10), np.int32)
+  valid = np.ones((3, 10), bool)
+  valid[0, :3] = False
+  params = host_params.draw(model, 1)
+  # Jitted, as the learner runs it; the reference passes are jitted too
+  # (one compile per prefix length instead of one per op).
+  got = np.asarray(jax.jit(grpo.sequence_log_probs, static_argnums=0,
+                           static_argnames='temperature')(
+                               model, params, tokens, valid, temperature=0.7))
+  apply = jax.jit(model.apply)
   for t in (3, 5, 8):  # Slots 0-2 of row 0 are padding; 3 is its first token.
-    logits, _ = model.apply({'params': params}, tokens[:, :t + 1],
-                            valid[:, :t + 1])
-    want = jax.nn.log_softmax(logits[:, -1] / 0.7)[jnp.arange(3),
-                                                   tokens[:, t + 1]]
+    logits, _ = apply({'params': params}, tokens[:, :t + 1], valid[:, :t + 1])
+    logits = np.asarray(logits, np.float64)[:, -1]
+    want = scipy.special.log_softmax(logits / 0.7, -1)[np.arange(3),
+                                                       tokens[:, t + 1]]
     np.testing.assert_allclose(got[:, t], want, rtol=1e-5, atol=1e-5)
 
 
