@@ -7,7 +7,6 @@ kernels lower for GPU and TPU is checked from CPU in
 test_kernels_sam_perturb_lowering.py.
 """
 
-import functools
 import re
 
 import jax
@@ -35,13 +34,30 @@ SMALL_BLOCKS = k.BlockSizes(block_rows=32, pack_below=1024)
 F32 = jnp.float32
 
 
+# The kernels, the plain-jnp reference and geom.sam's unfused functions run
+# jitted, as geom.sam runs them (eagerly each of their ops compiles for
+# itself, per leaf shape). Test data is drawn with numpy, which compiles
+# nothing (jax.random compiles per shape, about a second each on CPU).
+_sam_perturb = jax.jit(k.sam_perturb, static_argnames=(
+    'adaptive', 'block_sizes', 'target', 'interpret', 'shardings'))
+_reference = jax.jit(k.sam_perturb_reference, static_argnames='adaptive')
+_perturbation = jax.jit(sam.perturbation, static_argnames='adaptive')
+_perturbed_params = jax.jit(sam.perturbed_params)
+
+
+def _normals(rng, shape, scale, dtype):
+  """Standard normals times `scale` (in float32), as `dtype` (numpy)."""
+  x = rng.standard_normal(shape, np.float32) * np.float32(scale)
+  return x.astype(dtype)
+
+
 def _tree(dtype=jnp.float32, scale=1.0, seed=0, shapes=None):
   shapes = SHAPES if shapes is None else shapes
-  keys = jax.random.split(jax.random.key(seed), 2 * len(shapes))
-  w = {f'l{i}': (jax.random.normal(keys[2 * i], s) * 0.5).astype(dtype)
-       for i, s in enumerate(shapes)}
-  g = {f'l{i}': (jax.random.normal(keys[2 * i + 1], s) * scale).astype(dtype)
-       for i, s in enumerate(shapes)}
+  rng = np.random.default_rng(seed)
+  w, g = {}, {}
+  for i, s in enumerate(shapes):
+    w[f'l{i}'] = _normals(rng, s, 0.5, dtype)
+    g[f'l{i}'] = _normals(rng, s, scale, dtype)
   return w, g
 
 
@@ -84,16 +100,16 @@ class TestSamPerturb:
     if not self.INTERPRET and jax.default_backend() == 'cpu':
       pytest.skip('compiled Pallas kernels need a GPU or TPU')
 
-  def perturb(self, *args, **kw):
+  def perturb(self, *args, jit=True, **kw):
     kw.setdefault('block_sizes', SMALL_BLOCKS)
-    return k.sam_perturb(*args, interpret=self.INTERPRET, target=self.TARGET,
-                         **kw)
+    return (_sam_perturb if jit else k.sam_perturb)(
+        *args, interpret=self.INTERPRET, target=self.TARGET, **kw)
 
   @pytest.mark.parametrize('adaptive', [False, True])
   def test_matches_the_reference_in_float32(self, adaptive):
     w, g = self.tree()
     got, norm = self.perturb(w, g, 0.3, adaptive=adaptive)
-    want, want_norm = k.sam_perturb_reference(w, g, 0.3, adaptive=adaptive)
+    want, want_norm = _reference(w, g, 0.3, adaptive=adaptive)
     np.testing.assert_allclose(norm, want_norm, rtol=1e-6)
     _assert_tree_close(got, want, rtol=1e-6, atol=1e-6)
 
@@ -104,7 +120,7 @@ class TestSamPerturb:
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(got))
     assert norm.dtype == jnp.float32
     # The reference also upcasts: same float32 arithmetic, same rounding.
-    want, want_norm = k.sam_perturb_reference(w, g, 0.3, adaptive=adaptive)
+    want, want_norm = _reference(w, g, 0.3, adaptive=adaptive)
     np.testing.assert_allclose(norm, want_norm, rtol=1e-5)
     _assert_tree_close(got, want, rtol=1e-2, atol=1e-2)
     exact = jax.tree.map(lambda x: np.asarray(x, np.float64), g)
@@ -117,14 +133,14 @@ class TestSamPerturb:
     w['l1'] = w['l1'].astype(jnp.bfloat16)
     g['l1'] = g['l1'].astype(jnp.bfloat16)
     got, norm = self.perturb(w, g, 0.1)
-    want, want_norm = k.sam_perturb_reference(w, g, 0.1)
+    want, want_norm = _reference(w, g, 0.1)
     assert got['l1'].dtype == jnp.bfloat16 and got['l0'].dtype == jnp.float32
     np.testing.assert_allclose(norm, want_norm, rtol=1e-6)
 
   @pytest.mark.parametrize('adaptive', [False, True])
   def test_zero_gradient_gives_the_weights_back(self, adaptive):
     w, g = self.tree()
-    zeros = jax.tree.map(jnp.zeros_like, g)
+    zeros = jax.tree.map(np.zeros_like, g)
     got, norm = self.perturb(w, zeros, 0.3, adaptive=adaptive)
     assert float(norm) == 0.0
     jax.tree.map(np.testing.assert_array_equal, got, w)
@@ -143,7 +159,7 @@ class TestSamPerturb:
                           for x in jax.tree.leaves(g)))
     assert naive in (0.0, float('inf'))
     # The plain-jnp reference is scale-safe too, and agrees with the kernel.
-    want, want_norm = k.sam_perturb_reference(w, g, 0.3, eps=0.0)
+    want, want_norm = _reference(w, g, 0.3, eps=0.0)
     np.testing.assert_allclose(float(want_norm), norm64, rtol=1e-5)
     # atol: one float32 rounding of w (|w| < 4) where w + e nearly cancels.
     _assert_tree_close(got, want, rtol=1e-5, atol=5e-7)
@@ -157,11 +173,10 @@ class TestSamPerturb:
       self, adaptive, scale):
     w, g = self.tree(scale=scale)
     got, norm = self.perturb(w, g, 0.3, adaptive=adaptive, eps=0.0)
-    e, unfused_norm = jax.jit(functools.partial(
-        sam.perturbation, adaptive=adaptive, eps=0.0))(g, w, 0.3)
+    e, unfused_norm = _perturbation(g, w, 0.3, adaptive=adaptive, eps=0.0)
     assert np.isfinite(float(unfused_norm)) and float(unfused_norm) > 0
     np.testing.assert_allclose(float(norm), float(unfused_norm), rtol=1e-5)
-    _assert_tree_close(got, sam.perturbed_params(w, e), rtol=1e-5, atol=1e-7)
+    _assert_tree_close(got, _perturbed_params(w, e), rtol=1e-5, atol=1e-7)
 
   def test_equals_unfused_geom_sam_inside_jit(self):
     w, g = self.tree()
@@ -176,25 +191,28 @@ class TestSamPerturb:
         u, s = tx.update(grad(p), s, p, grad_fn=grad)
         return optax.apply_updates(p, u), s
 
-      p, s = w, tx.init(w)
+      p, s = w, jax.jit(tx.init)(w)
       for _ in range(3):
         p, s = step(p, s)
       outs[fused] = p
     _assert_tree_close(outs[True], outs[False], rtol=1e-5, atol=1e-6)
 
   def test_few_launches_for_many_small_leaves(self):
-    w = {f'l{i}': jnp.ones((i + 3,)) for i in range(40)}
-    w['big'] = jnp.ones((5120,))  # 40 rows of 128: a buffer of its own.
-    w['odd'] = jnp.ones((5001,))  # Not a multiple of 128: packed.
-    jaxpr = jax.make_jaxpr(lambda p: self.perturb(p, p, 0.1))(w)
+    w = {f'l{i}': np.ones((i + 3,), np.float32) for i in range(40)}
+    # 40 rows of 128: a buffer of its own.
+    w['big'] = np.ones((5120,), np.float32)
+    w['odd'] = np.ones((5001,), np.float32)  # Not a multiple of 128: packed.
+    jaxpr = jax.make_jaxpr(lambda p: self.perturb(p, p, 0.1, jit=False))(w)
     # Norm and update, for the big leaf and the pack.
     assert _launches(jaxpr.jaxpr) == 4
 
   def test_grad_through_the_kernel_is_a_clear_error(self):
     w, g = self.tree()
-    f = lambda p: jnp.sum(self.perturb(p, g, 0.1)[0]['l0'])
+    f = lambda p: jnp.sum(self.perturb(p, g, 0.1, jit=False)[0]['l0'])
     with pytest.raises(TypeError, match='not differentiable'):
-      jax.grad(f)(w)
+      # Raised as the gradient is traced (eagerly, it comes only after the
+      # kernel has run forward op by op).
+      jax.jit(jax.grad(f))(w)
 
 
 class TestSamPerturbInterpret(TestSamPerturb):
@@ -234,18 +252,19 @@ def _mesh():
 
 
 def _sharded_tree(layout, seed=3):
-  """(w, g, shardings); 'kernel' and 'bias' in bfloat16, the rest float32."""
-  keys = iter(jax.random.split(jax.random.key(seed), 2 * len(SHARDED_SHAPES)))
+  """(w, g, shardings) in numpy; 'kernel' and 'bias' in bfloat16, the rest
+  float32."""
+  rng = np.random.default_rng(seed)
   dtype = lambda key: jnp.bfloat16 if key in ('kernel', 'bias') else F32
-  w = {k_: (jax.random.normal(next(keys), s) * 0.5).astype(dtype(k_))
+  w = {k_: _normals(rng, s, 0.5, dtype(k_))
        for k_, s in SHARDED_SHAPES.items()}
   # Magnitudes that differ by leaf, so that a leaf counted twice or missed
   # moves the norm.
-  g = {k_: (jax.random.normal(next(keys), s) * (i + 1)).astype(dtype(k_))
+  g = {k_: _normals(rng, s, i + 1, dtype(k_))
        for i, (k_, s) in enumerate(SHARDED_SHAPES.items())}
   # The largest magnitude on only some devices' shards: each device's own
   # largest differs from the global one (the scale the sums combine at).
-  g['emb'] = g['emb'].at[0, 0].set(300)
+  g['emb'][0, 0] = 300
   mesh = _mesh()
   shardings = {k_: NamedSharding(mesh, LAYOUTS[layout].get(k_, P()))
                for k_ in SHARDED_SHAPES}
@@ -272,7 +291,7 @@ def test_sharded_equals_the_unsharded_reference(layout, adaptive, given):
                out_shardings=(shardings, None))
   compiled = fn.lower(ws, gs, 0.3).compile()
   got, norm = compiled(ws, gs, 0.3)
-  want, want_norm = k.sam_perturb_reference(w, g, 0.3, adaptive=adaptive)
+  want, want_norm = _reference(w, g, 0.3, adaptive=adaptive)
   np.testing.assert_allclose(norm, want_norm, rtol=1e-6)
   if not adaptive:  # The global norm, counting each element once.
     norm64 = np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64)))
@@ -306,8 +325,8 @@ def test_each_device_runs_the_kernels_on_its_shards():
 
 
 def test_tpu_buffers_keep_a_leafs_own_lanes_where_that_moves_no_data():
-  width = lambda shape, dtype=F32: k._tpu_width(jnp.zeros(shape, dtype),
-                                                jnp.zeros(shape, dtype))
+  width = lambda shape, dtype=F32: k._tpu_width(np.zeros(shape, dtype),
+                                                np.zeros(shape, dtype))
   assert width((60, 384)) == width((60, 384), jnp.bfloat16) == 384
   # Leading dimensions merge into rows for free when the second-minor one
   # is whole sublane tiles (8 rows of float32, 16 of bfloat16).
@@ -323,7 +342,7 @@ def test_tpu_buffers_keep_a_leafs_own_lanes_where_that_moves_no_data():
   for target, rows in (('gpu', 'f32[180,128]'), ('tpu', 'f32[60,384]')):
     text = str(jax.make_jaxpr(lambda a, t=target: k.sam_perturb(
         a, a, 0.1, target=t, interpret=True, block_sizes=SMALL_BLOCKS))(
-            {'a': jnp.ones((60, 384))}))
+            {'a': np.ones((60, 384), np.float32)}))
     assert rows in text and ('f32[180,128]' in text) == (target == 'gpu')
 
 
@@ -341,7 +360,7 @@ def test_shardings_over_two_meshes_are_refused():
   mesh = _mesh()
   other = jax.make_mesh((8,), ('x',),
                         axis_types=(jax.sharding.AxisType.Auto,))
-  w = {'a': jnp.ones((8, 128)), 'b': jnp.ones((8, 128))}
+  w = {'a': np.ones((8, 128), np.float32), 'b': np.ones((8, 128), np.float32)}
   with pytest.raises(ValueError, match='shardings.*one mesh'):
     k.sam_perturb(w, w, 0.1, shardings={
         'a': NamedSharding(mesh, P('data')), 'b': NamedSharding(other, P())})
@@ -355,8 +374,9 @@ def test_per_data_device_norms_with_automatic_model_axis():
   w, _, _ = _sharded_tree('replicated')
   w = {key: w[key].astype(F32) for key in ('emb', 'kernel', 'odd')}
   specs = {'emb': P(None, 'model'), 'kernel': P('model'), 'odd': P()}
-  per_device = {key: jnp.stack([jnp.cos((d + 1) * x) * (d + 1)
-                                for d in range(4)]) for key, x in w.items()}
+  per_device = {key: np.stack([np.cos(np.float32(d + 1) * x)
+                               * np.float32(d + 1) for d in range(4)])
+                for key, x in w.items()}
   ws = jax.device_put(w, {key: NamedSharding(mesh, s)
                           for key, s in specs.items()})
   gs = jax.device_put(per_device, {key: NamedSharding(mesh, P('data', *s))
@@ -370,8 +390,9 @@ def test_per_data_device_norms_with_automatic_model_axis():
       local, mesh=mesh, in_specs=(P(), P('data')),
       out_specs=(P('data'), P('data')), axis_names={'data'},
       check_vma=False))(ws, gs)
+  got, norms = jax.device_get((got, norms))
   for d in range(4):
-    want, want_norm = k.sam_perturb_reference(
+    want, want_norm = _reference(
         w, jax.tree.map(lambda x: x[d], per_device), 0.5)
     np.testing.assert_allclose(norms[d], want_norm, rtol=1e-6)
     _assert_tree_close(jax.tree.map(lambda x: x[d], got), want, rtol=1e-6,
@@ -380,8 +401,8 @@ def test_per_data_device_norms_with_automatic_model_axis():
 
 def test_per_device_norms_inside_shard_map():
   mesh = jax.make_mesh((8,), ('x',), axis_types=(jax.sharding.AxisType.Auto,))
-  w = jnp.linspace(-1, 1, 8 * 64).reshape(8, 64)
-  g = jnp.cos(3 * w) * jnp.arange(1, 9)[:, None]
+  w = np.linspace(-1, 1, 8 * 64, dtype=np.float32).reshape(8, 64)
+  g = np.cos(3 * w) * np.arange(1, 9, dtype=np.float32)[:, None]
 
   @jax.jit
   def per_device(w, g):
@@ -406,8 +427,8 @@ def test_block_sizes_are_validated():
 def test_a_gradient_of_another_shape_is_named():
   with pytest.raises(ValueError, match=r'grads.*leaf 1 has shape \(4,\), its '
                      r'parameter \(3,\)'):
-    k.sam_perturb({'a': jnp.ones(2), 'b': jnp.ones(3)},
-                  {'a': jnp.ones(2), 'b': jnp.ones(4)}, 0.1)
+    k.sam_perturb({'a': np.ones(2, F32), 'b': np.ones(3, F32)},
+                  {'a': np.ones(2, F32), 'b': np.ones(4, F32)}, 0.1)
 
 
 def test_docstring_example_runs():

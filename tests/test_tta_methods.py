@@ -1,5 +1,6 @@
 """train.tta.methods and train.tta.streams against direct computations."""
 
+import functools
 import math
 
 import flax.linen as nn
@@ -16,15 +17,32 @@ from train.vision import models
 C = 10
 
 
+# The model's init and apply run jitted (eagerly, every op compiles for
+# itself): one compile per model and input shape for the whole file.
+@functools.partial(jax.jit, static_argnums=0)
+def _init(model, seed, x):
+  variables = nn.meta.unbox(model.init(jax.random.key(seed), x, train=False))
+  stats = variables.get('batch_stats', {})
+  # Running statistics unlike the test batches' own.
+  return variables['params'], jax.tree.map(lambda s: s + 0.3, stats)
+
+
+@functools.partial(jax.jit, static_argnames=('model', 'train'))
+def _apply(model, variables, x, train):
+  if train:
+    return model.apply(variables, x, train=True, mutable=['batch_stats'])[0]
+  return model.apply(variables, x, train=False)
+
+
+_step = jax.jit(methods.Method.step)
+_entropies = jax.jit(methods.entropies)
+
+
 def _source(norm='batch', seed=0):
   model = models.CNN(num_classes=C, features=(4, 8), hidden=16, norm=norm)
   rng = np.random.default_rng(seed)
   x = rng.integers(0, 256, (32, 12, 12, 1)).astype(np.uint8)
-  variables = nn.meta.unbox(model.init(jax.random.key(seed), x, train=False))
-  params = variables['params']
-  stats = variables.get('batch_stats', {})
-  if stats:  # Running statistics unlike the test batches' own.
-    stats = jax.tree.map(lambda s: s + 0.3, stats)
+  params, stats = _init(model, seed, x)
   return model, params, stats, x
 
 
@@ -46,10 +64,10 @@ def _entropy_np(logits):
 
 def test_entropies_match_numpy_and_are_finite_at_extremes():
   logits = np.random.default_rng(1).normal(size=(7, C)) * 5
-  np.testing.assert_allclose(methods.entropies(jnp.asarray(logits)),
+  np.testing.assert_allclose(_entropies(jnp.asarray(logits)),
                              _entropy_np(logits)[0], rtol=1e-5, atol=1e-6)
-  extreme = jnp.array([[1e4] + [0.0] * (C - 1), [0.0] * C])
-  h = methods.entropies(extreme)
+  extreme = np.array([[1e4] + [0.0] * (C - 1), [0.0] * C], np.float32)
+  h = _entropies(extreme)
   assert np.all(np.isfinite(h))
   np.testing.assert_allclose(h, [0.0, math.log(C)], atol=1e-5)
 
@@ -68,12 +86,9 @@ def test_source_and_bn_stats_predict_as_the_model_does():
     state = method.init()
     new, out = jax.jit(method.step)(state, x)
     variables = {'params': params, 'batch_stats': stats}
-    if train:
-      logits = method.model.apply(variables, x, train=True,
-                                  mutable=['batch_stats'])[0]
-    else:
-      logits = method.model.apply(variables, x, train=False)
-    np.testing.assert_array_equal(out['pred'], np.argmax(logits, -1))
+    logits = _apply(method.model, variables, x, train)
+    np.testing.assert_array_equal(out['pred'],
+                                  np.argmax(np.asarray(logits), -1))
     jax.tree.map(np.testing.assert_array_equal, new.adapted, state.adapted)
 
 
@@ -88,10 +103,10 @@ def test_tent_step_is_the_entropy_gradient_on_the_affine_parameters():
     logp = jax.nn.log_softmax(logits)
     return -jnp.mean(jnp.sum(jnp.exp(logp) * logp, -1))
 
-  grads = jax.grad(mean_entropy)(params)
+  grads = jax.device_get(jax.jit(jax.grad(mean_entropy))(params))
   for name in methods.adapted_names(params):
     module, leaf = name.split('/')
-    want = params[module][leaf] - lr * grads[module][leaf]
+    want = np.asarray(params[module][leaf]) - lr * grads[module][leaf]
     np.testing.assert_allclose(state.adapted[name], want, rtol=1e-5,
                                atol=1e-7)
   # The gradient itself against central finite differences on one scale.
@@ -99,18 +114,19 @@ def test_tent_step_is_the_entropy_gradient_on_the_affine_parameters():
   bumped = jax.tree.map(lambda a: a, params)
   scale = np.asarray(params['bn1']['scale']).copy()
   values = []
+  jitted_mean_entropy = jax.jit(mean_entropy)
   for sign in (1, -1):
     s = scale.copy()
     s[3] += sign * eps
     bumped = {**params, 'bn1': {**params['bn1'], 'scale': jnp.asarray(s)}}
-    values.append(float(mean_entropy(bumped)))
+    values.append(float(jitted_mean_entropy(bumped)))
   fd = (values[0] - values[1]) / (2 * eps)
   np.testing.assert_allclose(float(grads['bn1']['scale'][3]), fd, rtol=2e-2,
                              atol=1e-4)
   # Only the affine parameters move.
   assert out['updated']
-  logits = method.model.apply({'params': params, 'batch_stats': stats}, x,
-                              train=True, mutable=['batch_stats'])[0]
+  logits = _apply(method.model, {'params': params, 'batch_stats': stats}, x,
+                  True)
   np.testing.assert_allclose(out['loss'], np.mean(_entropy_np(logits)[0]),
                              rtol=1e-5)
 
@@ -122,24 +138,26 @@ def test_eata_filters_weights_and_moving_average_against_numpy():
   rng = np.random.default_rng(3)
   logits = rng.normal(size=(16, C)) * rng.uniform(0.1, 8, (16, 1))
   h, p = _entropy_np(logits)
+  eata_filter = jax.jit(methods.Method._eata_filter)
   # No moving average yet: only the reliability filter.
-  keep, w, _ = method._eata_filter(state, jnp.asarray(logits, jnp.float32),
-                                   jnp.asarray(h, jnp.float32))
+  keep, w, _ = eata_filter(method, state, np.asarray(logits, np.float32),
+                           np.asarray(h, np.float32))
   np.testing.assert_array_equal(keep, h < e0)
   np.testing.assert_allclose(w, np.where(h < e0, np.exp(e0 - h), 0),
                              rtol=1e-5)
   # With a moving average m: also |cos(p, m)| < d_margin.
   m = rng.dirichlet(np.ones(C))
-  state = state._replace(mean_probs=jnp.asarray(m, jnp.float32),
-                         has_mean=jnp.asarray(True))
-  keep, _, _ = method._eata_filter(state, jnp.asarray(logits, jnp.float32),
-                                   jnp.asarray(h, jnp.float32))
+  state = state._replace(mean_probs=np.asarray(m, np.float32),
+                         has_mean=np.asarray(True))
+  keep, _, _ = eata_filter(method, state, np.asarray(logits, np.float32),
+                           np.asarray(h, np.float32))
   cos = np.abs(p @ m) / (np.linalg.norm(p, axis=1) * np.linalg.norm(m))
   np.testing.assert_array_equal(keep, (h < e0) & (cos < 0.05))
   # One step: the loss is the weighted entropy over the kept samples, and
   # m becomes the kept samples' mean probabilities.
   new, out = jax.jit(method.step)(method.init(), x)
-  z = method.logits(method.source, jnp.asarray(x), True)
+  z = jax.jit(methods.Method.logits, static_argnums=3)(
+      method, method.source, jnp.asarray(x), True)
   h, p = _entropy_np(z)
   kept = h < e0
   if kept.any():
@@ -154,13 +172,14 @@ def test_eata_filters_weights_and_moving_average_against_numpy():
 def test_eata_fisher_penalty_pulls_toward_the_source():
   method, _, _, x = _method('eata', fisher_alpha=1e6)
   state = method.init()
-  moved = jax.tree.map(lambda a: a + 0.5, state.adapted)
+  moved = jax.tree.map(lambda a: np.asarray(a) + np.float32(0.5),
+                       state.adapted)
   state = state._replace(adapted=moved, mean_probs=state.mean_probs)
   grads_dir = {}
   new, _ = jax.jit(method.step)(state, x)
   for k in moved:
-    grads_dir[k] = np.sign(np.asarray(new.adapted[k] - moved[k]))
-    if np.any(method.fisher[k] > 0):
+    grads_dir[k] = np.sign(np.asarray(new.adapted[k]) - moved[k])
+    if np.any(np.asarray(method.fisher[k]) > 0):
       # The update points from moved back toward the source (-0.5).
       big = np.asarray(method.fisher[k]) > 0
       assert np.all(grads_dir[k][big] <= 0)
@@ -171,7 +190,7 @@ def test_sar_resets_on_a_constructed_collapse():
   # falls below 0.2 at once and the model returns to the source.
   model, params, stats, x = _source()
   params = {**params, 'head': {
-      'kernel': params['head']['kernel'] * 1000.0,
+      'kernel': np.asarray(params['head']['kernel']) * np.float32(1000.0),
       'bias': params['head']['bias']}}
   settings = methods.Settings(method='sar', num_classes=C)
   method = methods.make(settings, model, params, stats,
@@ -193,7 +212,8 @@ def test_sar_skips_the_last_block():
 def test_no_update_when_no_sample_is_reliable():
   # A head scaled to ~0 predicts uniformly: entropy ln C > E0 for all.
   model, params, stats, x = _source()
-  params = {**params, 'head': jax.tree.map(lambda a: a * 0.0, params['head'])}
+  params = {**params, 'head': jax.tree.map(
+      lambda a: np.asarray(a) * np.float32(0.0), params['head'])}
   for name in ('eata', 'sar'):
     settings = methods.Settings(method=name, num_classes=C)
     method = methods.make(settings, model, params, stats,
@@ -211,9 +231,9 @@ def test_per_example_norms_predict_independently_of_the_batch(norm):
   model, params, stats, x = _source(norm)
   method = methods.make(methods.Settings('bn_stats', C), model, params, stats,
                         optax.identity())
-  _, whole = method.step(method.init(), x)
-  _, alone = method.step(method.init(), x[:1])
-  assert int(whole['pred'][0]) == int(alone['pred'][0])
+  _, whole = _step(method, method.init(), x)
+  _, alone = _step(method, method.init(), x[:1])
+  assert int(np.asarray(whole['pred'])[0]) == int(np.asarray(alone['pred'])[0])
 
 
 # Streams.
@@ -277,8 +297,9 @@ def test_sar_step_is_a_sam_step_on_the_reliable_entropy():
   lr, rho = 0.05, 0.3
   method, params, stats, x = _method('sar', rho=rho)
   # A sharper head: some samples are reliable (H < E0), not all.
-  params = {**params, 'head': {**params['head'],
-                               'kernel': params['head']['kernel'] * 8.0}}
+  params = {**params, 'head': {
+      **params['head'],
+      'kernel': np.asarray(params['head']['kernel']) * np.float32(8.0)}}
   method = methods.make(method.settings, method.model, params, stats,
                         optax.scale_by_learning_rate(lr))
   new, out = jax.jit(method.step)(method.init(), x)
@@ -300,11 +321,17 @@ def test_sar_step_is_a_sam_step_on_the_reliable_entropy():
       keep = keep & mask
     return jnp.sum(jnp.where(keep, h, 0)) / jnp.maximum(jnp.sum(keep), 1), keep
 
-  (_, keep1), g = jax.value_and_grad(reliable_entropy, has_aux=True)(w0)
-  norm = jnp.sqrt(sum(jnp.sum(v ** 2) for v in g.values()))
-  w_adv = {n: w0[n] + rho * g[n] / norm for n in names}
-  g2 = jax.grad(lambda w: reliable_entropy(w, keep1)[0])(w_adv)
-  assert 0 < int(jnp.sum(keep1)) < len(x) and bool(out['updated'])
+  @jax.jit
+  def reference(w0):
+    (_, keep1), g = jax.value_and_grad(reliable_entropy, has_aux=True)(w0)
+    norm = jnp.sqrt(sum(jnp.sum(v ** 2) for v in g.values()))
+    w_adv = {n: w0[n] + rho * g[n] / norm for n in names}
+    g2 = jax.grad(lambda w: reliable_entropy(w, keep1)[0])(w_adv)
+    return keep1, g2
+
+  keep1, g2 = jax.device_get(reference(w0))
+  assert 0 < int(np.sum(keep1)) < len(x) and bool(out['updated'])
   for n in names:
-    np.testing.assert_allclose(new.adapted[n], w0[n] - lr * g2[n], rtol=1e-4,
+    np.testing.assert_allclose(new.adapted[n],
+                               np.asarray(w0[n]) - lr * g2[n], rtol=1e-4,
                                atol=1e-6)
