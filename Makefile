@@ -103,7 +103,10 @@ run: $(RUN_STAMP)
 # compiles pod-size programs), a test file per worker at a time. On 2 cores
 # the suite's processes kept 1.4 cores busy on average when run one at a
 # time (tests/conftest.py shares the trained fixtures between workers).
-TEST_WORKERS ?= -n logical --maxprocesses=4 --dist loadfile
+# Files start longest first (tests/conftest.py orders them; xdist's own
+# order, by number of tests, is turned off).
+TEST_WORKERS ?= -n logical --maxprocesses=4 --dist loadfile \
+	--no-loadscope-reorder
 test: $(TEST_STAMP) $(TOOLCHAIN_STAMP)
 	$(PY) -m compileall -q geom train launch configs bench tests >/dev/null
 	$(PY) -m pytest -q --durations=30 $(TEST_WORKERS) $(PYTEST_ARGS)

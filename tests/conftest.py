@@ -111,3 +111,20 @@ def lm_runlocal_run(tmp_path_factory):
   with _built_once(tmp_path_factory, 'lm_runlocal') as workdir:
     return workdir, trainer.train_and_evaluate(lm.get_config('runlocal'),
                                                workdir)
+
+
+# The files that take longest (1.5-3 min each on 2 cores) start first, in
+# this order (the Makefile turns off xdist's own order, by number of tests,
+# which started multihost and the steering study last): a file runs on one
+# worker, so a long one started last keeps the other idle until it ends.
+_LONGEST_FIRST = ('test_battery.py', 'test_workdir_faults.py',
+                  'test_multihost.py', 'test_tta_loop.py', 'test_rl_run.py',
+                  'test_sam_trainer.py', 'test_forgetting_study.py',
+                  'test_compile.py', 'test_steering_study_launch.py',
+                  'test_sam_recipes.py', 'test_steering_lm.py',
+                  'test_kernels_sam_perturb.py', 'test_curvature.py')
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
