@@ -185,6 +185,28 @@ def test_eata_fisher_penalty_pulls_toward_the_source():
       assert np.all(grads_dir[k][big] <= 0)
 
 
+def test_eata_fisher_is_the_mean_squared_gradient_over_the_batches():
+  method, _, _, x = _method('eata')
+  batches = [x[:16], x[16:], x[:5]]  # Ragged: the mean is over batches.
+
+  @jax.jit
+  def squared_grad(images):
+    def ce(adapted):  # Against the source model's own predictions.
+      logits = method.logits(adapted, images, True).astype(jnp.float32)
+      logp = jax.nn.log_softmax(logits)
+      labels = jnp.argmax(jax.lax.stop_gradient(logits), -1)
+      return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], 1))
+    return jax.tree.map(jnp.square, jax.grad(ce)(method.source))
+
+  per_batch = [jax.device_get(squared_grad(b)) for b in batches]
+  got = methods.fisher_diagonal(method, batches)
+  for k in method.source:
+    want = np.mean([np.asarray(g[k], np.float64) for g in per_batch], 0)
+    np.testing.assert_allclose(np.asarray(got[k]), want, rtol=1e-5,
+                               atol=1e-12)
+  assert any(np.any(np.asarray(got[k]) > 0) for k in got)
+
+
 def test_sar_resets_on_a_constructed_collapse():
   # A head scaled up 1000x predicts with entropy ~0: SAR's loss average
   # falls below 0.2 at once and the model returns to the source.

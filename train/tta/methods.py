@@ -311,12 +311,18 @@ def fisher_diagonal(method: Method, batches: list[jax.Array]) -> Flat:
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), labels))
 
-  grad = jax.jit(jax.grad(loss))
-  total = jax.tree.map(jnp.zeros_like, method.source)
+  # Whole programs (op by op, each leaf's zeros, square, sum and division
+  # compiled for itself).
+  @jax.jit
+  def accumulate(total, source, images):
+    return jax.tree.map(lambda t, g: t + jnp.square(g), total,
+                        jax.grad(loss)(source, images))
+
+  total = jax.jit(lambda s: jax.tree.map(jnp.zeros_like, s))(method.source)
   for images in batches:
-    total = jax.tree.map(lambda t, g: t + jnp.square(g), total,
-                         grad(method.source, images))
-  return jax.tree.map(lambda t: t / max(len(batches), 1), total)
+    total = accumulate(total, method.source, images)
+  return jax.jit(lambda t: jax.tree.map(
+      lambda x: x / max(len(batches), 1), t))(total)
 
 
 def make(settings: Settings, model: nn.Module, params, batch_stats,
