@@ -3,6 +3,7 @@ computation of every statistic, closed forms of the cosine, optax's own
 wrappers, and the interval on random streams."""
 
 import doctest
+import functools
 import math
 
 import jax
@@ -25,6 +26,12 @@ STATE_FIELDS = ('rate', 'lower', 'upper', 'confident_fraction', 'snr',
 def _tree(x):
   """A flat float vector of length 23 as a two-leaf tree."""
   return {'a': jnp.asarray(x[:15]).reshape(5, 3), 'b': jnp.asarray(x[15:])}
+
+
+def _host_tree(x):
+  """`_tree` of a host vector, reshaped by numpy (no eager device op)."""
+  x = np.asarray(x)
+  return {'a': jnp.asarray(x[:15].reshape(5, 3)), 'b': jnp.asarray(x[15:])}
 
 
 def _flat(tree):
@@ -75,11 +82,11 @@ def _reference(us, hs, *, lr, num_classes=C, eta_min=None, eta_max=None,
 
 def _run(tx, us, hs):
   """Steps tx (jitted) over the stream; returns (updates, states)."""
-  state = tx.init(_tree(np.zeros(23, np.float32)))
+  state = tx.init(_host_tree(np.zeros(23, np.float32)))
   step = jax.jit(lambda u, s, h: tx.update(u, s, None, entropies=h))
   updates, states = [], []
   for u, h in zip(us, hs):
-    new, state = step(_tree(u.astype(np.float32)), state,
+    new, state = step(_host_tree(u.astype(np.float32)), state,
                       jnp.asarray(h, jnp.float32))
     updates.append(new)
     states.append(conga.find_state(state))
@@ -131,6 +138,7 @@ def test_statistics_and_bounds_match_a_direct_computation(kwargs):
   assert max(r['upper'] - r['lower'] for r in want) > 1e-3
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _random_stream(key, steps, dims=23, batch=16, regime=40):
   """Regimes of `regime` steps, each with its own size of update (1e-8 to
   1e8), signal strength and entropy level; in each, updates along a
@@ -162,8 +170,10 @@ def test_the_rate_stays_inside_the_interval_on_random_streams(total_steps):
   tx = conga.conga(3e-3, num_classes=C, total_steps=total_steps,
                    max_update_rms=tau)
   us, hs = _random_stream(jax.random.key(7), 400)
-  assert jnp.isfinite(us).all() and not jnp.isfinite(
-      jnp.sum(jnp.square(us), -1)).all()
+  us_host = np.asarray(us)
+  with np.errstate(over='ignore'):
+    assert np.isfinite(us_host).all() and not np.isfinite(
+        np.sum(np.square(us_host), -1)).all()
 
   @jax.jit
   def run(us, hs):
@@ -173,21 +183,22 @@ def test_the_rate_stays_inside_the_interval_on_random_streams(total_steps):
       return state, (_flat_jnp(new), state)
     return jax.lax.scan(body, tx.init(_tree(us[0])), (us, hs))[1]
 
-  steps, states = run(us, hs)
+  # One program per tx: run in the scan, then checked on host arrays.
+  steps, states = jax.tree.map(np.asarray, run(us, hs))
   rate, lower, upper = states.rate, states.lower, states.upper
-  assert all(jnp.isfinite(x).all() for x in jax.tree.leaves(states))
-  assert jnp.isfinite(steps).all()
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(states))
+  assert np.isfinite(steps).all()
   assert (lower >= 0).all() and (lower <= upper).all()
   assert (lower <= rate).all() and (rate <= upper).all()
   for field in ('snr', 'progress', 'confident_fraction'):
     x = getattr(states, field)
     assert ((x >= 0) & (x <= 1)).all(), field
   # The interval moves and the rate uses it, and no step is longer than tau.
-  assert float(jnp.std(rate)) > 0 and bool((rate < upper).any())
+  assert float(np.std(rate)) > 0 and bool((rate < upper).any())
   assert bool((upper > lower).any()) and bool((states.snr > 0.5).any())
-  rms = jnp.sqrt(jnp.mean(jnp.square(steps), -1))
+  rms = np.sqrt(np.mean(np.square(steps), -1))
   assert (rms <= tau * (1 + 1e-5)).all()
-  np.testing.assert_allclose(steps, -rate[:, None] * us, rtol=1e-6)
+  np.testing.assert_allclose(steps, -rate[:, None] * us_host, rtol=1e-6)
 
 
 def test_the_rate_does_not_leave_the_interval_by_rounding():
@@ -203,12 +214,16 @@ def test_the_rate_does_not_leave_the_interval_by_rounding():
       _, state = tx.update(jnp.ones(3), state, entropies=h)
     return state.inner_state
 
-  ks = jax.random.split(jax.random.key(0), 3)
-  n = 4000
-  lr = 10 ** jax.random.uniform(ks[0], (n,), minval=-4, maxval=-1)
-  eta_max = lr * 10 ** jax.random.uniform(ks[1], (n,), maxval=2)
-  h = jax.random.uniform(ks[2], (n, 7), maxval=math.log(C))
-  state = jax.jit(jax.vmap(rates))(lr, eta_max, h)
+  @jax.jit
+  def draw_and_run(key):
+    ks = jax.random.split(key, 3)
+    n = 4000
+    lr = 10 ** jax.random.uniform(ks[0], (n,), minval=-4, maxval=-1)
+    eta_max = lr * 10 ** jax.random.uniform(ks[1], (n,), maxval=2)
+    h = jax.random.uniform(ks[2], (n, 7), maxval=math.log(C))
+    return jax.vmap(rates)(lr, eta_max, h)
+
+  state = jax.tree.map(np.asarray, draw_and_run(jax.random.key(0)))
   assert (state.snr > 0.99).all() and (state.progress < 1e-8).all()
   assert (state.lower <= state.rate).all()
   assert (state.rate <= state.upper).all()
@@ -302,8 +317,9 @@ def test_the_update_is_minus_the_rate_times_the_updates_in_their_dtype(dtype):
   step = jax.jit(lambda g, s: tx.update(g, s, params,
                                         entropies=jnp.array([0.1, 2.0])))
   for i in range(3):
-    grads = {'w': jnp.linspace(-1, 2 + i, 12).reshape(4, 3).astype(dtype),
-             'b': jnp.array([0.5, -0.25, 3.0 - i], jnp.float32)}
+    grads = {'w': jnp.asarray(np.linspace(-1, 2 + i, 12, dtype=np.float32)
+                              .reshape(4, 3), dtype),
+             'b': jnp.asarray(np.array([0.5, -0.25, 3.0 - i], np.float32))}
     updates, state = step(grads, state)
     rate = float(state.rate)
     assert rate > 0
@@ -311,9 +327,11 @@ def test_the_update_is_minus_the_rate_times_the_updates_in_their_dtype(dtype):
         lambda x: x.dtype, params)
     assert jax.tree.map(lambda x: x.dtype, state) == dtypes
     # To one rounding of the dtype (XLA may fuse the rate into the product).
+    # The reference in numpy: a float32 product, rounded to the dtype.
     jax.tree.map(lambda got, g: np.testing.assert_allclose(
         np.asarray(got, np.float32), np.asarray(
-            (-rate * g.astype(jnp.float32)).astype(g.dtype), np.float32),
+            (np.float32(-rate) * np.asarray(g, np.float32)).astype(g.dtype),
+            np.float32),
         rtol=1e-6 if g.dtype == jnp.float32 else 2 ** -8), updates, grads)
   assert state.grad_ema['w'].dtype == jnp.float32
 
@@ -324,25 +342,28 @@ def test_zero_tiny_and_huge_updates_stay_finite_and_the_cap_holds():
   state = tx.init(jnp.zeros(5))
   step = jax.jit(lambda u, s: tx.update(u, s, None,
                                         entropies=jnp.array([0.1, 0.2])))
+  finite = lambda tree: all(np.isfinite(np.asarray(x)).all()
+                            for x in jax.tree.leaves(tree))
+  zeros = np.zeros(5, np.float32)
   for _ in range(3):  # Zero: no NaN, no step, no evidence of signal.
-    new, state = step(jnp.zeros(5), state)
-    assert (new == 0).all() and float(state.snr) == 0.0
-    assert all(jnp.isfinite(x).all() for x in jax.tree.leaves(state))
+    new, state = step(zeros, state)
+    assert (np.asarray(new) == 0).all() and float(state.snr) == 0.0
+    assert finite(state)
   # (At 1e38 the norm of u passes float32's maximum: the step is 0.)
   for scale in (1e-30, 1e30, 1e38, 1.0, 1e20):
-    u = jnp.array([1.0, -2.0, 0.5, 1.0, 3.0]) * scale
-    new, state = step(u.astype(jnp.float32), state)
-    assert all(jnp.isfinite(x).all() for x in jax.tree.leaves(state)), scale
-    assert jnp.isfinite(new).all(), scale
+    u = np.array([1.0, -2.0, 0.5, 1.0, 3.0], np.float32) * np.float32(scale)
+    new, state = step(u.astype(np.float32), state)
+    assert finite(state), scale
+    assert finite(new), scale
     rms = float(np.sqrt(np.mean(np.square(np.asarray(new, np.float64)))))
     assert rms <= tau * (1 + 1e-5), scale
     if scale in (1e20, 1e30):  # The cap binds: the step is tau long.
       np.testing.assert_allclose(rms, tau, rtol=1e-4)
-  new, state = step(jnp.zeros(5), state)  # And back to zero.
-  assert (new == 0).all() and jnp.isfinite(state.snr)
+  new, state = step(zeros, state)  # And back to zero.
+  assert (np.asarray(new) == 0).all() and np.isfinite(float(state.snr))
   # The statistics see a spike at a norm of 1e18: two equal spikes are
   # signal, two opposite ones noise (their squares would overflow).
-  d = jnp.array([1.0, -2.0, 0.5, 1.0, 3.0]) * 1e30
+  d = np.array([1.0, -2.0, 0.5, 1.0, 3.0], np.float32) * np.float32(1e30)
   for second, snr in ((d, 1.0), (-d, 0.0)):
     _, state = step(second, step(d, tx.init(d))[1])
     np.testing.assert_allclose(float(state.snr), snr, atol=1e-5)
@@ -350,20 +371,23 @@ def test_zero_tiny_and_huge_updates_stay_finite_and_the_cap_holds():
 
 def test_empty_padded_and_shaped_entropies():
   tx = conga.conga(1e-3, num_classes=C)
-  u = jnp.arange(6.0)
+  u = jnp.asarray(np.arange(6.0, dtype=np.float32))
   update = jax.jit(lambda s, h: tx.update(u, s, entropies=h)[1])
-  state = update(tx.init(u), jnp.array([0.5, 2.0, 0.1]))
-  ema = (state.entropy_ema, state.entropy_batches, state.initial_entropy)
-  for empty in (jnp.zeros((0,)), jnp.full((4,), jnp.nan)):
-    after = update(state, empty)
+  host = lambda state: jax.tree.map(np.asarray, state)
+  state = update(tx.init(u), np.array([0.5, 2.0, 0.1], np.float32))
+  ema = tuple(np.asarray(x) for x in (
+      state.entropy_ema, state.entropy_batches, state.initial_entropy))
+  for empty in (np.zeros((0,), np.float32), np.full((4,), np.nan,
+                                                    np.float32)):
+    after = host(update(state, empty))
     assert float(after.confident_fraction) == 0.0
     assert (after.entropy_ema, after.entropy_batches,
             after.initial_entropy) == ema
     assert float(after.lower) == pytest.approx(1e-4)
-  h = jnp.array([[0.5, 2.0], [0.1, 3.0]])
-  shaped = update(state, h)
-  padded = update(state, jnp.concatenate(
-      [h.ravel(), jnp.array([jnp.nan, jnp.inf])]))
+  h = np.array([[0.5, 2.0], [0.1, 3.0]], np.float32)
+  shaped = host(update(state, h))
+  padded = host(update(state, np.concatenate(
+      [h.ravel(), np.array([np.nan, np.inf], np.float32)])))
   for field in STATE_FIELDS + ('entropy_ema',):
     assert getattr(shaped, field) == getattr(padded, field), field
   assert float(shaped.confident_fraction) == 0.5
@@ -467,7 +491,9 @@ def test_bad_arguments_raise_an_argument_error_naming_them(kwargs, argument):
 def test_update_without_entropies_is_an_argument_error():
   tx = optax.chain(optax.scale_by_adam(), conga.conga(1e-3, num_classes=C))
   with pytest.raises(validation.ArgumentError) as info:
-    tx.update(jnp.ones(2), tx.init(jnp.zeros(2)), jnp.zeros(2))
+    # Raised while tracing: nothing is compiled.
+    jax.jit(tx.update)(jnp.ones(2), jax.jit(tx.init)(jnp.zeros(2)),
+                       jnp.zeros(2))
   assert info.value.argument == 'entropies'
 
 
@@ -482,25 +508,27 @@ def _numpy_entropy(z):
 def test_entropies_from_logits_match_numpy_and_are_stable():
   rng = np.random.default_rng(1)
   logits = rng.normal(size=(2, 5, C)) * 3
-  got = conga.entropies_from_logits(logits.astype(np.float32))
+  # The product function jitted (eager, each of its ops compiles apart).
+  entropies = jax.jit(conga.entropies_from_logits)
+  got = entropies(logits.astype(np.float32))
   assert got.shape == (2, 5) and got.dtype == jnp.float32
   np.testing.assert_allclose(got, _numpy_entropy(logits.astype(np.float32)),
                              rtol=1e-5, atol=1e-6)
   extreme = np.array([[1e4, 0.0, -1e4], [0.0, 0.0, 0.0],
                       [-np.inf, 1.0, 2.0], [3e38, 3e38, -3e38]], np.float32)
-  got = conga.entropies_from_logits(extreme)
+  got = entropies(extreme)
   np.testing.assert_allclose(got, _numpy_entropy(extreme), rtol=1e-5,
                              atol=1e-6)
   np.testing.assert_allclose(got[1], math.log(3), rtol=1e-6)
   bf16 = jnp.asarray(logits[0], jnp.bfloat16)
-  got = conga.entropies_from_logits(bf16)
+  got = entropies(bf16)
   assert got.dtype == jnp.float32
   np.testing.assert_allclose(got, _numpy_entropy(np.asarray(bf16, np.float32)),
                              rtol=1e-5, atol=1e-6)
   # The entropy is a TTA loss too: its gradient is finite at -inf logits.
-  grad = jax.grad(lambda z: conga.entropies_from_logits(z).sum())(
+  grad = jax.jit(jax.grad(lambda z: conga.entropies_from_logits(z).sum()))(
       jnp.asarray(extreme[2:3]))
-  assert jnp.isfinite(grad).all()
+  assert np.isfinite(np.asarray(grad)).all()
 
 
 def test_diagnostics_find_the_state_in_any_optax_state():

@@ -23,13 +23,17 @@ from launch import noisy_landscape_runs as detector_noise
 SEEDS = 8
 
 
+# One program per detector configuration, shared by every test (a new
+# closure per call would compile it again each time).
+_update = jax.jit(hallucination.update, static_argnums=1)
+
+
 def _flags(config, grad_norms, ratios):
   state = hallucination.init(track_cosine=False)
-  update = jax.jit(lambda s, g, p: hallucination.update(
-      s, config, jnp.bool_(True), g, p, None))
   flags = []
   for g, r in zip(grad_norms, ratios):
-    state = update(state, jnp.float32(g), jnp.float32(g * r))
+    state = _update(state, config, jnp.bool_(True), jnp.float32(g),
+                    jnp.float32(g * r), None)
     flags.append(bool(state.flagged))
   return flags, state
 
@@ -88,12 +92,22 @@ def test_bad_detector_fields_are_named(field, value):
     hallucination.DetectorConfig(**{field: value})
 
 
+# rho and the noise's sigma are traced (`run` is jit- and vmap-friendly in
+# both): one program per (kind, detector), shared across rho and level.
+def _batched_run(kind, rho, sigma, keys, detector, steps):
+  return jax.vmap(lambda k: detector_noise.run(
+      kind, rho, sigma, k, detector, steps))(keys)
+
+
+_batched_run = jax.jit(_batched_run, static_argnums=(0, 4, 5))
+
+
 def _runs(kind, rho, level, detector, steps=2000):
   """SEEDS noisy runs of `kind` at noise `level` x the stall's |grad f|."""
   x_star, g_star = STALLS[rho]
   keys = jax.random.split(jax.random.key(11), SEEDS)
-  out = jax.jit(jax.vmap(lambda k: detector_noise.run(
-      kind, rho, level * g_star, k, detector, steps)))(keys)
+  out = _batched_run(kind, jnp.float32(rho), jnp.float32(level * g_star),
+                     keys, detector, steps)
   flagged = np.asarray(out['flagged_steps']) > 0
   near = np.linalg.norm(np.asarray(out['tail_mean']) - x_star, axis=1) < (
       detector_noise.STALL_RADIUS)

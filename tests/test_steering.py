@@ -20,13 +20,22 @@ def _random(shape, seed):
   return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
 
 
+# The product's functions run jitted (eagerly each of their ops compiles on
+# its own): one program per shape and static configuration, shared by every
+# test. The operator is a pytree (direction, alpha, ... are leaves).
+_slerp = jax.jit(st.slerp_rotate)
+_gate = jax.jit(st.gate)
+_unit = jax.jit(st.unit)
+_apply = jax.jit(lambda op, x: op(x))
+_apply_masked = jax.jit(lambda op, x, m: op(x, m))
+
+
 @pytest.mark.parametrize('t', [0.0, 0.1, 0.5, 0.9, 1.0])
 def test_rotation_equals_slerp_and_keeps_the_norm(t):
   x = _random((64, 16), 0) * 3.0
   mu = _random((16,), 1)
   mu /= np.linalg.norm(mu)
-  out = np.asarray(st.slerp_rotate(jnp.asarray(x), jnp.asarray(mu),
-                                   jnp.full((64,), t)))
+  out = np.asarray(_slerp(x, mu, np.full((64,), t, np.float32)))
   norms = np.linalg.norm(x, axis=-1)
   np.testing.assert_allclose(np.linalg.norm(out, axis=-1), norms, rtol=1e-5)
   for i in range(64):
@@ -38,10 +47,10 @@ def test_rotation_equals_slerp_and_keeps_the_norm(t):
 def test_t0_is_identity_and_t1_lands_on_the_target():
   x = jnp.asarray(_random((2, 5, 8), 2))
   mu = jnp.asarray(_random((8,), 3))
-  ident, stats = st.Steering('spherical', mu, alpha=0.0, gate=False)(x)
+  ident, stats = _apply(st.Steering('spherical', mu, alpha=0.0, gate=False), x)
   np.testing.assert_array_equal(ident, x)  # Bit for bit.
   assert float(stats.triggered) == 0
-  full, _ = st.Steering('spherical', mu, alpha=1.0, gate=False)(x)
+  full, _ = _apply(st.Steering('spherical', mu, alpha=1.0, gate=False), x)
   unit = np.asarray(mu) / np.linalg.norm(mu)
   directions = np.asarray(full) / np.linalg.norm(full, axis=-1, keepdims=True)
   np.testing.assert_allclose(directions, np.broadcast_to(unit, x.shape),
@@ -60,21 +69,20 @@ def test_gate_equals_the_reference_softmax_and_minus_tanh():
   p /= p.sum(-1, keepdims=True)
   delta_ref = p[:, 1] - p[:, 0]
   np.testing.assert_allclose(delta_ref, -np.tanh(kappa * c), atol=1e-7)
-  delta, t = st.gate(jnp.asarray(c), alpha=alpha, kappa=kappa, beta=beta)
+  delta, t = _gate(c, alpha=alpha, kappa=kappa, beta=beta)
   np.testing.assert_allclose(delta, delta_ref, atol=1e-6)
   t_ref = np.where(delta_ref > beta,
                    np.clip(alpha * (delta_ref - beta) / (1 - beta), 0, 1), 0)
   np.testing.assert_allclose(t, t_ref, atol=1e-6)
   assert 0 < np.mean(t_ref > 0) < 1  # Both branches exercised.
   # The operator rotates by exactly that t and leaves the rest alone.
-  out, stats = st.Steering('spherical', mu, alpha=alpha, kappa=kappa,
-                           beta=beta)(jnp.asarray(x))
+  out, stats = _apply(st.Steering('spherical', mu, alpha=alpha, kappa=kappa,
+                                  beta=beta), x)
   out = np.asarray(out)
   off = t_ref == 0
   np.testing.assert_array_equal(out[off], x[off])
   on = np.flatnonzero(~off)
-  ref = np.asarray(st.slerp_rotate(jnp.asarray(x[on]), jnp.asarray(mu),
-                                   jnp.asarray(t_ref[on])))
+  ref = np.asarray(_slerp(x[on], mu, t_ref[on].astype(np.float32)))
   np.testing.assert_allclose(out[on], ref, atol=1e-5)
   assert float(stats.triggered) == on.size
   np.testing.assert_allclose(float(stats.t_sum), t_ref.sum(), rtol=1e-5)
@@ -86,8 +94,7 @@ def test_theta_near_pi_is_finite_and_geodesic(noise):
   mu[2] = 1.0
   x = (-2.5 * mu + noise * _random((6,), 6)).astype(np.float32)
   for t in (0.25, 0.5, 1.0):
-    out = np.asarray(st.slerp_rotate(jnp.asarray(x), jnp.asarray(mu),
-                                     jnp.asarray(t)))
+    out = np.asarray(_slerp(x, mu, np.float32(t)))
     assert np.all(np.isfinite(out))
     np.testing.assert_allclose(np.linalg.norm(out), np.linalg.norm(x),
                                rtol=1e-5)
@@ -210,6 +217,12 @@ def test_spherical_equals_a_float64_slerp_at_every_angle(dtype, jit, dim):
           assert err <= tol, f'{where}: |y - slerp| = {err} |x| > {tol}'
 
 
+@jax.jit
+def _slerp_grads(x, t, mu, weights):
+  loss = lambda x, t: jnp.sum(st.slerp_rotate(x, mu, t) * weights)
+  return jax.grad(loss, argnums=(0, 1))(x, t)
+
+
 @pytest.mark.parametrize('theta', [0.0, 1e-3, 1.0, np.pi - 1e-4, np.pi])
 def test_spherical_gradients_are_finite(theta):
   """Nothing differentiates through steering today; if something does, the
@@ -222,18 +235,17 @@ def test_spherical_gradients_are_finite(theta):
   x = jnp.asarray(2.0 * (np.cos(theta) * mu + np.sin(theta) * v), jnp.float32)
   if theta == np.pi:
     x = jnp.asarray(-2.0 * mu)
-  weights = jnp.asarray(_random((16,), 22))
-  loss = lambda x, t: jnp.sum(st.slerp_rotate(x, jnp.asarray(mu), t) * weights)
-  for point in (x, jnp.zeros(16)):
+  weights = _random((16,), 22)
+  for point in (x, np.zeros(16, np.float32)):
     for t in (0.0, 0.3, 1.0):
-      grads = jax.grad(loss, argnums=(0, 1))(point, jnp.float32(t))
+      grads = _slerp_grads(point, np.float32(t), mu, weights)
       assert all(np.all(np.isfinite(g)) for g in grads), (theta, t)
 
 
 def test_zero_activation_stays_zero():
   mu = jnp.ones(4)
-  out, _ = st.Steering('spherical', mu, alpha=1.0, gate=False)(jnp.zeros(
-      (1, 4)))
+  out, _ = _apply(st.Steering('spherical', mu, alpha=1.0, gate=False),
+                  np.zeros((1, 4), np.float32))
   np.testing.assert_array_equal(out, 0.0)
 
 
@@ -249,8 +261,7 @@ def test_vectorised_equals_per_token_loop_with_mask(method, kwargs):
   mask = np.random.default_rng(8).random((3, 7)) < 0.6
   mu = _random((16,), 9)
   op = st.Steering(method, jnp.asarray(mu), alpha=0.6, **kwargs)
-  out, stats = jax.jit(lambda s, x, m: s(x, m))(op, jnp.asarray(x),
-                                                jnp.asarray(mask))
+  out, stats = _apply_masked(op, x, mask)
   out = np.asarray(out)
   changed = 0
   for b in range(3):
@@ -258,7 +269,7 @@ def test_vectorised_equals_per_token_loop_with_mask(method, kwargs):
       if not mask[b, s]:
         np.testing.assert_array_equal(out[b, s], x[b, s])
         continue
-      one, one_stats = op(jnp.asarray(x[b, s]))
+      one, one_stats = _apply(op, x[b, s])
       np.testing.assert_allclose(out[b, s], one, atol=1e-5)
       changed += int(one_stats.triggered)
   assert float(stats.tokens) == mask.sum()
@@ -269,11 +280,11 @@ def test_addition_and_renormalisation_closed_forms():
   x = _random((10, 8), 10)
   mu = _random((8,), 11)
   unit = mu / np.linalg.norm(mu)
-  out, _ = st.Steering('addition', jnp.asarray(mu), alpha=0.5,
-                       coefficient=3.0)(jnp.asarray(x))
+  out, _ = _apply(st.Steering('addition', jnp.asarray(mu), alpha=0.5,
+                              coefficient=3.0), x)
   np.testing.assert_allclose(out, x + 1.5 * unit, atol=1e-5)
-  out, _ = st.Steering('addition', jnp.asarray(mu), alpha=0.5,
-                       coefficient=3.0, renormalize=True)(jnp.asarray(x))
+  out, _ = _apply(st.Steering('addition', jnp.asarray(mu), alpha=0.5,
+                              coefficient=3.0, renormalize=True), x)
   new = x + 1.5 * unit
   np.testing.assert_allclose(
       out, new * (np.linalg.norm(x, axis=-1) / np.linalg.norm(new, axis=-1)
@@ -284,10 +295,10 @@ def test_bfloat16_in_bfloat16_out_computed_in_float32():
   x32 = _random((4, 32), 12) * 50
   x = jnp.asarray(x32, jnp.bfloat16)
   mu = jnp.asarray(_random((32,), 13))
-  out, _ = st.Steering('spherical', mu, alpha=0.5, gate=False)(x)
+  out, _ = _apply(st.Steering('spherical', mu, alpha=0.5, gate=False), x)
   assert out.dtype == jnp.bfloat16
-  ref = st.slerp_rotate(x.astype(jnp.float32), st.unit(mu),
-                        jnp.full((4,), 0.5)).astype(jnp.bfloat16)
+  ref = _slerp(np.asarray(x, np.float32), _unit(mu),
+               np.full((4,), 0.5, np.float32)).astype(jnp.bfloat16)
   np.testing.assert_array_equal(np.asarray(out, np.float32),
                                 np.asarray(ref, np.float32))
   np.testing.assert_allclose(
@@ -363,7 +374,8 @@ def test_gated_addition_adds_the_gate_fraction_and_defaults_are_per_method():
   kappa, beta, alpha, c = 2.0, -0.2, 0.7, 4.0
   op = st.Steering('addition', jnp.asarray(mu), alpha=alpha, kappa=kappa,
                    beta=beta, coefficient=c, gate=True)
-  out, stats = jax.jit(lambda s, x: s(x))(op, jnp.asarray(x))
+  out, stats = _apply(op, x)
+  out = np.asarray(out)
   changed = 0
   for i, xi in enumerate(x):
     cos = float(xi @ unit / np.linalg.norm(xi))
@@ -379,6 +391,6 @@ def test_gated_addition_adds_the_gate_fraction_and_defaults_are_per_method():
   assert st.Steering('spherical', jnp.asarray(mu)).gate is True
   assert st.Steering('addition', jnp.asarray(mu)).gate is False
   # Ungated addition is unchanged: alpha c mu on every token.
-  plain, _ = st.Steering('addition', jnp.asarray(mu), alpha=alpha,
-                         coefficient=c)(jnp.asarray(x))
+  plain, _ = _apply(st.Steering('addition', jnp.asarray(mu), alpha=alpha,
+                                coefficient=c), x)
   np.testing.assert_allclose(plain, x + alpha * c * unit, atol=1e-5)
