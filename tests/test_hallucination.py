@@ -11,6 +11,8 @@ absolute thresholds miss both; a convex quadratic and warm-started runs
 under the same noise are never flagged, at any level or rho tried.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,12 +96,10 @@ def test_bad_detector_fields_are_named(field, value):
 
 # rho and the noise's sigma are traced (`run` is jit- and vmap-friendly in
 # both): one program per (kind, detector), shared across rho and level.
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
 def _batched_run(kind, rho, sigma, keys, detector, steps):
   return jax.vmap(lambda k: detector_noise.run(
       kind, rho, sigma, k, detector, steps))(keys)
-
-
-_batched_run = jax.jit(_batched_run, static_argnums=(0, 4, 5))
 
 
 def _runs(kind, rho, level, detector, steps=2000):

@@ -282,15 +282,13 @@ def test_shrink_rho_halves_rho_after_each_flag_only(threshold, flags, scales):
 
 def _two_call_trajectory(tx, params, loss, steps, jit=True):
   grad = jax.grad(loss)
+
+  def update(params, state):
+    updates, state = tx.update(grad(params), state, params)
+    return optax.apply_updates(params, updates), state
+
   if jit:
-    @jax.jit
-    def update(params, state):
-      updates, state = tx.update(grad(params), state, params)
-      return optax.apply_updates(params, updates), state
-  else:
-    def update(params, state):
-      updates, state = tx.update(grad(params), state, params)
-      return optax.apply_updates(params, updates), state
+    update = jax.jit(update)
   state = tx.init(params)
   done = 0
   while done < steps:
@@ -350,9 +348,10 @@ def test_multisteps_accumulates_g_then_perturbs_with_the_mean():
   def reference(params, micro):
     mean_g = jax.tree.map(lambda *g: sum(g) / 3,
                           *[jax.grad(loss_fn)(params, b) for b in micro])
-    e, _ = sam.perturbation(mean_g, params, 0.1)
+    norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(mean_g)))
+    adv = jax.tree.map(lambda w, g: w + 0.1 * g / norm, params, mean_g)
     # grad_fn of the last micro-step evaluates the perturbed gradient.
-    g_adv = jax.grad(loss_fn)(sam.perturbed_params(params, e), micro[-1])
+    g_adv = jax.grad(loss_fn)(adv, micro[-1])
     return jax.tree.map(lambda w, g: w - 0.05 * g, params, g_adv)
 
   want = reference(params, micro)
