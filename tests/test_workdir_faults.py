@@ -356,7 +356,7 @@ def test_torn_metrics_and_final_metrics_are_repaired_on_resume(reference,
   workdir = _copy(reference[0], tmp_path / 'run', keep_steps=(20,),
                   final=False)
   with open(os.path.join(workdir, 'metrics.jsonl'), 'ab') as f:
-    f.write(b'{"step": 23, "train_lo' + b'\0' * 512)
+    f.write(b'{"step": 23, "train_lo\xff' + b'\0' * 512)  # Not UTF-8.
   result = launch_runs.run(workdir, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   with open(os.path.join(workdir, 'metrics.jsonl')) as f, open(
@@ -372,6 +372,21 @@ def test_torn_metrics_and_final_metrics_are_repaired_on_resume(reference,
   with open(os.path.join(workdir, 'metrics.jsonl')) as f, open(
       os.path.join(reference[0], 'metrics.jsonl')) as g:
     assert f.read() == g.read()  # The final record is not doubled.
+
+
+def test_a_line_that_is_not_utf8_is_dropped_on_resume(tmp_path):
+  from train import metrics  # pylint: disable=g-import-not-at-top
+  path = tmp_path / 'metrics.jsonl'
+  path.write_bytes(b'{"step": 1, "loss": 0.5}\n'
+                   b'{"step": 2, "loss": 0.\xff4}\n'  # A damaged block.
+                   b'{"step": 3, "loss": 0.25}\n{"step": 4, "loss": 0.2}\n')
+  assert metrics.read_jsonl(str(path)) == [
+      {'step': 1, 'loss': 0.5}, {'step': 3, 'loss': 0.25},
+      {'step': 4, 'loss': 0.2}]
+  writer = metrics.MetricWriter(str(tmp_path), resume_step=3)
+  writer.close()
+  assert path.read_text() == ('{"step": 1, "loss": 0.5}\n'
+                              '{"step": 3, "loss": 0.25}\n')
 
 
 def _strict(text):

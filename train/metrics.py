@@ -38,19 +38,20 @@ def dumps(obj: object, **kw) -> str:
   return json.dumps(_finite_or_none(obj), allow_nan=False, **kw)
 
 
-def parse_jsonl(text: str) -> tuple[list[dict], int]:
+def parse_jsonl(data: str | bytes) -> tuple[list[dict], int]:
   """The complete records of a JSONL text, and how many lines were not.
 
   A crash mid-write leaves a torn last line, or on some file systems a
-  tail of NUL bytes; neither parses as a record, and both are dropped.
+  tail of NUL bytes; neither parses as a record, and both are dropped. So
+  is a line of bytes that are not UTF-8 (a damaged disk block).
   """
   records, dropped = [], 0
-  for line in text.splitlines():
+  for line in data.splitlines():
     if not line.strip():
       continue
     try:
-      record = json.loads(line)
-    except ValueError:
+      record = json.loads(line)  # Bytes are decoded as UTF-8, strictly.
+    except ValueError:  # UnicodeDecodeError is one.
       record = None
     if isinstance(record, dict) and isinstance(record.get('step'), int):
       records.append(record)
@@ -64,7 +65,7 @@ def read_jsonl(path: str) -> list[dict[str, float]]:
   values are None."""
   if not fileio.exists(path):
     return []
-  records, dropped = parse_jsonl(fileio.read_text(path))
+  records, dropped = parse_jsonl(fileio.read_bytes(path))
   if dropped:
     logging.warning('%s: %d damaged line(s) ignored (a crash mid-write)',
                     path, dropped)
