@@ -7,6 +7,8 @@ and the four kinds of run), importable without that launcher's flags:
 |grad f|, `PREVIOUS` is the detector configuration before 2026-11-30.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,13 +61,18 @@ def run(kind: str, rho: float, sigma: float, key: jax.Array,
               ratio_ema=d['grad_ratio_ema'])
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _noiseless_stall(rho: jax.Array, steps: int):
+  # One program for every rho (traced); (x*, |grad f(x*)|).
+  x = run('stall', rho, 0.0, jax.random.key(0),
+          hallucination.DetectorConfig(), steps)['x']
+  return x, jnp.linalg.norm(jax.grad(landscapes.valley_with_bump)(x))
+
+
 def noiseless_stalls(rhos, steps: int) -> dict:
   """rho -> (x*, |grad f(x*)|) of SAM's noiseless stall."""
   out = {}
   for rho in rhos:
-    r = jax.jit(lambda: run('stall', rho, 0.0, jax.random.key(0),
-                            hallucination.DetectorConfig(), steps))()
-    x = np.asarray(r['x'])
-    out[rho] = (x, float(jnp.linalg.norm(jax.grad(
-        landscapes.valley_with_bump)(jnp.asarray(x)))))
+    x, g = _noiseless_stall(jnp.float32(rho), steps)
+    out[rho] = (np.asarray(x), float(g))
   return out
