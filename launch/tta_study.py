@@ -28,6 +28,7 @@ writes `<study>.md` and `<study>.json` there (and `rates.png`).
 """
 
 import json
+import math
 import os
 import statistics
 
@@ -74,6 +75,53 @@ TABLE_ROWS = [
     ('EATA', 'eata', 'fixed'), ('EATA+CONGA', 'eata', 'conga'),
     ('SAR', 'sar', 'fixed'), ('SAR+CONGA', 'sar', 'conga'),
 ]
+
+
+def check_flags() -> None:
+  """UsageError naming the first bad flag, before anything is trained."""
+  # pylint: disable=g-import-not-at-top
+  from train.errors import UsageError
+  from train.tta import methods
+  from train.tta import streams
+  from train.vision import models
+  # pylint: enable=g-import-not-at-top
+
+  def values(flag):
+    items = flag.value if isinstance(flag.value, list) else [flag.value]
+    if not items:
+      raise UsageError(f'--{flag.name}', '', 'is empty')
+    return items
+
+  def numbers(flag, kind, ok, what):
+    for text in values(flag):
+      try:
+        valid = ok(kind(text))
+      except ValueError:
+        valid = False
+      if not valid:
+        raise UsageError(f'--{flag.name}', text, f'must be {what}')
+
+  def among(flag, choices):
+    for value in values(flag):
+      if value not in choices:
+        raise UsageError(f'--{flag.name}', value, 'unknown', choices)
+
+  at_least_1 = lambda v: v >= 1
+  numbers(_SEEDS, int, at_least_1, 'an integer >= 1')
+  numbers(_SEVERITIES, int, lambda v: 1 <= v <= 5, 'an integer in 1-5')
+  among(_PROTOCOLS, streams.PROTOCOLS)
+  if _MEAN_PROTOCOLS.value:
+    among(_MEAN_PROTOCOLS, streams.PROTOCOLS)
+  among(_PROTOCOL, streams.PROTOCOLS)
+  numbers(_RATES, float, lambda v: 0 < v < math.inf, 'a number > 0')
+  # The rates study varies a learning rate: the methods that have one.
+  among(_METHODS, [m for m in methods.METHODS
+                   if m not in ('source', 'bn_stats')])
+  among(_NORMS, models.NORMS)
+  numbers(_NORM_BATCHES, int, at_least_1, 'an integer >= 1')
+  among(_NORM_METHODS, [m for m in methods.METHODS if m != 'source'])
+  numbers(_BATCH, int, at_least_1, 'an integer >= 1')
+  numbers(_FEATURES, int, at_least_1, 'an integer >= 1')
 
 
 def _source_dir(seed: int, norm: str = 'batch') -> str:
@@ -247,15 +295,25 @@ def main(argv):
   from launch import entry  # pylint: disable=g-import-not-at-top
   import ml_collections  # pylint: disable=g-import-not-at-top
   entry.quiet_libraries()
-  entry.configure_devices(ml_collections.ConfigDict({'cpu_devices': 8}))
-  os.makedirs(_WORKDIR.value, exist_ok=True)
-  text, raw = {'table': table, 'rates': rates, 'norm': norm}[_STUDY.value]()
-  base = os.path.join(_WORKDIR.value, _STUDY.value)
-  with open(base + '.md', 'w') as f:
-    f.write(text + '\n')
-  with open(base + '.json', 'w') as f:
-    json.dump(raw, f, indent=1, sort_keys=True)
-  print(text)
+
+  def job():
+    check_flags()
+    entry.configure_devices(ml_collections.ConfigDict({'cpu_devices': 8}))
+    from train import experiment  # pylint: disable=g-import-not-at-top
+    from train import workdir_lock  # pylint: disable=g-import-not-at-top
+    root = experiment.check_workdir(_WORKDIR.value)
+    # One study per workdir (its runs below lock their own directories).
+    with workdir_lock.hold(root):
+      text, raw = {'table': table, 'rates': rates,
+                   'norm': norm}[_STUDY.value]()
+      base = os.path.join(root, _STUDY.value)
+      with open(base + '.md', 'w') as f:
+        f.write(text + '\n')
+      with open(base + '.json', 'w') as f:
+        json.dump(raw, f, indent=1, sort_keys=True)
+    print(text)
+
+  entry.run_job(job)
 
 
 if __name__ == '__main__':
