@@ -24,13 +24,8 @@ STATE_FIELDS = ('rate', 'lower', 'upper', 'confident_fraction', 'snr',
 
 
 def _tree(x):
-  """A flat float vector of length 23 as a two-leaf tree."""
-  return {'a': jnp.asarray(x[:15]).reshape(5, 3), 'b': jnp.asarray(x[15:])}
-
-
-def _host_tree(x):
-  """`_tree` of a host vector, reshaped by numpy (no eager device op)."""
-  x = np.asarray(x)
+  # Reshaped before it becomes a device array: a host vector takes no eager
+  # device op, a traced one reshapes in its program.
   return {'a': jnp.asarray(x[:15].reshape(5, 3)), 'b': jnp.asarray(x[15:])}
 
 
@@ -82,11 +77,11 @@ def _reference(us, hs, *, lr, num_classes=C, eta_min=None, eta_max=None,
 
 def _run(tx, us, hs):
   """Steps tx (jitted) over the stream; returns (updates, states)."""
-  state = tx.init(_host_tree(np.zeros(23, np.float32)))
+  state = tx.init(_tree(np.zeros(23, np.float32)))
   step = jax.jit(lambda u, s, h: tx.update(u, s, None, entropies=h))
   updates, states = [], []
   for u, h in zip(us, hs):
-    new, state = step(_host_tree(u.astype(np.float32)), state,
+    new, state = step(_tree(u.astype(np.float32)), state,
                       jnp.asarray(h, jnp.float32))
     updates.append(new)
     states.append(conga.find_state(state))
