@@ -65,6 +65,12 @@ CASES = {
                    'config.num_steps=0: must be a positive integer'),
     'negative steps': ({'num_steps': -5},
                        'config.num_steps=-5: must be a positive integer'),
+    # Both were tracebacks after the workdir was written (and -1 after
+    # metrics were logged).
+    'negative seed': ({'seed': -1},
+                      'config.seed=-1: must be an integer in [0, 2**32)'),
+    'seed over 32 bits': ({'seed': 2**70}, f'config.seed={2**70}: must be '
+                          'an integer in [0, 2**32)'),
 }
 
 

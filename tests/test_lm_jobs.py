@@ -10,7 +10,10 @@ import pytest
 
 from configs import lm as lm_config
 from configs import steering as steering_config
+from tests import config_edits
+from tests import launch_runs
 from tests.conftest import REPO_ROOT
+from train import workdir_lock
 from train.errors import ConfigError
 from train.lm import trainer as lm_trainer
 from train.steering import evaluation as steering_eval
@@ -43,9 +46,7 @@ def _eval_config(lm_dir, **overrides):
   config.lm_workdir = lm_dir
   config.methods = ('none', 'addition_renorm', 'spherical_gate')
   config.alphas = (1.0,)
-  for k, v in overrides.items():
-    config[k] = v
-  return config
+  return config_edits.apply(config, overrides)
 
 
 def test_steering_evaluation_writes_table_plot_and_vector(lm_workdir,
@@ -107,13 +108,34 @@ def test_steering_evaluation_writes_table_plot_and_vector(lm_workdir,
     (dict(alphas=(0.5, 1.5)), r'config.alphas=.*alpha=1.5 is outside \[0, 1\]'),
     (dict(beta=1.0), r'config.beta=1.0: must be in \[-1, 1\)'),
     (dict(layer=7), r'config.layer=7: out of range; the model has 2 layers'),
+    # These two were tracebacks after the vector file was written.
+    ({'tasks.copa': 0},
+     r'config.tasks.copa=0: must be an integer in \[1, 10000\]'),
+    ({'generation.steps': 10**9},
+     r'config.generation.steps=1000000000: prompts of \d+ tokens and this '
+     r"many steps exceed the LM's max_len=\d+$"),
+    ({'generation.prompts': 10**9},
+     r'config.generation.prompts=1000000000: must be at most 10000'),
 ])
 def test_bad_evaluation_config_fails_before_compute(lm_workdir, tmp_path,
                                                     overrides, message):
   with pytest.raises(ConfigError, match=message):
     steering_eval.evaluate(_eval_config(lm_workdir[0], **overrides),
                            str(tmp_path))
-  assert not os.path.exists(tmp_path / 'results.json')
+  assert os.listdir(tmp_path) == [workdir_lock.LOCK_FILE] or (
+      not os.listdir(tmp_path)), os.listdir(tmp_path)
+
+
+def test_a_held_workdir_is_refused_and_left_as_it_was(lm_workdir, tmp_path):
+  # Two evaluations of one workdir both ran; the last writer won.
+  holder = launch_runs.hold_workdir(str(tmp_path))
+  try:
+    with pytest.raises(workdir_lock.WorkdirBusy, match=f'pid {holder.pid}'):
+      steering_eval.evaluate(_eval_config(lm_workdir[0]), str(tmp_path))
+  finally:
+    holder.kill()
+    holder.wait()
+  assert os.listdir(tmp_path) == [workdir_lock.LOCK_FILE]
 
 
 def test_launcher_reports_a_missing_lm_in_one_line(tmp_path):

@@ -1,8 +1,10 @@
 """The RL job: synchronous mode = a plain GRPO loop bit for bit, the
 staleness bound, resume after SIGTERM and kill -9, and one-line errors."""
 
+import ast
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,14 +12,18 @@ import time
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
 import pytest
 
 from configs import rl as rl_config
 from configs import rl_sft as sft_config
 from geom import gas
+from launch import trainers
 from tests.conftest import REPO_ROOT
+from tests.conftest import SFT_POLICY_OVERRIDES
 from tests import config_edits
 from tests import launch_runs
+from train import checksums
 from train import errors
 from train.rl import learner
 from train.rl import rollout
@@ -29,16 +35,12 @@ from train.rl import tasks
 
 
 @pytest.fixture(scope='module')
-def sft_workdir(tmp_path_factory):
-  workdir = str(tmp_path_factory.mktemp('sft'))
-  config = sft_config.get_config('runlocal')
-  # Long enough to answer some one- and two-digit sums (runlocal's 30
-  # steps answer almost none, and all-zero rewards give no update).
-  config.num_steps = 300
-  config.data.difficulties = (1, 2)
-  config.optimizer.learning_rate = 1e-2
-  scores = sft.train_and_evaluate(config, workdir)
-  assert 0.1 < scores['pass_at_1_add_d1'], scores
+def sft_workdir(sft_policy_run):
+  workdir = sft_policy_run[0]
+  # The warm start answers some one- and two-digit sums, so groups disagree
+  # and the updates are not zero.
+  with open(os.path.join(workdir, sft.PASS_AT_1)) as f:
+    assert 0.1 < json.load(f)['add_d1']
   return workdir
 
 
@@ -274,6 +276,8 @@ def _launched_config(sft_workdir):
     ({'scheduler': 'gas', 'gas.bandit': 'thompson'}, 'gas.bandit'),
     # Deterministic runs (as _launch makes them) need the latency model.
     ({'scheduler': 'gas'}, 'gas.latency_source'),
+    ({'optimizer.learning_rate': float('inf')}, 'optimizer.learning_rate'),
+    ({'seed': -1}, 'config.seed=-1: must be an integer in [0, 2**32)'),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_input_is_one_line_before_any_work(sft_workdir, tmp_path,
                                                changes, field):
@@ -282,6 +286,42 @@ def test_bad_input_is_one_line_before_any_work(sft_workdir, tmp_path,
     run.train_and_evaluate(config, str(tmp_path / 'w'))
   assert field in str(e.value) and '\n' not in str(e.value), str(e.value)
   assert not os.path.exists(tmp_path / 'w' / 'checkpoints')
+
+
+def _saved_arrays(workdir):
+  """{step: every array of that checkpoint's state}, read as stored."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  root = os.path.join(workdir, 'checkpoints')
+  steps = sorted(int(d) for d in os.listdir(root) if d.isdigit())
+  with ocp.PyTreeCheckpointer() as reader:
+    return {step: jax.tree.leaves(reader.restore(
+        os.path.join(root, str(step), 'state'))) for step in steps}
+
+
+@pytest.mark.parametrize('rate', [1e39, 1e30])
+def test_a_policy_gone_non_finite_stops_the_run_and_is_never_saved(
+    sft_workdir, tmp_path, rate):
+  # launch.rl with learning_rate=inf exited 0 with NaN in 36 of 37
+  # checkpointed arrays (inf is now refused with the config). 1e39 is inf
+  # in float32: the first update leaves inf in the policy, with a finite
+  # loss. 1e30 leaves finite parameters whose next loss is not.
+  config = config_edits.apply(_config(sft_workdir), {
+      'optimizer.learning_rate': rate, 'checkpoint_every': 1})
+  workdir = tmp_path / 'rl'
+  with pytest.raises(errors.NonFiniteLossError) as e:
+    run.train_and_evaluate(config, str(workdir))
+  text = str(e.value)
+  assert e.value.exit_code == 3 and '\n' not in text, text
+  assert text.startswith('non-finite ') and 'nonfinite=skip' not in text
+  if rate == 1e39:
+    assert text.startswith('non-finite policy state at step 1; stopped '
+                           'without saving (no checkpoint was written)'), text
+  assert not os.path.exists(workdir / run.RESULTS)
+  saved = _saved_arrays(workdir)
+  assert max(saved, default=None) == e.value.last_checkpoint
+  for step, arrays in saved.items():
+    assert all(np.all(np.isfinite(a)) for a in arrays
+               if np.issubdtype(np.asarray(a).dtype, np.inexact)), step
 
 
 def test_bad_input_through_the_launcher_is_one_line_and_exit_2(sft_workdir,
@@ -297,22 +337,49 @@ def test_bad_input_through_the_launcher_is_one_line_and_exit_2(sft_workdir,
   assert not os.path.exists(tmp_path / 'w' / 'checkpoints')
 
 
-def test_a_held_workdir_and_a_changed_config_are_refused(sft_workdir,
-                                                         tmp_path):
+def test_a_held_workdir_a_changed_config_or_policy_are_refused(sft_workdir,
+                                                               tmp_path):
+  policy = str(tmp_path / 'sft')  # A copy: trained further below.
+  shutil.copytree(sft_workdir, policy)
   workdir = tmp_path / 'rl'
   holder = launch_runs.hold_workdir(str(workdir))
   try:
-    proc = subprocess.run(_launch(workdir, sft_workdir), cwd=REPO_ROOT,
+    proc = subprocess.run(_launch(workdir, policy), cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 75, proc.stderr[-2000:]
   finally:
     holder.kill()
     holder.wait()
-  config = _config(sft_workdir)
-  run.train_and_evaluate(config, str(workdir))
-  config.grpo.epsilon = 0.3
-  with pytest.raises(Exception, match='grpo.epsilon'):
-    run.train_and_evaluate(config, str(workdir))
+  config = _config(policy)
+  results = run.train_and_evaluate(config, str(workdir))
+  # The same run as a kill left it, at its first kept checkpoint.
+  cut = tmp_path / 'cut'
+  shutil.copytree(workdir, cut)
+  os.remove(cut / run.RESULTS)
+  for step in sorted(int(d) for d in os.listdir(cut / 'checkpoints')
+                     if d.isdigit())[1:]:
+    shutil.rmtree(cut / 'checkpoints' / str(step))
+  other = config_edits.apply(_config(policy), {'grpo.epsilon': 0.3})
+  with pytest.raises(errors.UsageError, match='grpo.epsilon'):
+    run.train_and_evaluate(other, str(workdir))
+  # sft_workdir may name another path, but not another policy: a resumed
+  # run took the new one as its first policy's reference.
+  before = checksums.digest(sft.load_policy(policy)[2])
+  further = sft_config.get_config('runlocal')
+  for flag in SFT_POLICY_OVERRIDES:  # '--config.a.b=v'
+    path, value = flag[len('--config.'):].split('=')
+    config_edits.apply(further, {path: ast.literal_eval(value)})
+  further.num_steps += 10
+  trainers.train_and_evaluate(further, policy)
+  after = checksums.digest(sft.load_policy(policy)[2])
+  assert after != before
+  for w in (workdir, cut):
+    with pytest.raises(errors.UsageError) as e:
+      run.train_and_evaluate(config, str(w))
+    assert str(e.value).startswith(
+        f"config.sft_workdir='{after[:19]}': differs from {before[:19]}, "
+        f'the one the checkpoint of {w} at step '), str(e.value)
+  assert json.load(open(workdir / run.RESULTS)) == results
 
 
 def test_failing_actors_end_the_run_in_one_line_with_a_checkpoint_kept(

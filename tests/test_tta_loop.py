@@ -2,19 +2,24 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
 
 from configs import digits as digits_config
 from configs import tta as tta_config
 from tests import config_edits
 from tests import launch_runs
+from tests import read_only
 from train import errors
 from train.tta import adapt
+from train.tta import source as source_lib
 from train.vision import trainer
 
 REPO_ROOT = launch_runs.REPO_ROOT
@@ -49,6 +54,59 @@ def _run(*args, **kw):
 def _records(workdir):
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     return f.read()
+
+
+def test_the_source_is_only_read(source_workdir, tmp_path):
+  # Loading the source wrote a probe file into its workdir (a read-only
+  # one was refused as "not writable"), and cleaned up the unfinished
+  # checkpoints there: a source run still saving would lose its save.
+  direct = source_lib.load(_config(source_workdir))
+  with read_only.view(source_workdir, str(tmp_path / 'ro')) as ro:
+    seen = source_lib.load(_config(ro))
+  assert seen.step == direct.step
+  jax.tree.map(np.testing.assert_array_equal, (seen.params, seen.batch_stats),
+               (direct.params, direct.batch_stats))
+  copy = shutil.copytree(source_workdir, tmp_path / 'saving')
+  in_progress = copy / 'checkpoints' / '60.orbax-checkpoint-tmp-1700000000'
+  in_progress.mkdir()
+  (in_progress / 'part').write_bytes(b'a save in progress')
+  before = sorted(p.relative_to(copy) for p in copy.rglob('*'))
+  assert source_lib.load(_config(str(copy))).step == direct.step
+  assert sorted(p.relative_to(copy) for p in copy.rglob('*')) == before
+
+
+def test_a_source_trained_further_is_refused_on_resume_and_rerun(
+    source_workdir, tmp_path):
+  # The source was named by path only: one trained on after the run
+  # started was adapted from the old one's progress on resume, and a
+  # finished run reported its old result again. It is pinned by content.
+  src = str(tmp_path / 'source')
+  shutil.copytree(source_workdir, src)
+  config = _config(src, batch_size=8, checkpoint_every=4)
+  finished = str(tmp_path / 'finished')
+  results = adapt.adapt_and_evaluate(config, finished)
+  # The same run as a kill left it, at its first kept checkpoint.
+  cut = tmp_path / 'cut'
+  shutil.copytree(finished, cut)
+  os.remove(cut / adapt.RESULTS)
+  steps = sorted(int(d) for d in os.listdir(cut / 'checkpoints')
+                 if d.isdigit())
+  for step in steps[1:]:
+    shutil.rmtree(cut / 'checkpoints' / str(step))
+  before = source_lib.load(config).fingerprint
+  further = digits_config.get_config('runlocal,dataset=mnist5k')
+  further.num_steps = 60
+  trainer.train_and_evaluate(further, src)
+  after = source_lib.load(config).fingerprint
+  assert after != before
+  for workdir in (finished, str(cut)):
+    with pytest.raises(errors.UsageError) as e:
+      adapt.adapt_and_evaluate(config, workdir)
+    text = str(e.value)
+    assert text.startswith(f"config.source_workdir='{after[:19]}': differs "
+                           f'from {before[:19]}, the one the checkpoint of '
+                           f'{workdir} at step '), text
+  assert json.load(open(os.path.join(finished, adapt.RESULTS))) == results
 
 
 def test_adapts_and_reports_per_corruption_errors(source_workdir, tmp_path):
@@ -148,6 +206,7 @@ def test_sigterm_saves_and_the_same_command_resumes(source_workdir, tmp_path):
     ('method.learning_rate', -1.0),
     ('protocol', 'online'),
     ('method.schedule', 'cosine'),
+    ('seed', -1),
 ])
 def test_bad_settings_fail_in_one_line_before_compute(source_workdir,
                                                       tmp_path, field,

@@ -21,9 +21,12 @@ import jax
 import numpy as np
 import pytest
 
+from launch import trainers
+from tests import config_edits
 from tests import launch_runs
 from train import checkpointing
 from train import disk_space
+from train import errors
 from train import workdir_lock
 from train.vision import experiment
 from train.vision import trainer
@@ -138,34 +141,44 @@ def test_the_lock_is_exclusive_and_released(tmp_path):
 # --- Resume checks the config ------------------------------------------------
 
 CHANGES = {
-    'seed': (['--config.seed=1'], ['config.seed 0 -> 1']),
+    'seed': ({'seed': 1}, ['config.seed 0 -> 1']),
     'batch and learning rate': (
-        ['--config.batch_size=32', '--config.optimizer.learning_rate=0.05'],
+        {'batch_size': 32, 'optimizer.learning_rate': 0.05},
         ['config.batch_size 64 -> 32',
          'config.optimizer.learning_rate 0.1 -> 0.05']),
-    'model shape': (['--config.model.hidden=32'],
-                    ['config.model.hidden 64 -> 32']),
+    'model shape': ({'model.hidden': 32}, ['config.model.hidden 64 -> 32']),
 }
+
+
+def _refusal(workdir, changes) -> str:
+  """The UsageError of a run of `_config()` with `changes` on `workdir`, in
+  this process: the launcher prints it as its one `error:` line and exits
+  2 (test_a_finished_run_is_not_reported_for_another_config runs it)."""
+  config = config_edits.apply(_config(), changes)
+  with pytest.raises(errors.UsageError) as e:
+    trainers.train_and_evaluate(config, workdir)
+  text = str(e.value)
+  assert '\n' not in text, text
+  return text
 
 
 @pytest.mark.parametrize('case', sorted(CHANGES))
 def test_resume_with_a_changed_config_refuses_naming_each_field(
     case, reference, tmp_path):
-  overrides, named = CHANGES[case]
+  changes, named = CHANGES[case]
   workdir = _copy(reference[0], tmp_path / 'run', keep_steps=(20,),
                   final=False)
   before = _snapshot(workdir)
-  result = launch_runs.run(workdir, *overrides, timeout=120)
-  assert result.returncode == EXIT_USAGE
-  line = _error_line(result)
-  assert 'holds a run (checkpoint at step 20) with a different config' in line
-  listed = line.split('different config: ')[1].split('. These fields')[0]
+  text = _refusal(workdir, changes)
+  assert 'holds a run (checkpoint at step 20) with a different config' in text
+  listed = text.split('different config: ')[1].split('. These fields')[0]
   assert listed.split('; ') == named
   assert _snapshot(workdir) == before
 
 
 def test_a_finished_run_is_not_reported_for_another_config(reference,
                                                            tmp_path):
+  # Through the launcher: one line and exit 2, no result printed.
   workdir = _copy(reference[0], tmp_path / 'run')
   result = launch_runs.run(workdir, '--config.seed=1', timeout=120)
   assert result.returncode == EXIT_USAGE
@@ -177,10 +190,8 @@ def test_num_steps_below_the_latest_checkpoint_is_refused(reference,
                                                           tmp_path):
   workdir = _copy(reference[0], tmp_path / 'run')
   before = _snapshot(workdir)
-  result = launch_runs.run(workdir, '--config.num_steps=30', timeout=120)
-  assert result.returncode == EXIT_USAGE
-  assert _error_line(result).startswith(
-      'error: config.num_steps=30: below the latest checkpoint of '
+  assert _refusal(workdir, {'num_steps': 30}).startswith(
+      'config.num_steps=30: below the latest checkpoint of '
       f'{workdir} (step 40)')
   assert _snapshot(workdir) == before
 
@@ -277,6 +288,24 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(
   # Moved aside as it was, not deleted.
   aside = os.path.join(workdir, checkpointing.DAMAGED, '40')
   assert _snapshot(aside) == damaged
+
+
+def test_a_flipped_bit_in_the_saved_config_is_damage_not_a_new_config(
+    reference, tmp_path):
+  # One bit turns the saved seed 0 into 1 ('0' is 0x30, '1' 0x31). The run
+  # read it as a changed config and advised resuming with the damaged
+  # value; the saved metadata now carries its own digest.
+  workdir = _copy(reference[0], tmp_path / 'run', final=False)
+  path = os.path.join(workdir, 'checkpoints', '40', 'meta', 'metadata')
+  with open(path, 'rb') as f:
+    text = f.read()
+  flipped = text.replace(b'{\\"seed\\": 0,', b'{\\"seed\\": 1,', 1)
+  assert sum(bin(a ^ b).count('1') for a, b in zip(text, flipped)) == 1
+  with open(path, 'wb') as f:
+    f.write(flipped)
+  assert trainers.train_and_evaluate(_config(), workdir) == reference[1]
+  _assert_same_state(_state(workdir, 40), _state(reference[0], 40))
+  assert os.listdir(os.path.join(workdir, checkpointing.DAMAGED)) == ['40']
 
 
 @pytest.mark.parametrize('seed', range(6))
@@ -441,12 +470,17 @@ def test_a_damaged_data_file_is_one_line_naming_it(reference, tmp_path,
       f.seek(os.path.getsize(victim) // 2)
       f.write(bytes(random.Random(0).randrange(256) for _ in range(4096)))
   workdir = str(tmp_path / 'run')
-  result = launch_runs.run(workdir, f'--config.data_dir={data_dir}',
-                           timeout=120)
-  assert result.returncode == 6
-  line = _error_line(result)
-  assert line.startswith(f"error: cannot read digits split 'train': damaged "
-                         f'data file(s) {victim} (')
+  want = (f"cannot read digits split 'train': damaged data file(s) {victim} "
+          '(')
+  if damage == 'truncated':  # Through the launcher: one line, exit 6.
+    result = launch_runs.run(workdir, f'--config.data_dir={data_dir}',
+                             timeout=120)
+    assert result.returncode == errors.DamagedDataFile.exit_code == 6
+    assert _error_line(result).startswith('error: ' + want)
+  else:  # In this process: the error the launcher prints.
+    with pytest.raises(errors.DamagedDataFile) as e:
+      trainers.train_and_evaluate(_config(data_dir=data_dir), workdir)
+    assert str(e.value).startswith(want) and '\n' not in str(e.value)
   assert not disk_space.completed_steps(os.path.join(workdir, 'checkpoints'))
 
 

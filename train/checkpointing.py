@@ -9,13 +9,17 @@ step); the write to disk overlaps with training.
 Every checkpoint carries a fingerprint of each array it holds
 (`train.checksums`, computed on the devices), and a restore recomputes and
 compares them, so a flipped bit on disk is found rather than trained on.
-`restore_latest_good` walks back from the newest checkpoint past any that
-fails to load or to verify, with one warning line each, and moves those
-aside (`checkpoints_damaged/<step>`: nothing is deleted) so that the run
-can write their steps again.
+The metadata saved beside the arrays (the run's config, its inputs'
+fingerprints) carries its own digest, so a flipped bit there is damage
+too, never a different config. `restore_latest_good` walks back from the
+newest checkpoint past any that fails to load or to verify, with one
+warning line each, and moves those aside (`checkpoints_damaged/<step>`:
+nothing is deleted) so that the run can write their steps again.
 """
 
 from collections.abc import Callable
+import hashlib
+import json
 from typing import Any
 
 from absl import logging
@@ -30,6 +34,8 @@ from train.errors import RunError, cause_line
 
 CHECKPOINTS = 'checkpoints'
 CHECKSUMS = 'checksums'
+# The digest of the rest of the metadata (`_meta_digest`).
+META_DIGEST = 'meta_sha256'
 DAMAGED = 'checkpoints_damaged'
 
 
@@ -54,11 +60,40 @@ class NoGoodCheckpoint(RunError):
         'changed; to start the run over, move that directory aside.')
 
 
+def _meta_digest(meta: dict[str, Any]) -> str:
+  """SHA-256 of `meta` as canonical JSON: of what JSON gives back of it
+  (integer keys come back as strings, and sort as strings), so the saved
+  and the restored metadata agree."""
+  text = json.dumps(json.loads(json.dumps(meta)), sort_keys=True,
+                    separators=(',', ':'))
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _verified_meta(step: int, meta: Any) -> dict[str, Any]:
+  """`meta` without its digest, once the digest matches (older checkpoints
+  have none).
+
+  Raises:
+    DamagedCheckpoint: `meta` is not a JSON object, or not what was saved.
+  """
+  if not isinstance(meta, dict):
+    raise DamagedCheckpoint(step, 'metadata is not a JSON object')
+  meta = dict(meta)
+  saved = meta.pop(META_DIGEST, None)
+  if saved is not None and saved != _meta_digest(meta):
+    raise DamagedCheckpoint(step, 'metadata checksum mismatch (the saved '
+                            'config or fingerprints changed on disk)')
+  return meta
+
+
 class Checkpoints:
   """The run's checkpoint directory (`workdir/checkpoints`)."""
 
   def __init__(self, workdir: str, *, every_steps: int, keep: int,
-               async_save: bool = True):
+               async_save: bool = True, read_only: bool = False):
+    """`read_only` for another run's checkpoints (a source model, a policy):
+    nothing there is created, cleaned up or saved; its unfinished
+    checkpoints may be that run's saves in progress."""
     self.workdir = fileio.absolute(workdir)
     self.directory = fileio.join(self.workdir, CHECKPOINTS)
     self._manager = ocp.CheckpointManager(
@@ -68,9 +103,10 @@ class Checkpoints:
             save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(
                 every_steps),
             max_to_keep=keep,
-            create=True,
+            create=not read_only,
             enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,
+            cleanup_tmp_directories=not read_only,
+            read_only=read_only,
         ),
         item_names=('state', 'meta'),
     )
@@ -88,7 +124,8 @@ class Checkpoints:
            force: bool = False) -> bool:
     """Starts saving `state` at `step`; returns whether a save was started.
 
-    The arrays' fingerprints go into the saved `meta` under 'checksums'.
+    The arrays' fingerprints go into the saved `meta` under 'checksums',
+    and the digest of all of it under 'meta_sha256'.
 
     Raises:
       DiskFull: the disk has less room than the checkpoint needs (the
@@ -100,6 +137,7 @@ class Checkpoints:
     disk_space.check_room(self.directory,
                           disk_space.tree_bytes(state) * 11 // 10 + 2**16)
     meta = dict(meta, **{CHECKSUMS: checksums.fingerprint(state)})
+    meta[META_DIGEST] = _meta_digest(meta)
     return self._manager.save(
         step,
         args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -127,8 +165,8 @@ class Checkpoints:
       # Orbax and tensorstore raise many types for unreadable files.
       raise DamagedCheckpoint(step, f'does not load ({cause_line(e)})'
                               ) from e
-    state, meta = restored.state, restored.meta
-    saved = meta.get(CHECKSUMS) if isinstance(meta, dict) else None
+    state, meta = restored.state, _verified_meta(step, restored.meta)
+    saved = meta.get(CHECKSUMS)
     if saved is None:
       logging.warning('The checkpoint at step %d in %s has no checksums '
                       '(saved by an older version): not verified.', step,
@@ -153,9 +191,7 @@ class Checkpoints:
     except Exception as e:  # pylint: disable=broad-except
       raise DamagedCheckpoint(step, f'metadata does not load '
                               f'({cause_line(e)})') from e
-    if not isinstance(meta, dict):
-      raise DamagedCheckpoint(step, 'metadata is not a JSON object')
-    return meta
+    return _verified_meta(step, meta)
 
   def restore_latest_good(
       self, abstract_state: Any | Callable[[dict[str, Any]], Any], *,
@@ -232,7 +268,8 @@ def newest_meta(workdir: str) -> tuple[int, dict[str, Any]] | None:
   """(step, metadata) of the newest checkpoint in `workdir`, without
   restoring arrays; None if there is none or its metadata is damaged (the
   restore that follows skips a damaged checkpoint and reports it)."""
-  with Checkpoints(workdir, every_steps=1, keep=1, async_save=False) as ckpts:
+  with Checkpoints(workdir, every_steps=1, keep=1, async_save=False,
+                   read_only=True) as ckpts:
     step = ckpts.latest_step()
     if step is None:
       return None

@@ -15,6 +15,8 @@ it to the host); no array goes to the host for it.
 """
 
 from collections.abc import Mapping
+import hashlib
+import json
 from typing import Any
 
 import jax
@@ -83,3 +85,11 @@ def mismatches(saved: Mapping[str, str], actual: Mapping[str, str]
   """The leaf paths whose fingerprints differ (or exist on one side only)."""
   return sorted(k for k in set(saved) | set(actual)
                 if saved.get(k) != actual.get(k))
+
+
+def digest(tree: Any) -> str:
+  """One 'sha256:<hex>' for all of `tree`'s arrays (their `fingerprint`s
+  and paths): what a run records of an input it reads, e.g. a source
+  model's parameters, to find it changed on resume."""
+  text = json.dumps(fingerprint(tree), sort_keys=True)
+  return 'sha256:' + hashlib.sha256(text.encode()).hexdigest()

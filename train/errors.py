@@ -62,14 +62,17 @@ class NonFiniteLossError(RunError):
   exit_code = 3
 
   def __init__(self, step: int, last_checkpoint: int | None,
-               what: str = 'loss', skipping: bool = False):
+               what: str = 'loss', skipping: bool = False,
+               can_skip: bool = True):
+    """`skipping`: nonfinite='skip' is already set; `can_skip`: the loop
+    has that setting (the RL loop has not)."""
     self.step = step
     self.last_checkpoint = last_checkpoint
     where = ('no checkpoint was written' if last_checkpoint is None
              else f'last good checkpoint: step {last_checkpoint}')
     # With nonfinite='skip' already set, skipping did not keep the state
     # finite (e.g. finite but huge updates overflowed it).
-    advice = ('Lower the learning rate.' if skipping else
+    advice = ('Lower the learning rate.' if skipping or not can_skip else
               'Lower the learning rate, or set --config.nonfinite=skip to '
               'skip such steps.')
     super().__init__(

@@ -12,7 +12,9 @@ placed, nothing is compiled, and nothing in the workdir is touched but a
 probe file that proves it writable.
 """
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import json
@@ -150,8 +152,19 @@ def check_positive(config: ml_collections.ConfigDict, *fields: str) -> None:
       raise ConfigError(field, value, 'must be a positive integer')
 
 
+def check_seed(config: ml_collections.ConfigDict) -> None:
+  """`config.seed`: an integer in [0, 2**32), what both JAX's keys and
+  NumPy's generators take (a negative or larger seed failed in the data
+  pipeline, after the workdir was written)."""
+  seed = config.seed
+  if not isinstance(seed, int) or isinstance(seed, bool) or not (
+      0 <= seed < 2**32):
+    raise ConfigError('seed', seed, 'must be an integer in [0, 2**32)')
+
+
 def check_loop_settings(config: ml_collections.ConfigDict) -> None:
-  """The fields `train.loop` reads: step counts, intervals, policies."""
+  """The fields `train.loop` reads: seed, step counts, intervals, policies."""
+  check_seed(config)
   check_positive(config, *LOOP_FIELDS)
   if config.get('device_data_max_mb', 0) < 0:
     raise ConfigError('device_data_max_mb', config.device_data_max_mb,
@@ -161,14 +174,23 @@ def check_loop_settings(config: ml_collections.ConfigDict) -> None:
                       steps.NONFINITE_POLICIES)
 
 
+# True while another run's experiment is rebuilt to read its checkpoints
+# (`reading_checkpoints`): that workdir is an input, maybe read-only.
+_READING_ANOTHER_RUN = contextvars.ContextVar('reading_another_run',
+                                              default=False)
+
+
 def check_workdir(workdir: str) -> str:
-  """Creates `workdir` if needed and proves it writable with a probe file."""
+  """Creates `workdir` if needed and proves it writable with a probe file
+  (inside `reading_checkpoints`, neither: the workdir is only read)."""
   if not workdir or not str(workdir).strip():
     # os.path.abspath('') is the current directory: an unset shell variable
     # would scatter the run's files there.
     raise UsageError('--workdir', workdir,
                      'empty (an unset variable?); give a directory')
   path = fileio.absolute(workdir)
+  if _READING_ANOTHER_RUN.get():
+    return path
   try:
     if fileio.is_remote(path):
       probe = epath.Path(path) / f'.write_probe_{os.getpid()}'
@@ -301,6 +323,22 @@ def require_checkpoints(workdir: str, *, field: str, hint: str) -> None:
     raise UsageError(field, workdir, f'holds no checkpoints; {hint}')
 
 
+@contextlib.contextmanager
+def reading_checkpoints(workdir: str) -> Iterator[checkpointing.Checkpoints]:
+  """Another run's checkpoints (a source model, a policy, an LM), opened
+  read-only: nothing in its workdir is created, probed, cleaned up or
+  moved, so a read-only directory loads, and so does a run that is still
+  saving. Its experiment may be built inside (`check_workdir` then only
+  resolves the path)."""
+  token = _READING_ANOTHER_RUN.set(True)
+  try:
+    with checkpointing.Checkpoints(workdir, every_steps=1, keep=1,
+                                   async_save=False, read_only=True) as ckpts:
+      yield ckpts
+  finally:
+    _READING_ANOTHER_RUN.reset(token)
+
+
 class TrainedRun(NamedTuple):
   config: ml_collections.ConfigDict
   exp: Experiment
@@ -341,8 +379,7 @@ def load_trained(workdir: str,
     built['config'], built['exp'] = config, build(config, workdir)
     return built['exp'].abstract_state
 
-  with checkpointing.Checkpoints(workdir, every_steps=1, keep=1,
-                                 async_save=False) as ckpts:
+  with reading_checkpoints(workdir) as ckpts:
     found = ckpts.restore_latest_good(abstract_state, move_damaged=False)
   if found is None:
     raise UsageError(field, workdir, f'holds no checkpoints; {hint}')

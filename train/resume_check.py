@@ -154,8 +154,9 @@ def check_task(config: ml_collections.ConfigDict, workdir: str, step: int,
     raise ConfigChanged(workdir, step, fixed, may_change)
 
 
-# In a checkpoint's metadata: {name: fingerprint} of files the run's data
-# depends on beyond its config (e.g. a trained tokenizer's model file).
+# In a checkpoint's metadata: {name: fingerprint} of the inputs the run
+# depends on beyond its config (a trained tokenizer's model file, a source
+# model's parameters), pinned by content.
 FINGERPRINTS = 'data_fingerprints'
 
 
@@ -163,10 +164,10 @@ def check_fingerprints(workdir: str, step: int, meta: Mapping[str, Any],
                        current: Mapping[str, str]) -> None:
   """Refuses a checkpoint whose recorded fingerprints differ from
   `current`'s (a name absent from either side is not compared: a
-  checkpoint from before that file existed).
+  checkpoint from before that input was recorded).
 
   Raises:
-    UsageError: naming the file, in one line.
+    UsageError: naming the input and both fingerprints, in one line.
   """
   saved = meta.get(FINGERPRINTS) or {}
   for name, value in sorted(current.items()):
@@ -174,8 +175,9 @@ def check_fingerprints(workdir: str, step: int, meta: Mapping[str, Any],
       raise UsageError(
           name, short_fingerprint(value),
           f'differs from {short_fingerprint(saved[name])}, the one the '
-          f'checkpoint of {workdir} at step {step} was trained with (the '
-          'file was replaced?); a run resumes only with its own')
+          f'checkpoint of {workdir} at step {step} was made with (it changed '
+          'since: replaced, or trained further?); a run resumes only with '
+          'its own')
 
 
 def short_fingerprint(fingerprint: str) -> str:

@@ -42,6 +42,7 @@ from typing import Any
 from absl import logging
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 import numpy as np
@@ -49,6 +50,7 @@ import optax
 
 from train import aot
 from train import checkpointing
+from train import checksums
 from train import fileio
 from train import metrics as metrics_lib
 from train import plots
@@ -56,7 +58,8 @@ from train import preemption
 from train import resume_check
 from train import sharding as sharding_lib
 from train import workdir_lock
-from train.errors import ConfigError, Preempted
+from train.errors import ConfigError, NonFiniteLossError, Preempted
+from train.experiment import check_seed
 from train.experiment import check_workdir
 from train.lm import decoder as decoder_lm
 from train.lm import trainer as lm_trainer
@@ -177,6 +180,7 @@ def check_config(config: ml_collections.ConfigDict,
                 'eval_examples', 'log_every', 'checkpoint_every',
                 'keep_checkpoints', 'rollout_devices'):
     _positive_int(config, field)
+  check_seed(config)
   if not isinstance(config.temperature, (int, float)) or not (
       config.temperature > 0):
     raise ConfigError('temperature', config.temperature, 'must be > 0')
@@ -187,9 +191,9 @@ def check_config(config: ml_collections.ConfigDict,
     raise ConfigError('runtime.shutdown_timeout',
                       config.runtime.shutdown_timeout, 'must be > 0')
   for field in ('learning_rate', 'grad_clip_norm'):
-    if not config.optimizer[field] > 0:
-      raise ConfigError(f'optimizer.{field}', config.optimizer[field],
-                        'must be > 0')
+    value = config.optimizer[field]
+    if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+      raise ConfigError(f'optimizer.{field}', value, 'must be finite and > 0')
   count = jax.device_count() if devices is None else len(devices)
   rollout_mesh, learner_mesh = meshes(config, devices)
   rows = config.prompts_per_batch * config.grpo.group_size
@@ -341,9 +345,23 @@ def _counters(bound: int, saved: dict | None = None
   return counters
 
 
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  """Every float in `tree` is finite (element by element: a norm would
+  overflow on large finite values)."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
+                            for x in jax.tree.leaves(tree)
+                            if jnp.issubdtype(x.dtype, jnp.inexact)]
+                           or [jnp.array(True)]))
+
+
 def _train(config, workdir: str) -> dict[str, Any]:
   sft_config, model, sft_params = sft.load_policy(config.sft_workdir)
   check_policy(config, sft_config, model.max_len)
+  # The warm start (the first policy and GRPO's reference) is pinned by
+  # content: `sft_workdir` may move, but another policy there is refused
+  # on resume and on a finished rerun.
+  inputs = {'config.sft_workdir': checksums.digest(sft_params)}
   length = sequence_length(config)
   rsettings = runtime_settings(config)
   lsettings = loss_settings(config)
@@ -373,9 +391,12 @@ def _train(config, workdir: str) -> dict[str, Any]:
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
         fresh)
-    found = ckpts.restore_latest_good(
-        abstract, check_meta=lambda step, meta: _check_resume(
-            config, workdir, step, meta))
+
+    def check_meta(step, meta):
+      _check_resume(config, workdir, step, meta)
+      resume_check.check_fingerprints(workdir, step, meta, inputs)
+
+    found = ckpts.restore_latest_good(abstract, check_meta=check_meta)
     results_path = fileio.join(workdir, RESULTS)
     if found is not None:
       version, tree, meta = found
@@ -446,6 +467,11 @@ def _train(config, workdir: str) -> dict[str, Any]:
       # Called after every update: build the tree only for a save.
       if not (force or ckpts.should_save(v)):
         return False
+      if not bool(_all_finite((state['params'], state['opt_state']))):
+        # A finite loss can still leave inf in the parameters (an infinite
+        # learning rate): never save them.
+        raise NonFiniteLossError(v, ckpts.latest_step(), 'policy state',
+                                 can_skip=False)
       history = [snapshots.held().get(v - s + i) for i in range(s)]
       tree = {'params': state['params'], 'opt_state': state['opt_state'],
               'history': [state['params'] if h is None else
@@ -455,7 +481,7 @@ def _train(config, workdir: str) -> dict[str, Any]:
               'counters': {k: v.tolist() for k, v in counters.items()},
               'scheduler': scheduler.save(v),
               'metrics_records': writer.records, 'wall_seconds': wall(),
-              'curve': curve}
+              'curve': curve, resume_check.FINGERPRINTS: inputs}
       return ckpts.save(v, tree, meta, force=force)
 
     if version == 0 and not curve:
@@ -492,6 +518,13 @@ def _train(config, workdir: str) -> dict[str, Any]:
                                         batch, reference)
           m = jax.device_get(m)
           busy = time.perf_counter() - begin
+          bad = sorted(key for key, x in m.items()
+                       if not np.all(np.isfinite(x)))
+          if bad:  # Stop before the policy is published or saved.
+            raise NonFiniteLossError(
+                k + 1, ckpts.latest_step(),
+                'loss' if 'loss' in bad else f'train/{bad[0]}',
+                can_skip=False)
           state['params'], state['opt_state'] = params, opt_state
           version = k + 1
           curvatures, curvature_seconds = None, 0.0

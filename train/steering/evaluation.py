@@ -50,6 +50,7 @@ from geom import steering as steering_lib
 from train import aot
 from train import experiment as experiment_lib
 from train import metrics as metrics_lib
+from train import workdir_lock
 from train.errors import ConfigError
 from train.lm import corpus as text_corpus
 from train.lm import data as lm_data
@@ -381,6 +382,10 @@ def extract(model: decoder_lm.DecoderLM, params, layer_path: str,
   return np.asarray(direction), float(np.concatenate(norms).mean())
 
 
+# Items per task and item set: one batch holds every set of a task.
+MAX_ITEMS = 10_000
+
+
 def check_config(config, require_lm: bool = True) -> None:
   """ConfigError naming the field, before anything is loaded or run;
   `require_lm=False` lets the LM's workdir be unset (compiling needs its
@@ -414,10 +419,13 @@ def check_config(config, require_lm: bool = True) -> None:
       or len(set(seeds)) != len(seeds)):
     raise ConfigError('mc_seeds', seeds, 'must be distinct integers, one '
                       'item set per seed (at least one)')
-  for task in config.tasks:
+  for task, n in config.tasks.items():
     if task not in text_corpus.MC_TASKS:
       raise ConfigError('tasks', task, 'unknown multiple-choice task',
                         text_corpus.MC_TASKS)
+    if not isinstance(n, int) or not 0 < n <= MAX_ITEMS:
+      raise ConfigError(f'tasks.{task}', n, f'must be an integer in '
+                        f'[1, {MAX_ITEMS}] (items per item set)')
   if config.generation.mode not in lm_generate.MODES:
     raise ConfigError('generation.mode', config.generation.mode,
                       'unknown generation mode', lm_generate.MODES)
@@ -427,6 +435,9 @@ def check_config(config, require_lm: bool = True) -> None:
         config[field.split('.')[0]][field.split('.')[1]])
     if not isinstance(value, int) or value <= 0:
       raise ConfigError(field, value, 'must be a positive integer')
+    if field in ('direction.pairs', 'generation.prompts') and (
+        value > MAX_ITEMS):
+      raise ConfigError(field, value, f'must be at most {MAX_ITEMS}')
 
 
 def _direction(config, model, params, layer_path: str,
@@ -467,9 +478,20 @@ def _direction(config, model, params, layer_path: str,
 
 def evaluate(config, workdir: str) -> list[dict[str, Any]]:
   """Runs the method x alpha grid; writes results.json, results.md,
-  pareto.png and steering_vector.npz into `workdir`; returns the rows."""
+  pareto.png and steering_vector.npz into `workdir`; returns the rows.
+
+  Raises:
+    UsageError: a setting is invalid, or does not fit the LM; nothing is
+      written then.
+    WorkdirBusy: another run holds the workdir.
+  """
   check_config(config)
   workdir = experiment_lib.check_workdir(workdir)
+  with workdir_lock.hold(workdir):
+    return _evaluate(config, workdir)
+
+
+def _evaluate(config, workdir: str) -> list[dict[str, Any]]:
   lm = lm_trainer.load_trained(config.lm_workdir)
   lm_config, model, tokenizer = lm.config, lm.model, lm.tokenizer
   params = jax.device_get(lm.params)
@@ -478,10 +500,6 @@ def evaluate(config, workdir: str) -> list[dict[str, Any]]:
   except ValueError as e:
     raise ConfigError('layer', config.layer, str(e).split(': ', 1)[1]) from None
   paths = steering_hooks.layer_paths(params)
-
-  vec = _direction(config, model, params, layer_path, tokenizer)
-  steering_vectors.save(os.path.join(workdir, 'steering_vector.npz'), vec)
-  coefficient = float(vec.info['coefficient'])
 
   # Every item set of a task in one batch; correctness is split per set.
   items = {t: [it for seed in config.mc_seeds
@@ -492,11 +510,19 @@ def evaluate(config, workdir: str) -> list[dict[str, Any]]:
   if length > model.max_len:
     raise ConfigError('tasks', dict(config.tasks),
                       f'items of {length} tokens exceed the LM\'s max_len')
+  prompts = generation_prompts(config.generation.prompts, tokenizer)
+  if prompts[0].shape[1] + config.generation.steps > model.max_len:
+    raise ConfigError('generation.steps', config.generation.steps,
+                      f'prompts of {prompts[0].shape[1]} tokens and this '
+                      f'many steps exceed the LM\'s max_len={model.max_len}')
+
+  vec = _direction(config, model, params, layer_path, tokenizer)
+  steering_vectors.save(os.path.join(workdir, 'steering_vector.npz'), vec)
+  coefficient = float(vec.info['coefficient'])
   heldout = {s: lm_data.load_windows(
       lm_config.data, 'test', lm_config.seed, only=s,
       tokenizer=tokenizer).tokens[:config.heldout_windows]
              for s in lm_data.source_names(lm_config.data)}
-  prompts = generation_prompts(config.generation.prompts, tokenizer)
 
   rows, bases = [], {}
   for method in config.methods:

@@ -41,6 +41,7 @@ from train import preemption
 from train import resume_check
 from train import workdir_lock
 from train.errors import ConfigError, Preempted, UsageError
+from train.experiment import check_seed
 from train.experiment import check_workdir
 from train.tta import data as tta_data
 from train.tta import methods
@@ -96,6 +97,7 @@ def check_config(config: ml_collections.ConfigDict,
     value = config[field]
     if not isinstance(value, int) or value <= 0:
       raise ConfigError(field, value, 'must be a positive integer')
+  check_seed(config)
   tta_data.check(config)
   if require_source and not config.source_workdir:
     raise ConfigError('source_workdir', config.source_workdir,
@@ -275,9 +277,15 @@ def _adapt(config, workdir: str) -> dict[str, Any]:
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
         template)
-    found = ckpts.restore_latest_good(
-        abstract, check_meta=lambda step, meta: _check_resume(
-            config, workdir, step, meta))
+    # The source is pinned by content: one that trained on since this run
+    # started (same path) is refused, on resume and on a finished rerun.
+    inputs = {'config.source_workdir': source.fingerprint}
+
+    def check_meta(step, meta):
+      _check_resume(config, workdir, step, meta)
+      resume_check.check_fingerprints(workdir, step, meta, inputs)
+
+    found = ckpts.restore_latest_good(abstract, check_meta=check_meta)
     results_path = fileio.join(workdir, RESULTS)
     if found is not None:
       position, tree, meta = found
@@ -300,7 +308,8 @@ def _adapt(config, workdir: str) -> dict[str, Any]:
 
     def save(done: int, force: bool = False) -> bool:
       meta = {'config': resume_check.as_json(config),
-              'metrics_records': writer.records}
+              'metrics_records': writer.records,
+              resume_check.FINGERPRINTS: inputs}
       return ckpts.save(done, run.tree(), meta, force=force)
 
     timed_from = None  # (time, batches done) after the first batch.

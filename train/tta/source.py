@@ -18,6 +18,8 @@ import jax
 import ml_collections
 
 from train import checkpointing
+from train import checksums
+from train import experiment as experiment_lib
 from train.errors import UsageError
 from train.tta import data as tta_data
 from train.vision import datasets
@@ -42,6 +44,8 @@ class Source:
   params: Any
   batch_stats: Any
   step: int
+  # `checksums.digest` of (params, batch_stats): pins the source by content.
+  fingerprint: str
 
 
 def load(config: ml_collections.ConfigDict) -> Source:
@@ -85,15 +89,16 @@ def load(config: ml_collections.ConfigDict) -> Source:
     built.update(config=source_config, spec=spec, exp=exp)
     return exp.abstract_state
 
-  with checkpointing.Checkpoints(workdir, every_steps=1, keep=1,
-                                 async_save=False) as ckpts:
+  with experiment_lib.reading_checkpoints(workdir) as ckpts:
     found = ckpts.restore_latest_good(abstract_state, move_damaged=False)
   if found is None:
     raise UsageError(f'config.{field}', config.source_workdir,
                      'holds no checkpoints')
   step, state, _ = found
   logging.info('Source classifier: step %d of %s', step, workdir)
-  host = jax.device_get((nn.meta.unbox(state.params), state.batch_stats))
+  used = (nn.meta.unbox(state.params), state.batch_stats)
+  host = jax.device_get(used)
   return Source(config=built['config'], spec=built['spec'],
                 model=built['exp'].model, params=host[0],
-                batch_stats=host[1] or {}, step=step)
+                batch_stats=host[1] or {}, step=step,
+                fingerprint=checksums.digest(used))
