@@ -143,8 +143,8 @@ def parse_flags(argv: list[str], config_flag) -> list[str]:
 def configure_devices(config) -> None:
   """Simulated CPU devices (`config.cpu_devices`), before JAX starts its backend."""
   from train import host_devices  # pylint: disable=g-import-not-at-top
-  if config.get('cpu_devices'):
-    host_devices.configure_cpu_devices(int(config.cpu_devices))
+  if config.get('cpu_devices') is not None:
+    host_devices.configure_cpu_devices(config.cpu_devices)
 
 
 _T = TypeVar('_T')

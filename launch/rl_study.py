@@ -69,10 +69,10 @@ def _set(config, field: str, text: str) -> None:
   block[last] = ast.literal_eval(text)
 
 
-def _rl(seed: int, bound: int, correction: str, gas: str | None = None
-        ) -> dict:
+def _rl_config(seed: int, bound: int, correction: str,
+               gas: str | None = None):
+  """(config, workdir) of one RL run of the study."""
   from configs import rl  # pylint: disable=g-import-not-at-top
-  from train.rl import run  # pylint: disable=g-import-not-at-top
   variant = f',gas={gas}' if gas else ''
   config = rl.get_config(f'staleness={bound},correction={correction}'
                          + variant)
@@ -84,7 +84,71 @@ def _rl(seed: int, bound: int, correction: str, gas: str | None = None
     _set(config, field, text)
   name = (f'gas_{gas}_s{bound}_seed{seed}' if gas
           else f's{bound}_{correction}_seed{seed}')
-  return run.train_and_evaluate(config, os.path.join(_WORKDIR.value, name))
+  return config, os.path.join(_WORKDIR.value, name)
+
+
+def _rl(seed: int, bound: int, correction: str, gas: str | None = None
+        ) -> dict:
+  from train.rl import run  # pylint: disable=g-import-not-at-top
+  return run.train_and_evaluate(*_rl_config(seed, bound, correction, gas))
+
+
+def check_flags() -> None:
+  """UsageError naming the first bad flag, before anything is trained:
+  the flags themselves, then every RL run's config as the study builds it
+  (`run.check_config`, the SFT warm start aside: the study trains it)."""
+  # pylint: disable=g-import-not-at-top
+  import ast
+  from configs import rl
+  from train.errors import UsageError
+  from train.rl import grpo
+  from train.rl import run
+  # pylint: enable=g-import-not-at-top
+
+  def integers(flag, low):
+    for text in flag.value if isinstance(flag.value, list) else [flag.value]:
+      try:
+        valid = int(text) >= low
+      except ValueError:
+        valid = False
+      if not valid:
+        raise UsageError(f'--{flag.name}', text,
+                         f'must be an integer >= {low}')
+
+  def among(flag, choices):
+    for value in flag.value if isinstance(flag.value, list) else [
+        flag.value]:
+      if value not in choices:
+        raise UsageError(f'--{flag.name}', value, 'unknown', choices)
+
+  integers(_SEEDS, 1)
+  integers(_BOUNDS, 1)  # The synchronous run (0) is always in the study.
+  integers(_GAS_BOUND, 1)
+  integers(_VERSIONS, 1)
+  among(_CORRECTIONS, grpo.CORRECTIONS)
+  among(_GAS_CORRECTION, grpo.CORRECTIONS)
+  for variant in _GAS.value:
+    try:
+      rl.get_config(f'gas={variant}')
+    except ValueError:
+      raise UsageError('--gas', variant, 'unknown GAS variant',
+                       ['full', 'no_bandit', 'no_execution', 'no_coupling',
+                        'fixed_lambda']) from None
+  for item in _OVERRIDES.value:
+    field, sep, text = item.partition('=')
+    if not sep:
+      raise UsageError('--set', item, 'give field=value')
+    try:
+      _set(rl.get_config(), field, text)
+    except (ValueError, SyntaxError):
+      raise UsageError('--set', item, f'{text!r} is not a Python literal '
+                       "(quote strings: field='text')") from None
+    except (KeyError, AttributeError):
+      raise UsageError('--set', item, f'the RL config has no field '
+                       f'{field!r}') from None
+  for _, bound, correction, gas in _runs():
+    run.check_config(_rl_config(0, bound, correction, gas)[0],
+                     require_sft=False)
 
 
 def _mean_std(values: list[float], scale: float = 100.0) -> str:
@@ -219,14 +283,25 @@ def main(argv):
   from launch import entry  # pylint: disable=g-import-not-at-top
   import ml_collections  # pylint: disable=g-import-not-at-top
   entry.quiet_libraries()
-  entry.configure_devices(ml_collections.ConfigDict({'cpu_devices': 8}))
-  os.makedirs(_WORKDIR.value, exist_ok=True)
-  text, raw = study()
-  with open(os.path.join(_WORKDIR.value, 'study.md'), 'w') as f:
-    f.write(text + '\n')
-  with open(os.path.join(_WORKDIR.value, 'study.json'), 'w') as f:
-    json.dump(raw, f, indent=1, sort_keys=True)
-  print(text)
+
+  def job():
+    entry.configure_devices(ml_collections.ConfigDict({'cpu_devices': 8}))
+    check_flags()
+    # pylint: disable=g-import-not-at-top
+    from train import experiment
+    from train import workdir_lock
+    # pylint: enable=g-import-not-at-top
+    root = experiment.check_workdir(_WORKDIR.value)
+    # One study per workdir (its runs below lock their own directories).
+    with workdir_lock.hold(root):
+      text, raw = study()
+      with open(os.path.join(root, 'study.md'), 'w') as f:
+        f.write(text + '\n')
+      with open(os.path.join(root, 'study.json'), 'w') as f:
+        json.dump(raw, f, indent=1, sort_keys=True)
+    print(text)
+
+  entry.run_job(job)
 
 
 if __name__ == '__main__':

@@ -4,10 +4,10 @@ r"""Evaluate steering methods on a trained LM.
     --config.lm_workdir=workdirs/lm --workdir=workdirs/steer
 
 A mistake in the config or flags ends the run before any compute with one
-line naming the setting and the valid choices (exit status 2).
+line naming the setting and the valid choices (exit status 2); a workdir
+held by another evaluation is one line and exit status 75; an LM with no
+checkpoint that loads and verifies, exit status 4.
 """
-
-import sys
 
 from absl import app
 from absl import flags
@@ -27,17 +27,13 @@ def main(argv):
   del argv
   config = _CONFIG.value
   entry.quiet_libraries()
-  entry.configure_devices(config)
-  from train.steering import evaluation as steering_eval  # pylint: disable=g-import-not-at-top
-  from train.errors import RunError, UsageError  # pylint: disable=g-import-not-at-top
-  try:
-    rows = steering_eval.evaluate(config, _WORKDIR.value)
-  except UsageError as e:
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(entry.EXIT_USAGE)
-  except RunError as e:  # e.g. no LM checkpoint that loads and verifies.
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(e.exit_code)
+
+  def job():
+    entry.configure_devices(config)
+    from train.steering import evaluation as steering_eval  # pylint: disable=g-import-not-at-top
+    return steering_eval.evaluate(config, _WORKDIR.value)
+
+  rows = entry.run_job(job)
   print(f'{len(rows)} settings evaluated; table: {_WORKDIR.value}/results.md')
 
 

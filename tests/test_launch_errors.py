@@ -4,8 +4,10 @@ import hashlib
 import os
 import subprocess
 
+import ml_collections
 import pytest
 
+from launch import entry
 from launch import trainers
 from tests import config_edits
 from tests import launch_runs
@@ -71,6 +73,13 @@ CASES = {
                       'config.seed=-1: must be an integer in [0, 2**32)'),
     'seed over 32 bits': ({'seed': 2**70}, f'config.seed={2**70}: must be '
                           'an integer in [0, 2**32)'),
+    'a conv block of no channels': (
+        {'model.features': (0, 64)},
+        'config.model.features=(0, 64): channels per conv block: a '
+        'non-empty list of positive integers'),
+    'negative hidden width': (
+        {'model.hidden': -1},
+        'config.model.hidden=-1: must be a positive integer'),
 }
 
 
@@ -135,7 +144,22 @@ FLAG_CASES = {
     'unknown config argument': (
         ['--config=configs/digits.py:runlcl'],
         "unknown config argument 'runlcl'; valid: runlocal, model=cnn|mlp"),
+    # A million devices grew by 40 MB/s with no output.
+    'a million simulated devices': (
+        ['--config=configs/digits.py:runlocal',
+         '--config.cpu_devices=1000000'],
+        'error: config.cpu_devices=1000000: simulated CPU devices: an '
+        'integer in [1, 512]'),
 }
+
+
+@pytest.mark.parametrize('value', [0, -1, 513, 8.0])
+def test_simulated_devices_out_of_range_name_the_field(value):
+  # 0 was skipped as unset, and the mesh was blamed (config.mesh.shape).
+  with pytest.raises(errors.ConfigError) as e:
+    entry.configure_devices(ml_collections.ConfigDict({'cpu_devices': value}))
+  assert str(e.value) == (f'config.cpu_devices={value!r}: simulated CPU '
+                          'devices: an integer in [1, 512]')
 
 
 @pytest.mark.parametrize('case', sorted(FLAG_CASES))

@@ -2,6 +2,7 @@
 staleness bound, resume after SIGTERM and kill -9, and one-line errors."""
 
 import ast
+import errno
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ from tests import config_edits
 from tests import launch_runs
 from train import checksums
 from train import errors
+from train import metrics as metrics_lib
 from train.rl import learner
 from train.rl import rollout
 from train.rl import run
@@ -278,6 +280,12 @@ def _launched_config(sft_workdir):
     ({'scheduler': 'gas'}, 'gas.latency_source'),
     ({'optimizer.learning_rate': float('inf')}, 'optimizer.learning_rate'),
     ({'seed': -1}, 'config.seed=-1: must be an integer in [0, 2**32)'),
+    # A billion of these grew the process to 18 GB before it was killed.
+    ({'runtime.max_staleness': 10**9}, 'must be <= num_versions (10)'),
+    ({'prompts_per_batch': 10**9}, 'config.prompts_per_batch=1000000000: '
+     'times grpo.group_size'),
+    ({'eval_examples': 10**9}, 'config.eval_examples=1000000000: must be at '
+     'most 100000'),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_input_is_one_line_before_any_work(sft_workdir, tmp_path,
                                                changes, field):
@@ -322,6 +330,28 @@ def test_a_policy_gone_non_finite_stops_the_run_and_is_never_saved(
   for step, arrays in saved.items():
     assert all(np.all(np.isfinite(a)) for a in arrays
                if np.issubdtype(np.asarray(a).dtype, np.inexact)), step
+
+
+def test_a_write_that_runs_out_of_space_is_disk_full(sft_workdir, tmp_path,
+                                                      monkeypatch):
+  # The RL run exited 1 with a traceback per thread; the trainer and TTA
+  # give one line and exit 5.
+  workdir = tmp_path / 'rl'
+  log = str(workdir / 'metrics.jsonl')
+  real, calls = metrics_lib.MetricWriter.write, []
+
+  def write(self, step, scalars):
+    calls.append(step)
+    if len(calls) == 3:
+      raise OSError(errno.ENOSPC, 'No space left on device', log)
+    return real(self, step, scalars)
+
+  monkeypatch.setattr(metrics_lib.MetricWriter, 'write', write)
+  with pytest.raises(errors.DiskFull) as e:
+    run.train_and_evaluate(_config(sft_workdir, max_staleness=0),
+                           str(workdir))
+  assert e.value.exit_code == 5
+  assert str(e.value).startswith(f'disk full writing {log} (needs about ?, ')
 
 
 def test_bad_input_through_the_launcher_is_one_line_and_exit_2(sft_workdir,

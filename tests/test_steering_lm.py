@@ -1,8 +1,11 @@
 """The decoder LM's cache, steering hooks, generation modes and steering-vector files."""
 
+import io
 import json
 import os
 import re
+import tracemalloc
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -286,6 +289,33 @@ def test_damaged_or_invalid_vector_file_is_one_value_error(params, tmp_path,
     text = str(caught.value)
     assert '\n' not in text
     assert re.match(re.escape(path) + ': ' + message, text), text
+
+
+def test_a_file_stating_a_huge_array_is_refused_before_reading_it(
+    params, tmp_path):
+  # Its header states 2**28 floats (1 GiB); the data is 64 bytes. The
+  # array was allocated whole before any check.
+  path = str(tmp_path / 'v.npz')
+  _vector_file(path, params)
+  header = io.BytesIO()
+  np.lib.format.write_array_header_1_0(header, {
+      'descr': '<f4', 'fortran_order': False, 'shape': (1 << 28,)})
+  with zipfile.ZipFile(path) as f:
+    meta = f.read('meta.npy')
+  with zipfile.ZipFile(path, 'w') as f:
+    f.writestr('direction.npy', header.getvalue() + bytes(64))
+    f.writestr('meta.npy', meta)
+  tracemalloc.start()
+  try:
+    with pytest.raises(ValueError) as caught:
+      steering_vectors.load(path, params)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert str(caught.value) == (
+      f'{path}: not a steering vector file: direction has shape '
+      '(268435456,), more than 1048576 elements')
+  assert peak < 16 << 20, peak
 
 
 def test_save_refuses_a_direction_load_would_refuse(params, tmp_path):

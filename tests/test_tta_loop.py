@@ -1,5 +1,6 @@
 """launch.tta / train.tta.adapt: results, bit-exact resume after kill -9, one-line errors."""
 
+import errno
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ from tests import config_edits
 from tests import launch_runs
 from tests import read_only
 from train import errors
+from train import metrics as metrics_lib
 from train.tta import adapt
 from train.tta import source as source_lib
 from train.vision import trainer
@@ -107,6 +109,26 @@ def test_a_source_trained_further_is_refused_on_resume_and_rerun(
                            f'from {before[:19]}, the one the checkpoint of '
                            f'{workdir} at step '), text
   assert json.load(open(os.path.join(finished, adapt.RESULTS))) == results
+
+
+def test_a_write_that_runs_out_of_space_is_disk_full(source_workdir,
+                                                      tmp_path, monkeypatch):
+  workdir = tmp_path / 'tta'
+  log = str(workdir / 'metrics.jsonl')
+  real, calls = metrics_lib.MetricWriter.write, []
+
+  def write(self, step, scalars):
+    calls.append(step)
+    if len(calls) == 2:
+      raise OSError(errno.ENOSPC, 'No space left on device', log)
+    return real(self, step, scalars)
+
+  monkeypatch.setattr(metrics_lib.MetricWriter, 'write', write)
+  with pytest.raises(errors.DiskFull) as e:
+    adapt.adapt_and_evaluate(_config(source_workdir, batch_size=8,
+                                     log_every=1), str(workdir))
+  assert e.value.exit_code == 5
+  assert str(e.value).startswith(f'disk full writing {log} (needs about ?, ')
 
 
 def test_adapts_and_reports_per_corruption_errors(source_workdir, tmp_path):
@@ -207,6 +229,7 @@ def test_sigterm_saves_and_the_same_command_resumes(source_workdir, tmp_path):
     ('protocol', 'online'),
     ('method.schedule', 'cosine'),
     ('seed', -1),
+    ('method.fisher_samples', 0),  # Was accepted.
 ])
 def test_bad_settings_fail_in_one_line_before_compute(source_workdir,
                                                       tmp_path, field,
@@ -217,6 +240,28 @@ def test_bad_settings_fail_in_one_line_before_compute(source_workdir,
                              workdir)
   assert field in str(e.value) and '\n' not in str(e.value), str(e.value)
   assert not os.path.exists(os.path.join(workdir, 'checkpoints'))
+
+
+@pytest.mark.parametrize('field,value,message', [
+    ('margin', 2.0, 'config.method.conga.margin=2.0: must be in (0, 1]'),
+    ('grad_decay', -0.5,
+     'config.method.conga.grad_decay=-0.5: must be in (0, 1)'),
+    ('margn', 0.3, "config.method.conga.margn=0.3: not an argument of "
+     "geom.conga.conga; valid choices: 'entropy_decay', 'grad_decay', "),
+])
+def test_a_bad_conga_setting_is_one_line_before_the_source_loads(
+    tmp_path, field, value, message):
+  # It passed check_config and failed after the source and the stream had
+  # loaded, with geom's ArgumentError traceback. The source here does not
+  # exist: the CONGA setting is reported first.
+  config = _config(str(tmp_path / 'no_source'), **{
+      'method.schedule': 'conga'})
+  config.method.conga[field] = value
+  with pytest.raises(errors.ConfigError) as e:
+    adapt.adapt_and_evaluate(config, str(tmp_path / 'w'))
+  assert str(e.value).startswith(message), str(e.value)
+  assert '\n' not in str(e.value)
+  assert not os.path.exists(tmp_path / 'w')
 
 
 def test_a_missing_or_incompatible_source_fails_in_one_line(

@@ -345,6 +345,12 @@ def test_channels_shard_over_the_model_axis_and_the_output_is_unchanged():
     (dict(name='resnet50'),
      r"config.model.name='resnet50': unknown model; valid choices: 'cnn', "
      r"'mlp', 'resnet', 'wrn'"),
+    (dict(name='mlp', widths=(256, -1)),
+     r'config.model.widths=\(256, -1\): units per hidden layer: a non-empty'),
+    (dict(name='mlp', widths=()),
+     r'config.model.widths=\(\): units per hidden layer'),
+    (dict(name='cnn', features=()),
+     r'config.model.features=\(\): channels per conv block'),
 ])
 def test_bad_model_settings_name_the_field_and_the_choices(fields, match):
   with pytest.raises(ConfigError, match=match):

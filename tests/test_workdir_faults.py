@@ -7,6 +7,7 @@ to the same parameters, bit for bit.
 """
 
 import json
+import logging
 import os
 import random
 import re
@@ -27,6 +28,7 @@ from tests import launch_runs
 from train import checkpointing
 from train import disk_space
 from train import errors
+from train import resume_check
 from train import workdir_lock
 from train.vision import experiment
 from train.vision import trainer
@@ -138,6 +140,20 @@ def test_the_lock_is_exclusive_and_released(tmp_path):
   assert workdir_lock.holder(workdir) is None
 
 
+def test_a_lock_that_is_a_directory_is_one_line_and_changes_nothing(
+    tmp_path):
+  # It was an IsADirectoryError traceback.
+  os.makedirs(tmp_path / workdir_lock.LOCK_FILE / 'x')
+  with pytest.raises(errors.UsageError) as e:
+    trainers.train_and_evaluate(_config(), str(tmp_path))
+  assert str(e.value) == (
+      f'--workdir={str(tmp_path)!r}: its lock file '
+      f'{tmp_path / workdir_lock.LOCK_FILE} is a directory, not a file (made '
+      'by hand?); move it aside')
+  assert sorted(os.listdir(tmp_path)) == [workdir_lock.LOCK_FILE]
+  assert os.listdir(tmp_path / workdir_lock.LOCK_FILE) == ['x']
+
+
 # --- Resume checks the config ------------------------------------------------
 
 CHANGES = {
@@ -174,6 +190,20 @@ def test_resume_with_a_changed_config_refuses_naming_each_field(
   listed = text.split('different config: ')[1].split('. These fields')[0]
   assert listed.split('; ') == named
   assert _snapshot(workdir) == before
+
+
+def test_a_new_device_layout_resumes_with_a_warning(caplog):
+  # It resumed silently, and not bit for bit; the README said refused.
+  config = _config()
+  saved = {'config': resume_check.as_json(config)}
+  moved = config_edits.apply(_config(), {'mesh.shape': (4, 2)})
+  with caplog.at_level(logging.WARNING):
+    resume_check.check(moved, '/w', 20, saved)
+  assert re.search(r'config.mesh.shape .* -> .*: the run resumes on another '
+                   r'device layout; .* not bit for bit', caplog.text), (
+                       caplog.text)
+  with pytest.raises(resume_check.ConfigChanged, match='mesh.shape'):
+    resume_check.check(moved, '/w', 20, saved, per_device_method=True)
 
 
 def test_a_finished_run_is_not_reported_for_another_config(reference,

@@ -59,7 +59,7 @@ def completed_steps(checkpoint_dir: str) -> list[int]:
   return sorted(int(d) for d in os.listdir(checkpoint_dir) if d.isdigit())
 
 
-def as_disk_full(error: BaseException, workdir: str, needed_bytes: int,
+def as_disk_full(error: BaseException, workdir: str, needed_bytes: int | None,
                  checkpoint_dir: str) -> DiskFull | None:
   """`error` as a `DiskFull` if a full disk caused it, else None."""
   cause = full_disk_error(error)

@@ -45,6 +45,19 @@ class ConfigError(UsageError):
     super().__init__(f'config.{field}', value, problem, choices)
 
 
+def from_argument_error(error: Exception, prefix: str,
+                        renames: dict[str, str] | None = None
+                        ) -> 'ConfigError':
+  """A geom `ArgumentError` (geom/validation.py) as the `ConfigError` of the
+  config field that set the argument: `prefix.argument`, or
+  `renames[argument]` (a field below `config`) where the names differ;
+  the value, problem and choices as geom gave them."""
+  argument = error.argument
+  field = (renames or {}).get(argument, f'{prefix}.{argument}')
+  return ConfigError(field, error.value,
+                     error.problem or f'unknown {argument}', error.choices)
+
+
 class RunError(RuntimeError):
   """The run cannot go on, for a reason outside its config (one line).
 

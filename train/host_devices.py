@@ -18,11 +18,30 @@ import os
 
 import jax
 
+from train.errors import ConfigError
+
 THREADS_PER_DEVICE = 8
+# The most devices a host simulates: 8 threads each (above), so 4096
+# threads; the largest TPU slices (256 chips) fit. A million asked for a
+# million-device client, which grew by 40 MB/s with no output.
+MAX_CPU_DEVICES = 512
+
+
+def check_cpu_devices(num_devices) -> None:
+  """ConfigError naming `cpu_devices` unless it is in [1, MAX_CPU_DEVICES]."""
+  if (isinstance(num_devices, bool) or not isinstance(num_devices, int)
+      or not 1 <= num_devices <= MAX_CPU_DEVICES):
+    raise ConfigError('cpu_devices', num_devices, 'simulated CPU devices: '
+                      f'an integer in [1, {MAX_CPU_DEVICES}]')
 
 
 def configure_cpu_devices(num_devices: int) -> None:
-  """Use `num_devices` CPU devices; call before any JAX computation."""
+  """Use `num_devices` CPU devices; call before any JAX computation.
+
+  Raises:
+    ConfigError: `num_devices` is not in [1, MAX_CPU_DEVICES].
+  """
+  check_cpu_devices(num_devices)
   jax.config.update('jax_num_cpu_devices', num_devices)
   if num_devices > 1:
     os.environ.setdefault(

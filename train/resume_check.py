@@ -121,6 +121,12 @@ def check(config: ml_collections.ConfigDict, workdir: str, step: int,
           'span num_steps (the learning rate, step windows) are rebuilt '
           'over %s steps, so from step %d on they follow the new length.',
           old, new, new, step)
+    elif field in LAYOUT:
+      logging.warning(
+          'config.%s %s -> %s: the run resumes on another device layout; '
+          'its sums now split over other devices, so it ends equal to '
+          'float rounding, not bit for bit, to a run on the old layout.',
+          field, _show(old), _show(new))
     else:
       logging.info('config.%s %s -> %s on resume (%s)', field, _show(old),
                    _show(new), MAY_CHANGE[field])

@@ -68,7 +68,12 @@ def _try_lock(path: str):
   """An open file holding the flock on `path`, or (None, the holder's info)."""
   os.makedirs(os.path.dirname(path), exist_ok=True)
   # 'a+' creates the file without truncating what a holder wrote.
-  f = open(path, 'a+')  # pylint: disable=consider-using-with
+  try:
+    f = open(path, 'a+')  # pylint: disable=consider-using-with
+  except IsADirectoryError:
+    raise UsageError('--workdir', os.path.dirname(path),
+                     f'its lock file {path} is a directory, not a file '
+                     '(made by hand?); move it aside') from None
   try:
     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:

@@ -51,6 +51,7 @@ import optax
 from train import aot
 from train import checkpointing
 from train import checksums
+from train import disk_space
 from train import fileio
 from train import metrics as metrics_lib
 from train import plots
@@ -58,7 +59,8 @@ from train import preemption
 from train import resume_check
 from train import sharding as sharding_lib
 from train import workdir_lock
-from train.errors import ConfigError, NonFiniteLossError, Preempted
+from train.errors import ConfigError, Interrupted, NonFiniteLossError
+from train.errors import Preempted, RunError, UsageError
 from train.experiment import check_seed
 from train.experiment import check_workdir
 from train.lm import decoder as decoder_lm
@@ -91,6 +93,11 @@ def loss_settings(config) -> learner_lib.LearnerSettings:
                              aggregation=g.aggregation,
                              temperature=config.temperature),
       group_size=g.group_size, iterations=g.iterations)
+
+
+# Bounds checked before anything is allocated.
+MAX_BATCH_ROWS = 1 << 16
+MAX_EVAL_EXAMPLES = 100_000
 
 
 def runtime_settings(config) -> runtime_lib.RuntimeSettings:
@@ -186,6 +193,20 @@ def check_config(config: ml_collections.ConfigDict,
     raise ConfigError('temperature', config.temperature, 'must be > 0')
   loss_settings(config).check('grpo')
   runtime_settings(config).check('runtime')
+  # Sizes, before anything is allocated (a billion of any of these grew
+  # the process to 18 GB before it was killed).
+  if config.runtime.max_staleness > config.num_versions:
+    raise ConfigError('runtime.max_staleness', config.runtime.max_staleness,
+                      f'must be <= num_versions ({config.num_versions}): '
+                      'the learner keeps that many past policies')
+  rows = config.prompts_per_batch * config.grpo.group_size
+  if rows > MAX_BATCH_ROWS:
+    raise ConfigError('prompts_per_batch', config.prompts_per_batch,
+                      f'times grpo.group_size ({config.grpo.group_size}) '
+                      f'must be at most {MAX_BATCH_ROWS} sequences a batch')
+  if config.eval_examples > MAX_EVAL_EXAMPLES:
+    raise ConfigError('eval_examples', config.eval_examples,
+                      f'must be at most {MAX_EVAL_EXAMPLES} per difficulty')
   scheduler_lib.check_config(config)
   if not config.runtime.shutdown_timeout > 0:
     raise ConfigError('runtime.shutdown_timeout',
@@ -314,6 +335,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     WorkdirBusy: another run holds the workdir.
     NoGoodCheckpoint: the workdir's checkpoints are all damaged.
     ActorFailed: actors failed more often than allowed.
+    NonFiniteLossError: the loss, a gradient norm or the policy went
+      non-finite (nothing non-finite is saved).
+    DiskFull: a write ran out of space (earlier checkpoints are intact).
     Preempted: SIGTERM or SIGINT arrived; a checkpoint was saved first.
   """
   check_config(config)
@@ -322,7 +346,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     newest = checkpointing.newest_meta(workdir)
     if newest is not None:  # Before the SFT policy is read.
       _check_resume(config, workdir, *newest)
-    return _train(config, workdir)
+    try:
+      return _train(config, workdir)
+    except (UsageError, RunError, Preempted, Interrupted):
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      # A write that ran out of space (the log, the results, a checkpoint's
+      # files) is one line, exit 5, as in the trainer's loop.
+      full = disk_space.as_disk_full(
+          e, workdir, None, fileio.join(workdir, checkpointing.CHECKPOINTS))
+      if full is None:
+        raise
+      raise full from e
 
 
 def _counters(bound: int, saved: dict | None = None

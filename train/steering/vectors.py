@@ -45,6 +45,37 @@ _NPZ_MAGIC = b'PK\x03\x04'
 # (zlib.error).
 _DAMAGED = (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile,
             zlib.error)
+# Elements an array of the file may hold, checked from its header before it
+# is read: a 1 MB file of deflated zeros stated a direction of 1 GiB, which
+# was allocated before any check. Hidden sizes are far below 2**20.
+MAX_ELEMENTS = {'direction': 1 << 20, 'meta': 1 << 20}
+
+
+def _check_sizes(path: str) -> None:
+  """ValueError unless each array's header states at most MAX_ELEMENTS
+  (read from the headers alone, before any array is)."""
+  try:
+    archive = zipfile.ZipFile(path)
+  except _DAMAGED as e:
+    raise ValueError(f'{path}: damaged steering vector file (a truncated or '
+                     f'corrupt .npz archive: {_first_line(e)})') from None
+  with archive:
+    for name, limit in MAX_ELEMENTS.items():
+      if f'{name}.npy' not in archive.namelist():
+        continue  # Reported as missing by the caller.
+      try:
+        with archive.open(f'{name}.npy') as member:
+          version = np.lib.format.read_magic(member)
+          read_header = (np.lib.format.read_array_header_1_0
+                         if version == (1, 0) else
+                         np.lib.format.read_array_header_2_0)
+          shape, _, _ = read_header(member)
+      except _DAMAGED as e:
+        raise ValueError(f'{path}: damaged steering vector file (an array '
+                         f'does not read back: {_first_line(e)})') from None
+      if int(np.prod(shape, dtype=np.int64)) > limit:
+        raise ValueError(f'{path}: not a steering vector file: {name} has '
+                         f'shape {shape}, more than {limit} elements')
 
 
 def fingerprint(params: Any) -> str:
@@ -143,6 +174,7 @@ def _read(path: str) -> tuple[np.ndarray, dict[str, Any]]:
   if head != _NPZ_MAGIC:
     raise ValueError(f'{path}: not a steering vector file (not an .npz '
                      f'archive; it starts with {head!r})')
+  _check_sizes(path)
   try:
     archive = np.load(path, allow_pickle=False)
   except FileNotFoundError:

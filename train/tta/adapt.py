@@ -19,6 +19,7 @@ stream's data read before anything is compiled.
 from collections.abc import Mapping
 import dataclasses
 import functools
+import inspect
 import time
 from typing import Any
 
@@ -32,15 +33,18 @@ import numpy as np
 import optax
 
 from geom import conga
+from geom import validation
 from train import aot
 from train import checkpointing
+from train import disk_space
 from train import fileio
 from train import metrics as metrics_lib
 from train import plots
 from train import preemption
 from train import resume_check
 from train import workdir_lock
-from train.errors import ConfigError, Preempted, UsageError
+from train.errors import ConfigError, Interrupted, Preempted, RunError
+from train.errors import UsageError, from_argument_error
 from train.experiment import check_seed
 from train.experiment import check_workdir
 from train.tta import data as tta_data
@@ -85,6 +89,7 @@ def check_config(config: ml_collections.ConfigDict,
     raise ConfigError('method.schedule', m.schedule, 'unknown schedule',
                       SCHEDULES)
   _finite_positive('method.learning_rate', m.learning_rate)
+  _check_conga(m)
   for field in ('d_margin', 'fisher_alpha', 'reset_below', 'rho'):
     _finite_positive(f'method.{field}', m[field])
   if config.protocol not in streams.PROTOCOLS:
@@ -98,11 +103,34 @@ def check_config(config: ml_collections.ConfigDict,
     if not isinstance(value, int) or value <= 0:
       raise ConfigError(field, value, 'must be a positive integer')
   check_seed(config)
+  samples = m.fisher_samples  # EATA's; more than the split holds is all.
+  if isinstance(samples, bool) or not isinstance(samples, int) or (
+      samples <= 0):
+    raise ConfigError('method.fisher_samples', samples,
+                      'must be a positive integer')
   tta_data.check(config)
   if require_source and not config.source_workdir:
     raise ConfigError('source_workdir', config.source_workdir,
                       'required: the workdir of a classifier trained by '
                       '`python -m launch.train`')
+
+
+def _check_conga(m: ml_collections.ConfigDict) -> None:
+  """`method.conga` (geom.conga.conga's keyword arguments) as CONGA would
+  take them, before anything loads: the classes and steps come from the
+  data later, so any valid ones stand in for them here."""
+  known = set(inspect.signature(conga.conga).parameters) - {
+      'learning_rate', 'num_classes', 'total_steps'}
+  for name in m.conga:
+    if name not in known:
+      raise ConfigError(f'method.conga.{name}', m.conga[name],
+                        'not an argument of geom.conga.conga', sorted(known))
+  try:
+    conga.conga(m.learning_rate, num_classes=2, total_steps=1,
+                **dict(m.conga))
+  except validation.ArgumentError as e:
+    raise from_argument_error(e, 'method.conga', {
+        'learning_rate': 'method.learning_rate'}) from None
 
 
 def _tx(config, num_classes: int, total_steps: int
@@ -173,12 +201,24 @@ def adapt_and_evaluate(config: ml_collections.ConfigDict,
       classifier for this data, or the workdir belongs to another run.
     WorkdirBusy: another run holds the workdir.
     NoGoodCheckpoint: the workdir's checkpoints are all damaged.
+    DiskFull: a write ran out of space (earlier checkpoints are intact).
     Preempted: SIGTERM or SIGINT arrived; a checkpoint was saved first.
   """
   check_config(config)
   workdir = check_workdir(workdir)
   with workdir_lock.hold(workdir):
-    return _adapt(config, workdir)
+    try:
+      return _adapt(config, workdir)
+    except (UsageError, RunError, Preempted, Interrupted):
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      # A write that ran out of space (the log, the results, a checkpoint's
+      # files) is one line, exit 5, as in the trainer's loop.
+      full = disk_space.as_disk_full(
+          e, workdir, None, fileio.join(workdir, checkpointing.CHECKPOINTS))
+      if full is None:
+        raise
+      raise full from e
 
 
 def _check_latest(config, workdir: str) -> None:

@@ -88,10 +88,34 @@ class MLP(nn.Module):
     return layers.dense(self.num_classes, (in_axis, 'classes'), 'head')(x)
 
 
+def _check_widths(field: str, widths: Any, what: str) -> None:
+  if (not isinstance(widths, (tuple, list)) or not widths
+      or any(isinstance(w, bool) or not isinstance(w, int) or w < 1
+             for w in widths)):
+    raise ConfigError(field, widths, f'{what}: a non-empty list of positive '
+                      'integers')
+
+
+def check_cnn(fields: dict[str, Any]) -> None:
+  """ConfigError naming the field unless CNN can be built from `fields`."""
+  _check_widths('model.features', fields.get('features', CNN.features),
+                'channels per conv block')
+  hidden = fields.get('hidden', CNN.hidden)
+  if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
+    raise ConfigError('model.hidden', hidden, 'must be a positive integer')
+
+
+def check_mlp(fields: dict[str, Any]) -> None:
+  """ConfigError naming the field unless MLP can be built from `fields`."""
+  _check_widths('model.widths', fields.get('widths', MLP.widths),
+                'units per hidden layer')
+
+
 _MODELS: dict[str, Callable[..., nn.Module]] = {
     'cnn': CNN, 'mlp': MLP, 'wrn': resnets.WideResNet, 'resnet': resnets.ResNet}
 # Checks of a model's own fields beyond their names (ConfigError).
 _CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    'cnn': check_cnn, 'mlp': check_mlp,
     'wrn': resnets.check_wide_resnet, 'resnet': resnets.check_resnet}
 
 
