@@ -60,8 +60,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       optimizer=_OPTIMIZER.get(name, 'adam'),
       learning_rate=_RATE.get(name, 1e-3),
       schedule=args.get('schedule', 'fixed'),
-      # geom.conga.conga's keyword arguments besides the base rate.
-      conga=ml_collections.ConfigDict(),
+      # geom.conga.conga's keyword arguments besides the base rate; None
+      # (unset) is geom's default.
+      conga=ml_collections.ConfigDict({
+          name: ml_collections.config_dict.placeholder(float)
+          for name in ('min_learning_rate', 'max_learning_rate', 'margin',
+                       'grad_decay', 'entropy_decay', 'max_update_rms')}),
       d_margin=0.05, fisher_alpha=2000.0, fisher_samples=500,
       reset_below=0.2, rho=0.05))
 

@@ -77,3 +77,34 @@ def test_data_dir_override_is_a_string():
   path = os.path.join(REPO_ROOT, 'configs', 'digits.py')
   config = _parse([f'--config={path}', '--config.data_dir=gs://b/tfds'])
   assert config.data_dir == 'gs://b/tfds'
+
+
+def test_conga_settings_of_the_tta_config_are_flags():
+  # method.conga was an empty block under a locked config: "no field".
+  path = os.path.join(REPO_ROOT, 'configs', 'tta.py')
+  config = _parse([f'--config={path}:schedule=conga',
+                   '--config.method.conga.margin=0.3',
+                   '--config.method.conga.max_learning_rate=0.01'])
+  assert config.method.conga.margin == 0.3
+  assert config.method.conga.max_learning_rate == 0.01
+  assert config.method.conga.grad_decay is None  # geom's default.
+  from train.tta import adapt  # pylint: disable=g-import-not-at-top
+  config = _parse([f'--config={path}:schedule=conga',
+                   '--config.method.conga.margin=2.0',
+                   '--config.source_workdir=/nonexistent'])
+  with pytest.raises(adapt.ConfigError,
+                     match=r'^config.method.conga.margin=2.0: must be in'):
+    adapt.check_config(config)
+
+
+def test_a_field_added_since_and_left_unset_is_not_a_config_change():
+  # Runs saved before method.conga listed its fields (an empty block)
+  # resume; a value set in either is a change.
+  from train import resume_check  # pylint: disable=g-import-not-at-top
+  saved = {'method': {'conga': {}, 'name': 'tent'}}
+  assert resume_check.changed_fields(
+      saved, {'method': {'conga': {'margin': None}, 'name': 'tent'}}) == []
+  [(field, old, new)] = resume_check.changed_fields(
+      saved, {'method': {'conga': {'margin': 0.3}, 'name': 'tent'}})
+  assert field == 'method.conga.margin' and new == 0.3
+  assert resume_check.changed_fields({'seed': 0}, {}) != []

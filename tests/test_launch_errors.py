@@ -54,9 +54,15 @@ CASES = {
         {'batch_size': 66},
         'config.batch_size=66: must be divisible by the data-parallel mesh '
         'size (4)'),
-    'data set missing from data_dir': (
-        {'dataset': 'cifar10', 'data_dir': '{empty}'},
-        "config.dataset='cifar10': not found in data_dir='{empty}'"),
+    # The digits data set was built in it, the directory made on the way.
+    'data_dir that does not exist': (
+        {'data_dir': '{empty}'},
+        "config.data_dir='{empty}': no such directory (create it, or leave "
+        'data_dir unset for $TFDS_DATA_DIR)'),
+    # A traceback after the workdir was written.
+    'data_dir that is a file': (
+        {'data_dir': '/etc/passwd'},
+        "config.data_dir='/etc/passwd': not a directory"),
     'negative SAM radius': (
         {'optimizer.sam.enabled': True, 'optimizer.sam.rho': -0.1},
         'config.optimizer.sam.rho=-0.1: must be finite and >= 0'),
@@ -69,6 +75,10 @@ CASES = {
                        'config.num_steps=-5: must be a positive integer'),
     # Both were tracebacks after the workdir was written (and -1 after
     # metrics were logged).
+    # Allocated before anything said no.
+    'a batch larger than the host': (
+        {'batch_size': 10**9},
+        'config.batch_size=1000000000: its input alone is '),
     'negative seed': ({'seed': -1},
                       'config.seed=-1: must be an integer in [0, 2**32)'),
     'seed over 32 bits': ({'seed': 2**70}, f'config.seed={2**70}: must be '

@@ -84,7 +84,8 @@ def test_a_source_trained_further_is_refused_on_resume_and_rerun(
   # finished run reported its old result again. It is pinned by content.
   src = str(tmp_path / 'source')
   shutil.copytree(source_workdir, src)
-  config = _config(src, batch_size=8, checkpoint_every=4)
+  config = _config(src, batch_size=32, checkpoint_every=4,
+                   corruptions='gaussian_noise')
   finished = str(tmp_path / 'finished')
   results = adapt.adapt_and_evaluate(config, finished)
   # The same run as a kill left it, at its first kept checkpoint.
@@ -97,7 +98,7 @@ def test_a_source_trained_further_is_refused_on_resume_and_rerun(
     shutil.rmtree(cut / 'checkpoints' / str(step))
   before = source_lib.load(config).fingerprint
   further = digits_config.get_config('runlocal,dataset=mnist5k')
-  further.num_steps = 60
+  further.num_steps += 1
   trainer.train_and_evaluate(further, src)
   after = source_lib.load(config).fingerprint
   assert after != before

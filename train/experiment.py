@@ -174,6 +174,23 @@ def check_loop_settings(config: ml_collections.ConfigDict) -> None:
                       steps.NONFINITE_POLICIES)
 
 
+def _check_batch_memory(config: ml_collections.ConfigDict, columns: Columns,
+                        hosts: int) -> None:
+  """ConfigError naming the batch size whose input alone (`columns`, per
+  host) needs more than half of this host's memory: a batch of 10**9 was
+  allocated before anything said no."""
+  example = sum(math.prod(shape) * np.dtype(dtype).itemsize
+                for shape, dtype in columns.values())
+  memory = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  for field in ('batch_size', 'eval_batch_size'):
+    need = config[field] * example / hosts
+    if need > memory / 2:
+      raise ConfigError(
+          field, config[field], f'its input alone is {need / 2**30:.1f} GiB '
+          f'per host, more than half of this host\'s memory '
+          f'({memory / 2**30:.1f} GiB)')
+
+
 # True while another run's experiment is rebuilt to read its checkpoints
 # (`reading_checkpoints`): that workdir is an input, maybe read-only.
 _READING_ANOTHER_RUN = contextvars.ContextVar('reading_another_run',
@@ -282,6 +299,8 @@ def assemble(config: ml_collections.ConfigDict, workdir: str, *,
   check_loop_settings(config)
   optimizer = optim.build(config.optimizer, config.num_steps)
   mesh, rules = build_mesh(config, devices)
+  _check_batch_memory(config, columns,
+                      len({d.process_index for d in mesh.devices.flat}))
   _check_hooks(optimizer, rules)
   workdir = check_workdir(workdir)
   if check_data is not None:

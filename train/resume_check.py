@@ -79,11 +79,15 @@ def as_json(config: ml_collections.ConfigDict) -> str:
 def changed_fields(saved: Mapping[str, Any], current: Mapping[str, Any]
                    ) -> list[tuple[str, Any, Any]]:
   """(dotted field, old, new) for every leaf that differs (`_ABSENT` if
-  missing on one side), in field order."""
+  missing on one side), in field order. A field missing on one side and
+  None (unset) on the other is not a change: a field added to a config
+  since, and left unset, computes what its absence did."""
   old, new = _flatten(saved), _flatten(current)
+  unset = lambda v: v is None or v is _ABSENT
   return [(k, old.get(k, _ABSENT), new.get(k, _ABSENT))
           for k in sorted(set(old) | set(new))
-          if old.get(k, _ABSENT) != new.get(k, _ABSENT)]
+          if old.get(k, _ABSENT) != new.get(k, _ABSENT)
+          and not (unset(old.get(k, _ABSENT)) and unset(new.get(k, _ABSENT)))]
 
 
 def check(config: ml_collections.ConfigDict, workdir: str, step: int,

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from geom import gas
-from train.errors import ConfigError
+from train.errors import ConfigError, from_argument_error
 from train.rl import grpo
 from train.rl import runtime
 from train.rl import tasks
@@ -128,11 +128,9 @@ def check_config(config) -> None:
   try:
     options_from_config(config).check()
   except gas.validation.ArgumentError as e:
-    field = 'runtime.max_staleness' if e.argument == 's_base' else (
-        f'gas.{e.argument}' if e.argument != 'difficulties'
-        else 'difficulties')
-    raise ConfigError(field, e.value, e.problem or (
-        'valid choices: ' + ', '.join(map(str, e.choices or ())))) from e
+    raise from_argument_error(e, 'gas', {
+        's_base': 'runtime.max_staleness',
+        'difficulties': 'difficulties'}) from e
   g = config.gas
   if g.curvature not in gas.CURVATURE_METHODS:
     raise ConfigError('gas.curvature', g.curvature, 'valid choices: '

@@ -115,6 +115,11 @@ def check_config(config: ml_collections.ConfigDict,
                       '`python -m launch.train`')
 
 
+def _conga_arguments(m: ml_collections.ConfigDict) -> dict[str, Any]:
+  """`method.conga`'s set fields (None leaves geom's default)."""
+  return {k: v for k, v in m.conga.items() if v is not None}
+
+
 def _check_conga(m: ml_collections.ConfigDict) -> None:
   """`method.conga` (geom.conga.conga's keyword arguments) as CONGA would
   take them, before anything loads: the classes and steps come from the
@@ -127,7 +132,7 @@ def _check_conga(m: ml_collections.ConfigDict) -> None:
                         'not an argument of geom.conga.conga', sorted(known))
   try:
     conga.conga(m.learning_rate, num_classes=2, total_steps=1,
-                **dict(m.conga))
+                **_conga_arguments(m))
   except validation.ArgumentError as e:
     raise from_argument_error(e, 'method.conga', {
         'learning_rate': 'method.learning_rate'}) from None
@@ -140,7 +145,7 @@ def _tx(config, num_classes: int, total_steps: int
                else optax.trace(decay=0.9))
   if m.schedule == 'conga':
     rate = conga.conga(m.learning_rate, num_classes=num_classes,
-                       total_steps=total_steps, **dict(m.conga))
+                       total_steps=total_steps, **_conga_arguments(m))
   else:
     rate = optax.scale_by_learning_rate(m.learning_rate)
   return optax.chain(direction, rate)

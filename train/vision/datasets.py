@@ -208,10 +208,23 @@ def get_spec(name: str) -> DatasetSpec:
 
 
 def resolve_data_dir(data_dir: str | None) -> str:
-  """The TFDS data directory: the config's, else $TFDS_DATA_DIR or ~/tensorflow_datasets."""
-  if data_dir:
-    return os.fspath(data_dir)
-  return os.fspath(tfds.core.constants.DATA_DIR)
+  """The TFDS data directory: the config's, else $TFDS_DATA_DIR or
+  ~/tensorflow_datasets.
+
+  Raises:
+    ConfigError: the config's is a local path that is not a directory (a
+      typo would otherwise have the embedded data sets built there).
+  """
+  if not data_dir:
+    return os.fspath(tfds.core.constants.DATA_DIR)
+  data_dir = os.fspath(data_dir)
+  if '://' not in data_dir:
+    if not os.path.exists(data_dir):
+      raise ConfigError('data_dir', data_dir, 'no such directory (create '
+                        'it, or leave data_dir unset for $TFDS_DATA_DIR)')
+    if not os.path.isdir(data_dir):
+      raise ConfigError('data_dir', data_dir, 'not a directory')
+  return data_dir
 
 
 @contextlib.contextmanager
