@@ -702,6 +702,29 @@ def test_sigterm_during_start_up_is_one_line(tmp_path):
   assert not os.path.exists(os.path.join(workdir, 'checkpoints', '20'))
 
 
+def _loading_jax(pid) -> bool:
+  with open(f'/proc/{pid}/maps') as f:
+    return 'jaxlib' in f.read()
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/self/status'),
+                    reason='reads signal dispositions from /proc')
+def test_ctrl_c_while_the_launcher_imports_is_one_line(tmp_path):
+  # A KeyboardInterrupt traceback of 30 to 70 lines, from inside jax's or
+  # TensorFlow's imports.
+  workdir = str(tmp_path / 'run')
+  proc = launch_runs.start(workdir)
+  _wait_for(lambda: _loading_jax(proc.pid), proc)
+  assert not _catches_sigterm(proc.pid)  # Its job has not started.
+  proc.send_signal(signal.SIGINT)
+  _, stderr = proc.communicate(timeout=120)
+  assert proc.returncode == 128 + signal.SIGINT
+  assert stderr.splitlines() == [
+      'stopped by SIGINT outside the run (starting up); nothing was '
+      'written. Run the same command again.'], stderr
+  assert not os.path.exists(workdir)
+
+
 # --- Sweeps ---------------------------------------------------------------------
 
 _SWEEP_CONFIG = '''
