@@ -118,6 +118,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.task = 'lm'
   config.seed = 0
+  # Another LM run's workdir to start from (its newest good checkpoint's
+  # parameters; a fresh optimizer): `--config.init_from=DIR`. Unset: from
+  # config.seed's initialisation.
+  config.init_from = ml_collections.config_dict.placeholder(str)
   config.cpu_devices = 8
 
   config.model = ml_collections.ConfigDict(dict(

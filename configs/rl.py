@@ -69,7 +69,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       learning_rate=3e-5, b1=0.9, b2=0.99, grad_clip_norm=1.0))
   config.runtime = ml_collections.ConfigDict(dict(
       max_staleness=int(args.get('staleness', 0)), num_actors=2,
-      deterministic=False, max_actor_restarts=3, buffer_capacity=None,
+      deterministic=False, max_actor_restarts=3,
+      # Unset: max_staleness + num_actors batches.
+      buffer_capacity=ml_collections.config_dict.placeholder(int),
       shutdown_timeout=60.0))
 
   # 'fixed': every batch may lag runtime.max_staleness versions, uniform

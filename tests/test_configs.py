@@ -108,3 +108,17 @@ def test_a_field_added_since_and_left_unset_is_not_a_config_change():
       saved, {'method': {'conga': {'margin': 0.3}, 'name': 'tent'}})
   assert field == 'method.conga.margin' and new == 0.3
   assert resume_check.changed_fields({'seed': 0}, {}) != []
+
+
+@pytest.mark.parametrize('spec,override,field,value', [
+    ('rl.py:runlocal', 'runtime.buffer_capacity=4', 'runtime.buffer_capacity',
+     4),
+    ('lm.py:runlocal', 'init_from=/runs/lm', 'init_from', '/runs/lm'),
+])
+def test_documented_fields_that_start_unset_are_flags(spec, override, field,
+                                                      value):
+  # Unsupported type None (buffer_capacity) and no field (init_from).
+  config = _parse([f'--config={os.path.join(REPO_ROOT, "configs", spec)}',
+                   f'--config.{override}'])
+  block, _, name = field.rpartition('.')
+  assert (config[block] if block else config)[name] == value

@@ -12,7 +12,7 @@ nats per token) next to the mixture's. The mesh and
 shardings, the optax chain (SAM included), the step, checkpoints with
 resume and SIGTERM, metrics and plots are the shared ones.
 
-`config.init_from` (absent by default) names another LM run's workdir: a
+`config.init_from` (unset by default) names another LM run's workdir: a
 new run starts from its latest verified parameters (fine-tuning,
 continued training) with a fresh optimizer state; the field is part of
 the config, so a resume checks it like any other. Such a run keeps the
