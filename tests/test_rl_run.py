@@ -2,7 +2,6 @@
 staleness bound, resume after SIGTERM and kill -9, and one-line errors."""
 
 import ast
-import errno
 import json
 import os
 import shutil
@@ -23,10 +22,10 @@ from launch import trainers
 from tests.conftest import REPO_ROOT
 from tests.conftest import SFT_POLICY_OVERRIDES
 from tests import config_edits
+from tests import full_disk
 from tests import launch_runs
 from train import checksums
 from train import errors
-from train import metrics as metrics_lib
 from train.rl import learner
 from train.rl import rollout
 from train.rl import run
@@ -338,15 +337,7 @@ def test_a_write_that_runs_out_of_space_is_disk_full(sft_workdir, tmp_path,
   # give one line and exit 5.
   workdir = tmp_path / 'rl'
   log = str(workdir / 'metrics.jsonl')
-  real, calls = metrics_lib.MetricWriter.write, []
-
-  def write(self, step, scalars):
-    calls.append(step)
-    if len(calls) == 3:
-      raise OSError(errno.ENOSPC, 'No space left on device', log)
-    return real(self, step, scalars)
-
-  monkeypatch.setattr(metrics_lib.MetricWriter, 'write', write)
+  full_disk.on_metrics_write(monkeypatch, log, 3)
   with pytest.raises(errors.DiskFull) as e:
     run.train_and_evaluate(_config(sft_workdir, max_staleness=0),
                            str(workdir))

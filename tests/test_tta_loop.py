@@ -1,6 +1,5 @@
 """launch.tta / train.tta.adapt: results, bit-exact resume after kill -9, one-line errors."""
 
-import errno
 import json
 import os
 import shutil
@@ -16,10 +15,10 @@ import pytest
 from configs import digits as digits_config
 from configs import tta as tta_config
 from tests import config_edits
+from tests import full_disk
 from tests import launch_runs
 from tests import read_only
 from train import errors
-from train import metrics as metrics_lib
 from train.tta import adapt
 from train.tta import source as source_lib
 from train.vision import trainer
@@ -116,15 +115,7 @@ def test_a_write_that_runs_out_of_space_is_disk_full(source_workdir,
                                                       tmp_path, monkeypatch):
   workdir = tmp_path / 'tta'
   log = str(workdir / 'metrics.jsonl')
-  real, calls = metrics_lib.MetricWriter.write, []
-
-  def write(self, step, scalars):
-    calls.append(step)
-    if len(calls) == 2:
-      raise OSError(errno.ENOSPC, 'No space left on device', log)
-    return real(self, step, scalars)
-
-  monkeypatch.setattr(metrics_lib.MetricWriter, 'write', write)
+  full_disk.on_metrics_write(monkeypatch, log, 2)
   with pytest.raises(errors.DiskFull) as e:
     adapt.adapt_and_evaluate(_config(source_workdir, batch_size=8,
                                      log_every=1), str(workdir))

@@ -9,13 +9,15 @@ written before stay valid and the run resumes from them once there is
 space again.
 """
 
+from collections.abc import Iterator
+import contextlib
 import errno
 import os
 import re
 import shutil
 
 from train import fileio
-from train.errors import DiskFull
+from train.errors import DiskFull, Preempted, RunError, UsageError
 
 FULL_DISK_TEXT = re.compile(r'no space left on device|ENOSPC|disk quota exceeded',
                    re.IGNORECASE)
@@ -72,6 +74,23 @@ def as_disk_full(error: BaseException, workdir: str, needed_bytes: int | None,
   steps = completed_steps(checkpoint_dir)
   return DiskFull(str(path), needed_bytes, free_bytes(workdir),
                   steps[-1] if steps else None)
+
+
+@contextlib.contextmanager
+def reported(workdir: str, needed_bytes: int | None,
+             checkpoint_dir: str) -> Iterator[None]:
+  """Inside the block, an exception that a full disk caused (a write of the
+  log, the results, a checkpoint's files) is raised as `DiskFull`, one
+  line; the run's own errors and stops pass as they are."""
+  try:
+    yield
+  except (UsageError, RunError, Preempted):
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    full = as_disk_full(e, workdir, needed_bytes, checkpoint_dir)
+    if full is None:
+      raise
+    raise full from e
 
 
 def tree_bytes(tree) -> int:

@@ -39,7 +39,7 @@ Guarantees of a workdir:
 Loops whose step differs (test-time adaptation, RL) reuse the parts:
 `workdir_lock.hold`, `checkpointing.Checkpoints` (with
 `restore_latest_good` and `resume_check.check`), `metrics.MetricWriter`,
-`preemption.StopFlag`, `disk_space.as_disk_full`,
+`preemption.StopFlag`, `disk_space.reported`,
 `aot.log_memory_stats`.
 """
 
@@ -63,8 +63,7 @@ from train import preemption
 from train import resume_check
 from train import steps
 from train import workdir_lock
-from train.errors import (Interrupted, NonFiniteLossError, Preempted,
-                          RunError, UsageError)
+from train.errors import NonFiniteLossError, Preempted
 
 FINAL_METRICS = 'final_metrics.json'
 # In a checkpoint's metadata: the records metrics.jsonl held when it was
@@ -133,17 +132,10 @@ def train_and_evaluate(exp: experiment_lib.Experiment,
     DiskFull: a write ran out of space (earlier checkpoints are intact).
     Preempted: SIGTERM or SIGINT arrived; a checkpoint was saved first.
   """
-  try:
+  with disk_space.reported(
+      exp.workdir, disk_space.tree_bytes(exp.abstract_state),
+      fileio.join(exp.workdir, checkpointing.CHECKPOINTS)):
     return _train_and_evaluate(exp, load_data, initial_variables)
-  except (UsageError, RunError, Preempted, Interrupted):
-    raise
-  except Exception as e:  # pylint: disable=broad-except
-    full = disk_space.as_disk_full(
-        e, exp.workdir, disk_space.tree_bytes(exp.abstract_state),
-        fileio.join(exp.workdir, checkpointing.CHECKPOINTS))
-    if full is None:
-      raise
-    raise full from e
 
 
 def _train_and_evaluate(exp: experiment_lib.Experiment,

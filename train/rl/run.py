@@ -59,8 +59,7 @@ from train import preemption
 from train import resume_check
 from train import sharding as sharding_lib
 from train import workdir_lock
-from train.errors import ConfigError, Interrupted, NonFiniteLossError
-from train.errors import Preempted, RunError, UsageError
+from train.errors import ConfigError, NonFiniteLossError, Preempted
 from train.experiment import check_seed
 from train.experiment import check_workdir
 from train.lm import decoder as decoder_lm
@@ -346,18 +345,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     newest = checkpointing.newest_meta(workdir)
     if newest is not None:  # Before the SFT policy is read.
       _check_resume(config, workdir, *newest)
-    try:
+    with disk_space.reported(
+        workdir, None, fileio.join(workdir, checkpointing.CHECKPOINTS)):
       return _train(config, workdir)
-    except (UsageError, RunError, Preempted, Interrupted):
-      raise
-    except Exception as e:  # pylint: disable=broad-except
-      # A write that ran out of space (the log, the results, a checkpoint's
-      # files) is one line, exit 5, as in the trainer's loop.
-      full = disk_space.as_disk_full(
-          e, workdir, None, fileio.join(workdir, checkpointing.CHECKPOINTS))
-      if full is None:
-        raise
-      raise full from e
 
 
 def _counters(bound: int, saved: dict | None = None

@@ -43,8 +43,8 @@ from train import plots
 from train import preemption
 from train import resume_check
 from train import workdir_lock
-from train.errors import ConfigError, Interrupted, Preempted, RunError
-from train.errors import UsageError, from_argument_error
+from train.errors import ConfigError, Preempted, UsageError
+from train.errors import from_argument_error
 from train.experiment import check_seed
 from train.experiment import check_workdir
 from train.tta import data as tta_data
@@ -212,18 +212,9 @@ def adapt_and_evaluate(config: ml_collections.ConfigDict,
   check_config(config)
   workdir = check_workdir(workdir)
   with workdir_lock.hold(workdir):
-    try:
+    with disk_space.reported(
+        workdir, None, fileio.join(workdir, checkpointing.CHECKPOINTS)):
       return _adapt(config, workdir)
-    except (UsageError, RunError, Preempted, Interrupted):
-      raise
-    except Exception as e:  # pylint: disable=broad-except
-      # A write that ran out of space (the log, the results, a checkpoint's
-      # files) is one line, exit 5, as in the trainer's loop.
-      full = disk_space.as_disk_full(
-          e, workdir, None, fileio.join(workdir, checkpointing.CHECKPOINTS))
-      if full is None:
-        raise
-      raise full from e
 
 
 def _check_latest(config, workdir: str) -> None:
