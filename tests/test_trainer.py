@@ -176,6 +176,7 @@ def test_standard_tfds_name_trains_end_to_end_under_mock_data(
   config = digits_config
   config.dataset = 'mnist'
   config.data_dir = str(tmp_path / 'tfds')
+  (tmp_path / 'tfds').mkdir()  # A data_dir must exist (none is created).
   config.num_steps = 4
   config.optimizer.warmup_steps = 1
   config.log_every = config.eval_every = config.checkpoint_every = 2
