@@ -39,3 +39,25 @@ def hold_workdir(workdir: str) -> subprocess.Popen:
                           cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
   assert proc.stdout.readline().strip() == 'held'
   return proc
+
+
+def run_module(module: str, *args: str, timeout: float = 120
+               ) -> subprocess.CompletedProcess:
+  """`python -m <module> <args>` from the repository root."""
+  return subprocess.run([sys.executable, '-m', module, *args], cwd=REPO_ROOT,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def error_lines(result: subprocess.CompletedProcess) -> list[str]:
+  """The non-blank lines a run wrote to stderr."""
+  return [l for l in result.stderr.splitlines() if l.strip()]
+
+
+def run_while_held(workdir: str, run) -> subprocess.CompletedProcess:
+  """`run()` while another process holds `workdir`'s lock."""
+  holder = hold_workdir(workdir)
+  try:
+    return run()
+  finally:
+    holder.kill()
+    holder.wait()

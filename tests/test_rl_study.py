@@ -3,8 +3,6 @@ it trains anything (subprocesses: the launchers' absl flags share names).
 The study itself runs for RESULTS.md (see its command)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -12,10 +10,7 @@ from tests import launch_runs
 
 
 def _study(workdir, *flags):
-  return subprocess.run(
-      [sys.executable, '-m', 'launch.rl_study', f'--workdir={workdir}',
-       *flags], cwd=launch_runs.REPO_ROOT, capture_output=True, text=True,
-      timeout=120)
+  return launch_runs.run_module('launch.rl_study', f'--workdir={workdir}', *flags)
 
 
 # Each of these started training a warm start (or, --seeds=0, exited 0 with
@@ -32,7 +27,7 @@ def _study(workdir, *flags):
 def test_bad_flags_are_one_line_before_any_work(tmp_path, flag, expected):
   result = _study(tmp_path / 'study', flag)
   assert result.returncode == 2, result.stderr[-2000:]
-  lines = [l for l in result.stderr.splitlines() if l.strip()]
+  lines = launch_runs.error_lines(result)
   assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
   assert not os.path.exists(tmp_path / 'study')
 
@@ -41,14 +36,10 @@ def test_a_held_workdir_is_one_line_and_exit_75(tmp_path):
   # It was a WorkdirBusy traceback, exit 1.
   workdir = tmp_path / 'study'
   workdir.mkdir()
-  holder = launch_runs.hold_workdir(str(workdir))
-  try:
-    result = _study(workdir, '--seeds=1')
-  finally:
-    holder.kill()
-    holder.wait()
+  result = launch_runs.run_while_held(
+      str(workdir), lambda: _study(workdir, '--seeds=1'))
   assert result.returncode == 75, result.stderr[-2000:]
-  lines = [l for l in result.stderr.splitlines() if l.strip()]
+  lines = launch_runs.error_lines(result)
   assert len(lines) == 1 and 'in use by another run' in lines[0], (
       result.stderr)
   assert sorted(os.listdir(workdir)) == ['.lock']
