@@ -260,16 +260,18 @@ def summarize(records: Sequence[dict[str, jax.Array]], first_step: int,
   return scalars, first_bad, means
 
 
-def state_is_finite(state: TrainState) -> jax.Array:
-  """True when every float in params, batch statistics and optimizer state is finite.
-
-  Element by element (a norm would overflow on large finite values); run
-  before each checkpoint only.
-  """
-  checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(
-      (state.params, state.batch_stats, state.opt_state))
+def tree_is_finite(tree: Any) -> jax.Array:
+  """True when every float in `tree` is finite, element by element (a norm
+  would overflow on large finite values)."""
+  checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
             if jnp.issubdtype(x.dtype, jnp.inexact)]
   return jnp.all(jnp.stack(checks)) if checks else jnp.array(True)
+
+
+def state_is_finite(state: TrainState) -> jax.Array:
+  """True when every float in params, batch statistics and optimizer state
+  is finite; run before each checkpoint only."""
+  return tree_is_finite((state.params, state.batch_stats, state.opt_state))
 
 
 def make_eval_step(

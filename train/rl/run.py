@@ -42,7 +42,6 @@ from typing import Any
 from absl import logging
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 import numpy as np
@@ -58,6 +57,7 @@ from train import plots
 from train import preemption
 from train import resume_check
 from train import sharding as sharding_lib
+from train import steps
 from train import workdir_lock
 from train.errors import ConfigError, NonFiniteLossError, Preempted
 from train.experiment import check_seed
@@ -370,14 +370,8 @@ def _counters(bound: int, saved: dict | None = None
   return counters
 
 
-@jax.jit
-def _all_finite(tree) -> jax.Array:
-  """Every float in `tree` is finite (element by element: a norm would
-  overflow on large finite values)."""
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
-                            for x in jax.tree.leaves(tree)
-                            if jnp.issubdtype(x.dtype, jnp.inexact)]
-                           or [jnp.array(True)]))
+# Every float of the policy and optimizer state finite (before a save).
+_all_finite = jax.jit(steps.tree_is_finite)
 
 
 def _train(config, workdir: str) -> dict[str, Any]:
