@@ -93,21 +93,15 @@ def _scheduler_steps(config, count: int, start: int, sched) -> list[float]:
 def main(argv):
   del argv
   from bench import report  # pylint: disable=g-import-not-at-top
-  from launch import entry  # pylint: disable=g-import-not-at-top
-  import ml_collections  # pylint: disable=g-import-not-at-top
-  entry.quiet_libraries()
-  entry.configure_devices(ml_collections.ConfigDict({'cpu_devices': 8}))
+  from bench import rl_setup  # pylint: disable=g-import-not-at-top
+  rl_setup.prepare(_SFT.value)
   import jax  # pylint: disable=g-import-not-at-top
   from configs import rl  # pylint: disable=g-import-not-at-top
   from train.rl import scheduler  # pylint: disable=g-import-not-at-top
-  if not os.path.isdir(os.path.join(_SFT.value, 'checkpoints')):
-    from configs import rl_sft  # pylint: disable=g-import-not-at-top
-    from train.rl import sft  # pylint: disable=g-import-not-at-top
-    sft.train_and_evaluate(rl_sft.get_config(), _SFT.value)
   config = rl.get_config('gas=full,staleness=4')
   config.sft_workdir = _SFT.value
   step, model, params, batch = _learner(config)
-  sched = scheduler.Gas(config, deterministic=False)
+  sched = scheduler.Gas(scheduler.settings(config), deterministic=False)
   for _ in range(3):
     step()
   _scheduler_steps(config, 20, 0, sched)  # Warm-up (the bandit fills).

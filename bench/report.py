@@ -2,6 +2,8 @@
 
 import os
 
+from train import fileio
+
 BENCHMARKS_MD = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     'BENCHMARKS.md')
@@ -20,10 +22,7 @@ def write_section(name: str, body: str, path: str = BENCHMARKS_MD) -> None:
     text = head + block + rest.split(end, 1)[1]
   else:
     text = text.rstrip('\n') + '\n\n' + block + '\n'
-  tmp = path + '.tmp'
-  with open(tmp, 'w') as f:
-    f.write(text)
-  os.replace(tmp, path)
+  fileio.write_text_atomic(path, text)
 
 
 def publish(name: str, lines: list[str], write: bool) -> None:

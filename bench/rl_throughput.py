@@ -48,15 +48,9 @@ def _run(bound: int, root: str, repeat: int) -> dict:
 def main(argv):
   del argv
   from bench import report  # pylint: disable=g-import-not-at-top
-  from launch import entry  # pylint: disable=g-import-not-at-top
-  import ml_collections  # pylint: disable=g-import-not-at-top
-  entry.quiet_libraries()
-  entry.configure_devices(ml_collections.ConfigDict({'cpu_devices': 8}))
+  from bench import rl_setup  # pylint: disable=g-import-not-at-top
+  rl_setup.prepare(_SFT.value)
   import jax  # pylint: disable=g-import-not-at-top
-  if not os.path.isdir(os.path.join(_SFT.value, 'checkpoints')):
-    from configs import rl_sft  # pylint: disable=g-import-not-at-top
-    from train.rl import sft  # pylint: disable=g-import-not-at-top
-    sft.train_and_evaluate(rl_sft.get_config(), _SFT.value)
   bounds = [int(b) for b in _BOUNDS.value]
   rates = {b: [] for b in [0] + bounds}
   busy = {b: [] for b in [0] + bounds}

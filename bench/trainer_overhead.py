@@ -111,27 +111,26 @@ def step_loop(exp, compiled, train_data, steps: int) -> float:
 def trainer_loop(exp, compiled, train_data, val_data, steps: int) -> float:
   """Seconds for `steps` updates of the trainer's own loop (after warm-up)."""
   # pylint: disable=g-import-not-at-top
-  from train import checkpointing
   from train import loop
-  from train import metrics as metrics_lib
+  from train import resumable
+  config = exp.config.copy_and_resolve_references()
+  config.checkpoint_every = 10**9
   with tempfile.TemporaryDirectory() as workdir:
-    with checkpointing.Checkpoints(workdir, every_steps=10**9, keep=1) as ckpts:
-      writer = metrics_lib.MetricWriter(workdir, resume_step=None)
-      state = exp.init_state()
+    with resumable.open_run(config, workdir, check_config=lambda *_: None,
+                            results_name='results.json') as run:
       # Warm-up: the first steps of a run, not timed.
       warm = exp.config.log_every
-      exp.config.num_steps = warm
-      state = loop.train_loop(exp, state, compiled, train_data, val_data,
-                              ckpts, writer, None)
-      ckpts.wait_until_finished()
+      run.finished(warm)
+      run.restore(exp.abstract_state)
+      state = loop.train_loop(exp, exp.init_state(), compiled, train_data,
+                              val_data, run)
       jax.block_until_ready(state)
-      exp.config.num_steps = warm + steps
+      run.total = warm + steps
       start = time.perf_counter()
       state = loop.train_loop(exp, state, compiled, train_data, val_data,
-                              ckpts, writer, None)
+                              run)
       jax.block_until_ready(state)
       elapsed = time.perf_counter() - start
-      writer.close()
   return elapsed
 
 

@@ -44,58 +44,20 @@ checkpoint: `python -m launch.steer_eval --config=configs/steering.py
 import ml_collections
 
 from configs import config_args
+from configs import decoder_blocks
 from configs import optimizer_block
-
-
-# size -> (d_model, num_layers, num_heads, num_kv_heads, mlp_dim, tensor
-# parallelism): Llama's shapes (the 125m one GPT-3 Small's depth and width
-# with a SwiGLU MLP of the same parameter count).
-SIZES = {
-    '125m': (768, 12, 12, 12, 2048, 1),
-    '1b': (2048, 16, 32, 8, 8192, 1),
-    '8b': (4096, 32, 32, 8, 14336, 4),
-}
-SIZE_VOCAB = 32_000
-SIZE_SEQ_LEN = 2048
-
-
-# FSDP: every parameter's embedding dimension split over 'data' (XLA
-# gathers a layer's weights where it is used); tensor parallelism: heads,
-# MLP and vocabulary over 'model'.
-SIZE_RULES = (
-    ('batch', 'data'),
-    ('embed', 'data'),
-    ('vocab', 'model'),
-    ('heads', 'model'),
-    ('kv_heads', 'model'),
-    ('mlp', 'model'),
-)
-
-
-def size_model(size: str, vocab_size: int, max_len: int
-               ) -> tuple[ml_collections.ConfigDict, tuple[int, int]]:
-  """The decoder of `size` (bfloat16 compute, remat) and its mesh shape
-  (data, model); `configs/rl_sft.py` builds its policies from it too."""
-  if size not in SIZES:
-    raise ValueError(f'size={size!r}; valid: ' + ', '.join(SIZES))
-  d, layers, heads, kv_heads, mlp, model_parallel = SIZES[size]
-  model = ml_collections.ConfigDict(dict(
-      vocab_size=vocab_size, d_model=d, num_layers=layers, num_heads=heads,
-      mlp_dim=mlp, max_len=max_len, num_kv_heads=kv_heads,
-      dtype='bfloat16', remat=True))
-  return model, (-1, model_parallel)
 
 
 def _size(config: ml_collections.ConfigDict, size: str) -> None:
   """The pod-scale LM of `size` (see module docstring)."""
-  config.model, shape = size_model(size, SIZE_VOCAB, SIZE_SEQ_LEN)
+  config.model, shape = decoder_blocks.size_model(size, decoder_blocks.SIZE_VOCAB, decoder_blocks.SIZE_SEQ_LEN)
   config.tokenizer = ml_collections.ConfigDict(dict(
-      kind='sentencepiece', vocab_size=SIZE_VOCAB, model_type='bpe'))
-  config.data.update(dict(seq_len=SIZE_SEQ_LEN, train_bytes=2_000_000_000,
+      kind='sentencepiece', vocab_size=decoder_blocks.SIZE_VOCAB, model_type='bpe'))
+  config.data.update(dict(seq_len=decoder_blocks.SIZE_SEQ_LEN, train_bytes=2_000_000_000,
                           eval_bytes=20_000_000))
   config.mesh = ml_collections.ConfigDict(dict(axes=('data', 'model'),
                                                shape=shape))
-  config.logical_axis_rules = SIZE_RULES
+  config.logical_axis_rules = decoder_blocks.SIZE_RULES
   config.batch_size = 256
   config.eval_batch_size = 256
   config.num_steps = 100_000
@@ -114,7 +76,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   args = config_args.parse(arg, 'configs/lm.py', {
       'runlocal': 'runlocal', 'english': 'english=SOURCE',
       'forgetting': 'forgetting', 'tokenizer': 'tokenizer=byte|sentencepiece',
-      'size': 'size=' + '|'.join(SIZES)})
+      'size': 'size=' + '|'.join(decoder_blocks.SIZES)})
   config = ml_collections.ConfigDict()
   config.task = 'lm'
   config.seed = 0
@@ -134,28 +96,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       seq_len=128,
   ))
 
-  config.mesh = ml_collections.ConfigDict(
-      dict(axes=('data', 'model'), shape=(-1, 1)))
-  config.logical_axis_rules = (
-      ('batch', 'data'),
-      ('vocab', None),
-      ('embed', None),
-      ('heads', 'model'),
-      ('mlp', 'model'),
-  )
+  decoder_blocks.local_mesh(config)
   config.batch_size = 32
   config.eval_batch_size = 64
   config.num_steps = 2500
-
-  config.optimizer = optimizer_block.optimizer_block(
-      name='adamw', learning_rate=3e-3, warmup_steps=100,
-      end_lr_fraction=0.05, b2=0.98, eps=1e-9, weight_decay=0.05,
-      grad_clip_norm=1.0)
-  config.nonfinite = 'stop'
-  config.log_every = 100
-  config.eval_every = 500
-  config.checkpoint_every = 500
-  config.keep_checkpoints = 2
+  decoder_blocks.local_training(config, weight_decay=0.05)
 
   if 'forgetting' in args:
     # The pretraining of the forgetting study (launch.forgetting_study):

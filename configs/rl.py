@@ -34,7 +34,7 @@ configs/lm.py splits it, 64 prompts x 16 samples per batch:
 import ml_collections
 
 from configs import config_args
-from configs import lm
+from configs import decoder_blocks
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -43,7 +43,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       'runlocal': 'runlocal', 'staleness': 'staleness=S',
       'correction': 'correction=none|tis|decoupled',
       'gas': 'gas=full|no_bandit|no_execution|no_coupling|fixed_lambda',
-      'size': 'size=' + '|'.join(lm.SIZES)})
+      'size': 'size=' + '|'.join(decoder_blocks.SIZES)})
   config = ml_collections.ConfigDict()
   config.task = 'rl'
   config.seed = 0
@@ -65,7 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       aggregation='sequence-mean'))
   config.optimizer = ml_collections.ConfigDict(dict(
       # 3e-5: with 1e-4 and 3e-4 pass@1 rose then fell back within 1000
-      # updates (seed 0 warm start, measured 2026-11-30).
+      # updates (seed 0 warm start; RESULTS.md).
       learning_rate=3e-5, b1=0.9, b2=0.99, grad_clip_norm=1.0))
   config.runtime = ml_collections.ConfigDict(dict(
       max_staleness=int(args.get('staleness', 0)), num_actors=2,
@@ -75,11 +75,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       shutdown_timeout=60.0))
 
   # 'fixed': every batch may lag runtime.max_staleness versions, uniform
-  # difficulty. 'gas': geom.gas, with runtime.max_staleness the easiest
-  # difficulty's budget (s_base).
+  # difficulty. 'gas': geom.gas; gas.s_base is the easiest difficulty's
+  # budget (unset: runtime.max_staleness, which bounds every budget).
   config.scheduler = 'fixed'
   config.gas = ml_collections.ConfigDict(dict(
-      alpha=0.5, estimate_alpha=True, alpha_decay=0.7, curvature_decay=0.5,
+      s_base=ml_collections.config_dict.placeholder(int), alpha=0.5, estimate_alpha=True, alpha_decay=0.7, curvature_decay=0.5,
       bandit='boltzmann', signal='learnability', discount=0.95,
       temperature=0.05, exploration=0.1, floor=0.1, coupling=1.0,
       execution_aware=True, max_defer=8, latency_decay=0.8,
@@ -87,7 +87,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # ('rayleigh'), on curvature_rows rows of each difficulty's last
       # batch, every curvature_every versions (0: never; alpha stays).
       # Every 100 cost a third of the wall time here (5 difficulties x 10
-      # products on the learner, 2026-11-30): every 200.
+      # products on the learner): every 200.
       curvature='power', curvature_every=200, curvature_iters=10,
       curvature_rows=16,
       loss_weight=False,  # Scale advantages by exp(-lambda (d - d_0)).
@@ -115,14 +115,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                        + ', '.join(ablations))
     config.gas.update(ablations[variant])
   if 'size' in args:
-    if args['size'] not in lm.SIZES:
+    if args['size'] not in decoder_blocks.SIZES:
       raise ValueError(f'configs/rl.py: size={args["size"]!r}; valid: '
-                       + ', '.join(lm.SIZES))
+                       + ', '.join(decoder_blocks.SIZES))
     # Absent by default: older runs' configs stay equal.
     config.rollout_devices = 128
     config.learner_mesh = ml_collections.ConfigDict(dict(
-        axes=('data', 'model'), shape=(-1, lm.size_model(
-            args['size'], 256, 32)[1][1]), rules=lm.SIZE_RULES))
+        axes=('data', 'model'), shape=(-1, decoder_blocks.size_model(
+            args['size'], 256, 32)[1][1]), rules=decoder_blocks.SIZE_RULES))
     config.prompts_per_batch = 64
     config.grpo.group_size = 16
   if 'runlocal' in args:

@@ -23,15 +23,14 @@ are), sharded as it is; compile GRPO with it on a pod
 import ml_collections
 
 from configs import config_args
-from configs import lm
-from configs import optimizer_block
+from configs import decoder_blocks
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The SFT run; `arg` selects variants (see module docstring)."""
   args = config_args.parse(arg, 'configs/rl_sft.py', {
       'runlocal': 'runlocal', 'families': 'families=add+mul',
-      'size': 'size=' + '|'.join(lm.SIZES)})
+      'size': 'size=' + '|'.join(decoder_blocks.SIZES)})
   config = ml_collections.ConfigDict()
   config.task = 'rl_sft'
   config.seed = 0
@@ -48,34 +47,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       eval_examples=200,
   ))
 
-  config.mesh = ml_collections.ConfigDict(
-      dict(axes=('data', 'model'), shape=(-1, 1)))
-  config.logical_axis_rules = (
-      ('batch', 'data'),
-      ('vocab', None),
-      ('embed', None),
-      ('heads', 'model'),
-      ('mlp', 'model'),
-  )
+  decoder_blocks.local_mesh(config)
   config.batch_size = 64
   config.eval_batch_size = 200
   config.num_steps = 1500
-
-  config.optimizer = optimizer_block.optimizer_block(
-      name='adamw', learning_rate=3e-3, warmup_steps=100,
-      end_lr_fraction=0.05, b2=0.98, eps=1e-9, weight_decay=0.01,
-      grad_clip_norm=1.0)
-  config.nonfinite = 'stop'
-  config.log_every = 100
-  config.eval_every = 500
-  config.checkpoint_every = 500
-  config.keep_checkpoints = 2
+  decoder_blocks.local_training(config, weight_decay=0.01)
 
   if 'size' in args:
-    config.model, shape = lm.size_model(args['size'], config.model.vocab_size,
+    config.model, shape = decoder_blocks.size_model(args['size'], config.model.vocab_size,
                                         config.model.max_len)
     config.mesh.shape = shape
-    config.logical_axis_rules = lm.SIZE_RULES
+    config.logical_axis_rules = decoder_blocks.SIZE_RULES
   if 'runlocal' in args:
     config.model.update(dict(d_model=32, num_layers=1, num_heads=2,
                              mlp_dim=64))

@@ -30,54 +30,20 @@ bound stops it from overfitting to noisy gradients; inside the interval a
 cosine decay conditioned on adaptation progress picks the rate; it plugs
 into existing TTA methods with little overhead.
 
-Ours, each with its reason:
-- Confidence is H_i < E0 = 0.4 ln C (`margin`), the reliability margin of
-  EATA and SAR, so that "confident" means what the TTA methods CONGA plugs
-  into already filter on. c is this batch's fraction, not an average: the
-  lower bound answers for the batch being stepped on.
-- The lower bound runs linearly from eta_min (no sample confident) to
-  eta_base (all confident): a fully confident batch gets at least the rate
-  one would have picked for a fixed schedule.
-- Gradient noise is read on u, not the raw gradient: inside a chain u is
-  what CONGA receives and what the step moves along (after Adam, the
-  consistency of Adam's direction). The EMA of u is the one params-sized
-  buffer CONGA adds (float32).
-- The SNR is the bias-free estimate of |E u|^2 / E|u|^2, not the raw ratio
-  r: for independent noise r equals 1/n, which is 1 at the first step (the
-  first step would look noise-free and take eta_max, exactly when nothing
-  is known) and (1 - b)/(1 + b) later. r - (1 - r)/(n - 1) reads 0 for pure
-  noise at every step, 1 for a constant u from the second step on, and is
-  0 at the first step (no evidence of signal: hi = lo).
-- When eta_max * SNR falls below lo, the upper bound is raised to lo: the
-  lower bound, which rests on this batch's samples, wins over a noisy
-  statistical estimate (as conga.md's formulation has it).
-- Both bounds are then capped at tau / rms(u), so that no step moves the
-  parameters by more than tau root-mean-square per parameter: a trust
-  region that holds whatever the estimates say (a gradient spike is the
-  extreme of a noisy gradient, and there exploration must yield). The
-  root-mean-square rather than the global norm, so that one default serves
-  however many parameters are adapted (a few thousand normalisation
-  parameters, or a whole model).
-- Progress is t/T when the stream length T is known (as
-  `optax.cosine_decay_schedule`: p = 0 at the first step); otherwise the
-  relative reduction of the mean entropy, with H_0 the mean entropy of the
-  first non-empty batch and a bias-corrected EMA (decay `entropy_decay`).
-  Clipped to [0, 1]: entropy above H_0 (a harder domain) is progress 0,
-  the top of the interval; entropy 0 is progress 1.
-- Defaults: eta_min = eta_base / 10 and eta_max = 10 eta_base, so that one
-  number sets the interval and `optax.inject_hyperparams` moves all of it;
-  tau = 1e-2 (1% of a unit normalisation scale per step); b = 0.9 for both
-  EMAs. Not yet measured against other values.
-- Inputs: `entropies` may have any shape (every element is a sample); its
-  non-finite entries are ignored, so a ragged last batch may be padded
-  with NaN. An empty batch has c = 0 and leaves the entropy EMA as it was.
-  A zero update gives SNR 0 and no cap. The statistics see u scaled down
-  to a norm of at most 1e18 (float32 squares overflow at 1.8e19), while
-  the cap keeps the step at tau (0 when |u| itself passes float32's
-  range); a gradient spike weighs on the EMA of |u|^2, hence holds the SNR
-  near 0, until the EMA has forgotten it. Everything is computed in
-  float32; the update keeps the dtype it came with. A non-finite u gives a
-  non-finite update, as in any optax transformation.
+Ours (the reasons: docs/conga.md):
+- confidence is H_i < E0 = margin ln C (EATA's and SAR's margin), c this
+  batch's fraction; the lower bound runs linearly from eta_min to eta_base;
+- gradient noise is read on u (what CONGA receives inside a chain), with
+  the bias-free SNR estimate r - (1 - r)/(n - 1) (0 at the first step);
+- when eta_max * SNR falls below lo, the lower bound wins;
+- both bounds are capped at tau / rms(u), a per-parameter trust region;
+- progress is t/T when T is known, else the relative reduction of an EMA
+  of the mean entropy from H_0, clipped to [0, 1];
+- defaults eta_min = eta_base / 10, eta_max = 10 eta_base, tau = 1e-2,
+  b = 0.9 (not yet measured against other values);
+- non-finite entropies are ignored (ragged batches may be NaN-padded);
+  statistics see u scaled to a norm <= 1e18; float32 throughout, the
+  update keeps its dtype.
 
 Example:
 
@@ -118,7 +84,7 @@ from geom import tree_norm
 from geom import validation
 
 __all__ = [
-    'CongaState', 'DIAGNOSTICS', 'conga', 'diagnostics',
+    'CongaOptions', 'CongaState', 'DIAGNOSTICS', 'conga', 'diagnostics',
     'entropies_from_logits', 'find_state', 'hooks',
 ]
 
@@ -172,8 +138,11 @@ class CongaState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Settings:
-  """`conga`'s arguments; numbers may be traced (inject_hyperparams)."""
+class CongaOptions:
+  """`conga`'s arguments (documented there), validated on construction
+  (`ArgumentError` names the field), as `geom.sam.SAMOptions`. Numbers may
+  be traced (under `optax.inject_hyperparams`), and are then checked where
+  they are concrete."""
   learning_rate: Any
   num_classes: Any
   min_learning_rate: Any
@@ -184,12 +153,15 @@ class _Settings:
   max_update_rms: Any
   total_steps: Any
 
+  def __post_init__(self):
+    _validate(self)
+
 
 def _is_integer(v: Any) -> bool:
   return not isinstance(v, bool) and float(v) == math.floor(float(v))
 
 
-def _validate(s: _Settings) -> None:
+def _validate(s: CongaOptions) -> None:
   check = lambda name, ok, requirement: validation.check(
       _OWNER, name, getattr(s, name), ok, requirement)
   if callable(s.learning_rate):
@@ -245,7 +217,7 @@ def entropies_from_logits(logits: jax.Array) -> jax.Array:
   return -jnp.sum(p * safe, axis=-1)
 
 
-def _init(settings: _Settings, params: Any) -> CongaState:
+def _init(settings: CongaOptions, params: Any) -> CongaState:
   del settings
   zero = jnp.zeros((), jnp.float32)
   return CongaState(
@@ -292,7 +264,7 @@ def _snr(grad_ema: Updates, sq_norm_ema: jax.Array, steps: jax.Array,
   return jnp.where(excess > 0, jnp.clip(snr, 0.0, 1.0), 0.0)
 
 
-def _update(settings: _Settings, updates: Updates, state: CongaState,
+def _update(settings: CongaOptions, updates: Updates, state: CongaState,
             params: Any = None, *, entropies: Any = None,
             **extra_args: Any) -> tuple[Updates, CongaState]:
   del params, extra_args
@@ -417,13 +389,12 @@ def conga(
     ArgumentError: (a ValueError) for an invalid argument, naming it; at
       update, when `entropies` is missing.
   """
-  settings = _Settings(
+  settings = CongaOptions(
       learning_rate=learning_rate, num_classes=num_classes,
       min_learning_rate=min_learning_rate,
       max_learning_rate=max_learning_rate, margin=margin,
       grad_decay=grad_decay, entropy_decay=entropy_decay,
       max_update_rms=max_update_rms, total_steps=total_steps)
-  _validate(settings)
   return optax.GradientTransformationExtraArgs(
       functools.partial(_init, settings), functools.partial(_update, settings))
 

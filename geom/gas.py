@@ -43,57 +43,23 @@ curriculum that picks difficulty by learning signal; execution-aware
 budgets so that slow tasks do not hold up rollout; coupling that tightens
 the budget as difficulty rises.
 
-Ours, each with its reason:
-- The budget is a policy lag in versions, floor(.) of the formula, and
-  the easiest bucket's budget is s_base (d is measured from d_0): so
-  s_base is directly comparable with a fixed global bound s.
-- Why lambda = alpha / 2 (our reading): if lambda_max(d) ~ exp(alpha d)
-  and a stale gradient's error variance grows as lambda_max s^2, holding
-  it equal across difficulties gives s ~ exp(-alpha d / 2).
-- alpha comes from the top eigenvalue of the Hessian of the mean
-  answer-token negative log-likelihood of the bucket's latest on-policy
-  samples (for samples from the policy its expectation is the Fisher
-  information, the curvature a policy-gradient step sees); the GRPO
-  surrogate itself is zero whenever a group's rewards are equal, so its
-  Hessian says nothing there. Power iteration finds the eigenvalue of
-  largest magnitude; we take its absolute value. The proxy ('rayleigh')
-  is the curvature along the normalised gradient, u^T H u with one
-  Hessian-vector product instead of `num_iters`: a lower bound on
-  lambda_max that tracks it when the gradient leans on the top
-  eigenvectors.
-- A negative fitted slope (curvature falling with difficulty: the
-  premise fails) is kept in the diagnostics but alpha is clamped at 0:
-  the budgets then fall back to a uniform bound s_base rather than grow
-  beyond it for hard tasks.
-- The learning signal is p(1 - p) per prompt group ('learnability',
-  p the group's mean reward in [0, 1]) or the mean |r - group mean|
-  ('abs_advantage', SEC's, uncentred by the std so that its size still
-  reads how informative a group is; for binary rewards it is 2 p (1 - p)).
-  Both are 0 for a group that is all right or all wrong, where GRPO has
-  no gradient.
-- Non-stationarity: every observation first discounts all arms' counts
-  and sums by `discount` (discounted UCB, Garivier and Moulines 2011; the
-  Boltzmann arm values are the same discounted means). A floor mixes in
-  the uniform distribution so that no bucket's estimate goes stale.
-- Coupling: the budgets tighten together as the curriculum's mean
-  difficulty dbar rises above that of a uniform curriculum (s_eff
-  above), so a run that has moved to hard buckets becomes more on-policy
-  as a whole; a curriculum at or below the uniform mean keeps s_base, so
-  that s_base keeps its meaning. `coupling = 0` removes it.
-- Execution-aware dispatch defers rather than drops: a drawn bucket is
-  always trained, at most `max_defer` dispatches later, so tighter
-  budgets for hard tasks cannot starve them (discarding stale hard
-  samples and re-queuing them does). The bucket sent in a deferred one's
-  place is dispatched on credit: its next draw is skipped (and drawn
-  again), so substitutes do not inflate the easy buckets either, and the
-  trained mix stays the curriculum's (measured: without the credit a
-  bucket that never fits trains p / (1 + p) of the batches instead of p).
-  `lead` is how many versions remain
-  before the learner needs the slot being filled; a deterministic
-  runtime, which generates each slot from exactly version k - s_max(b),
-  passes lead=None.
-- Unmeasured latencies (lag 0) and curvatures (no estimate) block
-  nothing: the scheduler starts as the formula with the initial alpha.
+Ours (the reasons: docs/gas.md):
+- budgets are policy lags in versions, floor(.) of the formula, with the
+  easiest bucket's budget s_base (comparable with a fixed global bound);
+- lambda = alpha / 2, from holding a stale gradient's error variance
+  (~ lambda_max s^2) equal across difficulties;
+- alpha from |lambda_max| of the Hessian of the bucket's mean
+  answer-token NLL (power iteration; 'rayleigh': one Hessian-vector
+  product along the gradient, a lower bound), clamped at 0 when the
+  fitted slope is negative;
+- the learning signal p(1 - p) ('learnability') or the mean
+  |r - group mean| ('abs_advantage'), both 0 where GRPO has no gradient;
+- discounted bandit statistics with a uniform floor (non-stationarity);
+- coupling tightens all budgets only as the curriculum's mean difficulty
+  rises above a uniform curriculum's;
+- execution-aware dispatch defers, never drops, and sends a substitute
+  on credit so the trained mix stays the curriculum's;
+- unmeasured latencies and curvatures block nothing.
 
 Example:
 
@@ -114,8 +80,9 @@ References:
   Fu et al., AReaL, 2025 (a global staleness bound, decoupled PPO).
 """
 
-import math
 from collections.abc import Callable
+import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -140,8 +107,10 @@ CURVATURE_METHODS = ('power', 'rayleigh')
 COUNTS = ('dispatched', 'deferred', 'admitted', 'dropped')
 
 
-class GasOptions(NamedTuple):
-  """GAS's hyperparameters (static; `check()` validates them).
+@dataclasses.dataclass(frozen=True)
+class GasOptions:
+  """GAS's hyperparameters (static), validated on construction
+  (`validation.ArgumentError` names the field), as `geom.sam.SAMOptions`.
 
   Attributes:
     difficulties: d_b of each bucket, increasing.
@@ -180,8 +149,7 @@ class GasOptions(NamedTuple):
   max_defer: int = 8
   latency_decay: float = 0.8
 
-  def check(self) -> None:
-    """Raises `validation.ArgumentError` naming the first bad field."""
+  def __post_init__(self):
     owner = 'geom.gas.GasOptions'
     d = tuple(self.difficulties)
     if not d or any(not isinstance(x, (int, float)) for x in d) or any(
@@ -250,7 +218,6 @@ class GasState(NamedTuple):
 
 def init(options: GasOptions) -> GasState:
   """The state before any observation."""
-  options.check()
   b = options.num_buckets
   nan = np.full(b, np.nan)
   return GasState(pulls=np.zeros(b), gains=np.zeros(b),

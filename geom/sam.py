@@ -8,61 +8,16 @@ One SAM step at weights w with loss gradient g:
     g+   = grad L(w + e)                      (same batch)
     w   <- w + base_optimizer.update(g+, w)
 
-`sam(base_optimizer, rho)` wraps any optax transformation. In the default
-(opaque) mode `update(grads, state, params, grad_fn=...)` does the whole
-step in one call: `grad_fn(params) -> grads` evaluates the loss gradient at
-other weights on the same batch (optax.contrib.sam's `grad_fn(params, i)`
-is accepted too). In two-call (transparent) mode, for loops that cannot
-pass `grad_fn`, calls alternate: the first returns the update to w + e,
-the second (given g+ at w + e) returns the update that goes back to w and
-applies the base step, as `optax.contrib.sam` does.
-
-The ascent is pluggable, as optax's `adv_optimizer` is: with `ascent=tx`,
-e = -rho * tx.update(g, ...) (tx in optax's convention: it returns a
-descent step, which SAM reverses), and tx's state is kept between steps
-unless `reset_ascent`. So `optax.contrib.sam(opt, adv_opt,
-opaque_mode=True)` is `sam(opt, rho=1.0, ascent=adv_opt)`. The default is
-the normalized step above, which the fused kernel computes.
-
-Which steps perturb: one mechanism, the effective rho. `warmup_steps` and
-`window` are sugar that build the rho schedule (rho is 0 before the
-warm-up ends and outside the window; a schedule of rho may reach 0 by
-itself), and the detector's responses act on it (a warm restart zeroes it
-for `restart_steps` steps, a shrink scales it). A step with effective rho
-0 is a plain base step on g and never computes the second gradient.
-`is_sam_step` answers the same question on the host (for a Python step
-count) and in jit, which is how a trainer compiles the two kinds apart:
-`hooks(options)` gives it the rule. Inside one program the branch is a
-`lax.cond`; `update(..., sam_step=True/False)` fixes it at trace time
-instead (on XLA:CPU a convolution's gradient inside a cond runs about 70x
-slower than outside, measured). With rho = 0 a step is a plain base step,
-so the result equals the base optimizer's exactly.
-
-On top of plain SAM:
-- warm-start: the first `warmup_steps` steps are plain base steps on g
-  (Park et al., arXiv 2509.21818: a short SGD phase before SAM avoids the
-  hallucinated minimizers that SAM alone can converge to);
-- a step window: SAM only for `window[0] <= step < window[1]` (the SAM
-  mid-training phase of arXiv 2605.02105);
-- a detector of hallucinated minimizers (`geom.hallucination`) fed by g
-  and g+, with a response: only flag, fall back to plain steps for a while
-  (warm restart), or shrink rho.
-
-The perturbation (norm and w + e) is computed in float32 whatever the
-parameter dtype, then cast back for `grad_fn`.
-
-m-sharpness: with `batch_axis_name`, `update` runs inside `jax.shard_map`
-(or pmap) over that axis with per-device gradients; each device perturbs
-with its own gradient, and the perturbed gradients (or, on plain steps,
-the gradients) are averaged over the axis before the base optimizer. In
-`shard_map`, take the local gradient at the device-varying copy of the
-weights, `jax.lax.pcast(params, axis, to='varying')`: the gradient with
-respect to replicated weights is already summed over the axis.
-
-Where clipping applies: put `optax.clip_by_global_norm` inside
-`base_optimizer` and it clips the gradient the base optimizer steps with
-(g+ on SAM steps, g on plain steps). Clipping before SAM would not change
-e, since e is normalised.
+`sam(base_optimizer, rho)` wraps any optax transformation; `update(grads,
+state, params, grad_fn=...)` does the whole step (`grad_fn(params) ->
+grads` on the same batch), or, in two-call mode, alternates as
+`optax.contrib.sam` does. Options: ASAM (`adaptive`), a pluggable
+`ascent`, `warmup_steps` and a step `window` (SAM only inside it),
+m-sharpness (`batch_axis_name`), and a hallucinated-minimizer detector
+(`geom.hallucination`) with a response (flag, warm restart, shrink rho).
+`hooks(options)` tells a loop which steps perturb, so that it compiles
+SAM and plain steps apart. Design notes (modes, which steps perturb,
+precision, m-sharpness, clipping): docs/sam.md.
 
 Which parts are the papers': SAM (Foret et al., 2021), ASAM (Kwon et al.,
 2021), m-sharpness (Foret et al.), hallucinated minimizers and the

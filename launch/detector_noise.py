@@ -46,11 +46,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from geom import hallucination
-from launch.noisy_landscape_runs import KINDS
-from launch.noisy_landscape_runs import noiseless_stalls
-from launch.noisy_landscape_runs import PREVIOUS
-from launch.noisy_landscape_runs import run
-from launch.noisy_landscape_runs import STALL_RADIUS
+from train.vision.noisy_landscapes import KINDS
+from train.vision.noisy_landscapes import noiseless_stalls
+from train.vision.noisy_landscapes import PREVIOUS
+from train.vision.noisy_landscapes import run
+from train.vision.noisy_landscapes import STALL_RADIUS
 
 _WORKDIR = flags.DEFINE_string('workdir', 'workdirs/detector_noise',
                                'Where the table and JSON go.')

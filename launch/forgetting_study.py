@@ -33,7 +33,7 @@ From each pretrained model:
       for `--post_steps` AdamW steps at `--post_lr` (`config.init_from`:
       its own resumable run);
   (b) 4-bit weight quantisation, per-channel symmetric
-      (`train.quantization.fake_quantize`).
+      (`train.lm.quantization.fake_quantize`).
 Measured per run: the pretraining held-out cross-entropy (nats per byte,
 the validation windows of the pretraining data) before, after (a) and
 after (b); the forgetting (its increase); the post-training target's
@@ -229,7 +229,7 @@ def _sharpness(model, params, windows, seed: int) -> dict:
 def measure(variant: str, seed: int) -> dict:
   """Trains what is missing for (variant, seed) and measures it."""
   from train import metrics  # pylint: disable=g-import-not-at-top
-  from train import quantization  # pylint: disable=g-import-not-at-top
+  from train.lm import quantization  # pylint: disable=g-import-not-at-top
   from train.lm import data as lm_data  # pylint: disable=g-import-not-at-top
   from train.lm import trainer  # pylint: disable=g-import-not-at-top
   root = _WORKDIR.value

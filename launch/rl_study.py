@@ -29,6 +29,8 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from train import stats
+
 _WORKDIR = flags.DEFINE_string('workdir', 'workdirs/rl_study', 'Root dir.')
 _SEEDS = flags.DEFINE_integer('seeds', 3, 'Seeds (warm start and RL).')
 _BOUNDS = flags.DEFINE_list('bounds', ['1', '2', '4'],
@@ -151,11 +153,8 @@ def check_flags() -> None:
                      require_sft=False)
 
 
-def _mean_std(values: list[float], scale: float = 100.0) -> str:
-  values = [scale * v for v in values]
-  if len(values) < 2:
-    return f'{values[0]:.1f}' if values else '-'
-  return f'{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}'
+def _percent(values: list[float]) -> str:
+  return stats.mean_std(values, 100.0)
 
 
 def _runs() -> list[tuple[str, int, str, str | None]]:
@@ -182,24 +181,23 @@ def study() -> tuple[str, dict]:
   difficulties = sorted(first['pass_at_1'], key=int)
   head = (['run'] + [f'{d} digits' for d in difficulties]
           + ['mean', 'samples/s', 'x sync', 'wall s'])
-  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
   start = [statistics.mean(raw[f'sync|{s}']['initial_pass_at_1'][d]
                            for s in seeds) for d in difficulties]
-  lines.append('| warm start | ' + ' | '.join(
-      _mean_std([raw[f'sync|{s}']['initial_pass_at_1'][d] for s in seeds])
-      for d in difficulties) + f' | {100 * statistics.mean(start):.1f} '
-      '| - | - | - |')
+  rows = [['warm start'] + [
+      _percent([raw[f'sync|{s}']['initial_pass_at_1'][d] for s in seeds])
+      for d in difficulties] + [f'{100 * statistics.mean(start):.1f}', '-',
+                                '-', '-']]
   for label, *_ in _runs():
-    rows = [raw[f'{label}|{s}'] for s in seeds]
+    runs = [raw[f'{label}|{s}'] for s in seeds]
     ratio = [r['samples_per_second'] / raw[f'sync|{s}']['samples_per_second']
-             for s, r in zip(seeds, rows)]
-    cells = [_mean_std([r['pass_at_1'][d] for r in rows])
-             for d in difficulties]
-    cells += [_mean_std([r['mean_pass_at_1'] for r in rows]),
-              _mean_std([r['samples_per_second'] for r in rows], 1.0),
-              _mean_std(ratio, 1.0),
-              _mean_std([r['wall_seconds'] for r in rows], 1.0)]
-    lines.append(f'| {label} | ' + ' | '.join(cells) + ' |')
+             for s, r in zip(seeds, runs)]
+    rows.append([label] + [_percent([r['pass_at_1'][d] for r in runs])
+                           for d in difficulties] + [
+        _percent([r['mean_pass_at_1'] for r in runs]),
+        stats.mean_std([r['samples_per_second'] for r in runs]),
+        stats.mean_std(ratio),
+        stats.mean_std([r['wall_seconds'] for r in runs])])
+  lines = [stats.markdown_table(head, rows)]
   if _GAS.value:
     lines += ['', _schedule_table(raw, difficulties)]
   _plot(raw)
@@ -214,10 +212,10 @@ def _schedule_table(raw, difficulties) -> str:
   head = (['run'] + [f'mix d{d} %' for d in difficulties]
           + [f'staleness d{d}' for d in difficulties]
           + ['dropped', 'deferred', 'alpha', 'budgets'])
-  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  table = []
   for label, *_ in _runs():
     rows = [raw[f'{label}|{s}'] for s in seeds]
-    cells = []
+    cells = [label]
     for d in difficulties:
       share = [r['difficulty_mix'][d] / r['versions'] for r in rows]
       cells.append(f'{100 * statistics.mean(share):.0f}')
@@ -233,14 +231,14 @@ def _schedule_table(raw, difficulties) -> str:
     if 'gas' in rows[0]:
       gas = [r['gas'] for r in rows]
       cells.append(f'{statistics.mean(sum(g[f"deferred/d{d}"] for d in difficulties) for g in gas):.0f}')
-      cells.append(_mean_std([g['alpha'] for g in gas], 1.0))
+      cells.append(stats.mean_std([g['alpha'] for g in gas]))
       cells.append('/'.join(
           f'{statistics.mean(g[f"budget/d{d}"] for g in gas):.1f}'
           for d in difficulties))
     else:
       cells += ['-', '-', '-']
-    lines.append(f'| {label} | ' + ' | '.join(cells) + ' |')
-  return '\n'.join(lines)
+    table.append(cells)
+  return stats.markdown_table(head, table)
 
 
 def _plot(raw) -> None:

@@ -36,6 +36,8 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from train import stats
+
 _WORKDIR = flags.DEFINE_string('workdir', 'workdirs/tta_study', 'Root dir.')
 _STUDY = flags.DEFINE_enum('study', 'table', ['table', 'rates', 'norm'],
                            'Which study.')
@@ -167,12 +169,6 @@ def _adapt(seed: int, method: str, schedule: str, protocol: str,
   return adapt.adapt_and_evaluate(config, os.path.join(_WORKDIR.value, name))
 
 
-def _mean_std(values: list[float]) -> str:
-  if len(values) < 2:
-    return f'{values[0]:.1f}' if values else '-'
-  return f'{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}'
-
-
 def table() -> tuple[str, dict]:
   seeds = range(_SEEDS.value)
   severities = [int(s) for s in _SEVERITIES.value]
@@ -188,18 +184,18 @@ def table() -> tuple[str, dict]:
   averaged = [p for p in _PROTOCOLS.value if p in _MEAN_PROTOCOLS.value]
   head = ['method'] + [f'{p} sev 5' for p in _PROTOCOLS.value] + [
       f'{p} sev {severities[0]}-{severities[-1]}' for p in averaged]
-  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  rows = []
   for label, _, _ in TABLE_ROWS:
-    cells = []
+    cells = [label]
     for protocol in _PROTOCOLS.value:
-      cells.append(_mean_std([raw[f'{label}|{protocol}|5|{s}']
+      cells.append(stats.mean_std([raw[f'{label}|{protocol}|5|{s}']
                               for s in seeds]))
     for protocol in averaged:
-      cells.append(_mean_std([
+      cells.append(stats.mean_std([
           statistics.mean(raw[f'{label}|{protocol}|{v}|{s}']
                           for v in severities) for s in seeds]))
-    lines.append(f'| {label} | ' + ' | '.join(cells) + ' |')
-  return '\n'.join(lines), raw
+    rows.append(cells)
+  return stats.markdown_table(head, rows), raw
 
 
 def rates() -> tuple[str, dict]:
@@ -215,13 +211,12 @@ def rates() -> tuple[str, dict]:
           raw[f'{method}|{schedule}|{rate:g}|{seed}'] = result['mean_error']
   head = ['method', 'schedule'] + [f'{r:g}' for r in grid] + [
       'best', 'worst - best']
-  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
-  summary = {}
+  rows, summary = [], {}
   for method in _METHODS.value:
     for schedule in ('fixed', 'conga'):
       means = [statistics.mean(raw[f'{method}|{schedule}|{r:g}|{s}']
                                for s in seeds) for r in grid]
-      cells = [_mean_std([raw[f'{method}|{schedule}|{r:g}|{s}']
+      cells = [stats.mean_std([raw[f'{method}|{schedule}|{r:g}|{s}']
                           for s in seeds]) for r in grid]
       # The spread per seed, then its mean and deviation over seeds.
       spreads = [max(raw[f'{method}|{schedule}|{r:g}|{s}'] for r in grid)
@@ -231,10 +226,10 @@ def rates() -> tuple[str, dict]:
                for s in seeds]
       summary[f'{method}|{schedule}'] = {'means': means, 'spreads': spreads,
                                          'bests': bests}
-      lines.append(f'| {method} | {schedule} | ' + ' | '.join(cells)
-                   + f' | {_mean_std(bests)} | {_mean_std(spreads)} |')
+      rows.append([method, schedule, *cells, stats.mean_std(bests),
+                   stats.mean_std(spreads)])
   _plot_rates(grid, summary)
-  return '\n'.join(lines), raw
+  return stats.markdown_table(head, rows, 'll' + 'r' * (len(head) - 2)), raw
 
 
 def norm() -> tuple[str, dict]:
@@ -259,15 +254,15 @@ def norm() -> tuple[str, dict]:
                     batch_size=size, order=order)['mean_error'])
   head = ['norm', 'method'] + [f'batch {b}, {o}' for o in orders
                                for b in sizes]
-  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  rows = []
   for norm_name in _NORMS.value:
     for method in ['source'] + _NORM_METHODS.value:
       if f'{norm_name}|{method}|{sizes[0]}|shuffled|0' not in raw:
         continue
-      cells = [_mean_std([raw[f'{norm_name}|{method}|{b}|{o}|{s}']
-                          for s in seeds]) for o in orders for b in sizes]
-      lines.append(f'| {norm_name} | {method} | ' + ' | '.join(cells) + ' |')
-  return '\n'.join(lines), raw
+      rows.append([norm_name, method] + [
+          stats.mean_std([raw[f'{norm_name}|{method}|{b}|{o}|{s}']
+                          for s in seeds]) for o in orders for b in sizes])
+  return stats.markdown_table(head, rows, 'll' + 'r' * (len(head) - 2)), raw
 
 
 def _plot_rates(grid, summary) -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from geom import hallucination
 from geom import validation
-from launch import noisy_landscape_runs as detector_noise
+from train.vision import noisy_landscapes as detector_noise
 
 SEEDS = 8
 

@@ -1,4 +1,4 @@
-"""train.quantization against an independent per-channel loop: codes on the
+"""train.lm.quantization against an independent per-channel loop: codes on the
 grid, per-channel scales, the round trip's error bound, edges (zero
 channels, bf16, 1-D arrays untouched) and bad arguments."""
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train import quantization
+from train.lm import quantization
 
 
 def _reference(w: np.ndarray, bits: int) -> np.ndarray:

@@ -130,7 +130,7 @@ def test_gas_runs_keep_every_batch_in_budget_and_deterministic_ones_repeat(
   assert a['params_sha256'] == b['params_sha256']
   assert a['gas'] == b['gas'] and a['difficulty_mix'] == b['difficulty_mix']
   # Admission for batch k reads the budgets logged at version k.
-  options = scheduler.options_from_config(config)
+  options = scheduler.settings(config).options
   budgets = {f'gas/budget/d{d:g}': int(n) for d, n in zip(
       options.difficulties, gas.budgets(gas.init(options), options))}
   records = [json.loads(l) for l in open(tmp_path / 'a' / 'metrics.jsonl')]

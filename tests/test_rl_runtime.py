@@ -13,7 +13,7 @@ from train.rl import runtime
 
 
 def _drive(settings, batches, seed=0, max_delay=0.004, fail=lambda k, n: False,
-           learner_delay=None, plan=None):
+           learner_delay=None, plan=None, learner_min_delay=0.0):
   """Runs `batches` through the runtime with a fake policy (its params are
   its version) and random delays; returns (version used per batch, the
   largest buffer occupancy seen, actor failures)."""
@@ -50,7 +50,7 @@ def _drive(settings, batches, seed=0, max_delay=0.004, fail=lambda k, n: False,
       got_k, version = buffer.take(k, poll)
       assert got_k == k
       used.append(version)
-      time.sleep(rng.uniform(0, learner_delay or max_delay))
+      time.sleep(rng.uniform(learner_min_delay, learner_delay or max_delay))
       snaps.publish(k + 1, k + 1)  # The update that trains batch k.
   finally:
     actors.stop()
@@ -75,8 +75,10 @@ def test_every_trained_batch_is_within_the_bound(staleness, actors, seed):
 def test_the_buffer_holds_no_more_than_its_capacity():
   settings = runtime.RuntimeSettings(max_staleness=6, num_actors=3,
                                      buffer_capacity=2)
+  # The learner sleeps at least 20 ms a batch, so that the actors (0.5 ms
+  # a batch) fill the buffer however loaded the machine is.
   used, fullest, _ = _drive(settings, 30, max_delay=0.0005,
-                            learner_delay=0.01)
+                            learner_delay=0.03, learner_min_delay=0.02)
   assert fullest == 3  # Reached: capacity, plus the batch awaited.
   assert all(0 <= k - v <= 6 for k, v in enumerate(used))
 

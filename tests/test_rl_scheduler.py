@@ -15,6 +15,10 @@ from train.rl import scheduler as scheduler_lib
 from train.rl import tasks
 
 
+def _gas(config, deterministic):
+  return scheduler_lib.Gas(scheduler_lib.settings(config), deterministic)
+
+
 def _config(variant='full', **gas_fields):
   config = rl_config.get_config(f'gas={variant},staleness=3')
   config.runtime.deterministic = True
@@ -64,7 +68,7 @@ def _drive(sched, config, start, stop, plans, cut=None):
 def test_deterministic_plans_repeat_and_survive_a_checkpoint():
   config = _config(curvature_every=7)
   whole = {}
-  sched = scheduler_lib.Gas(config, deterministic=True)
+  sched = _gas(config, deterministic=True)
   _drive(sched, config, 0, 60, whole)
   refused = sum(not v for k, v in whole.items() if isinstance(k, tuple))
   rows = config.prompts_per_batch * config.grpo.group_size
@@ -73,7 +77,7 @@ def test_deterministic_plans_repeat_and_survive_a_checkpoint():
   assert by('dropped') == refused * rows and by('admitted') == 60 * rows
   assert by('dispatched') == 60 + sched.bound  # Planned ahead of training.
   again = {}
-  _drive(scheduler_lib.Gas(config, deterministic=True), config, 0, 60,
+  _drive(_gas(config, deterministic=True), config, 0, 60,
          again)
   assert again == whole
   # The budgets and the curriculum did move: not a constant schedule.
@@ -84,9 +88,9 @@ def test_deterministic_plans_repeat_and_survive_a_checkpoint():
   assert not all(v for k, v in whole.items() if isinstance(k, tuple))
   for cut in (1, 23, 35):
     first = {}
-    saved = _drive(scheduler_lib.Gas(config, deterministic=True), config, 0,
+    saved = _drive(_gas(config, deterministic=True), config, 0,
                    cut, first, cut=cut)
-    resumed = scheduler_lib.Gas(config, deterministic=True)
+    resumed = _gas(config, deterministic=True)
     resumed.restore(cut, saved)
     later = {}
     _drive(resumed, config, cut, 60, later)
@@ -96,11 +100,11 @@ def test_deterministic_plans_repeat_and_survive_a_checkpoint():
 
 def test_deterministic_plans_use_the_state_at_version_k_minus_s():
   config = _config(curvature_every=5)
-  sched = scheduler_lib.Gas(config, deterministic=True)
+  sched = _gas(config, deterministic=True)
   plans = {}
   _drive(sched, config, 0, 30, plans)
   # Replay the dispatcher by hand from a twin that records its states.
-  twin = scheduler_lib.Gas(config, deterministic=True)
+  twin = _gas(config, deterministic=True)
   states = {0: twin._states[0]}  # pylint: disable=protected-access
   dispatch = gas.init(twin.options)
   for v in range(30):
@@ -132,7 +136,7 @@ def test_deterministic_plans_use_the_state_at_version_k_minus_s():
 def test_admission_reads_the_learners_current_budgets():
   config = _config(coupling=0.0, alpha=2.0, estimate_alpha=False,
                    curvature_every=0)
-  sched = scheduler_lib.Gas(config, deterministic=True)
+  sched = _gas(config, deterministic=True)
   limits = gas.budgets(gas.init(sched.options), sched.options)
   assert limits.tolist() == [3, 1, 0, 0, 0]
   for b, d in enumerate(config.difficulties):
@@ -142,18 +146,19 @@ def test_admission_reads_the_learners_current_budgets():
 
 def test_the_model_latency_is_tokens_times_seconds_per_token():
   config = _config()
-  sched = scheduler_lib.Gas(config, deterministic=True)
+  sched = _gas(config, deterministic=True)
   for d in config.difficulties:
     assert sched.latency_of(d, 123.0) == pytest.approx(
         config.gas.model_seconds_per_token
         * tasks.max_answer_tokens(config.family, d))
   config.gas.latency_source = 'measured'
-  assert scheduler_lib.Gas(config, False).latency_of(3, 1.5) == 1.5
+  assert _gas(config, False).latency_of(3, 1.5) == 1.5
 
 
 def test_the_fixed_bound_plans_uniform_difficulties_at_k_minus_s():
   config = rl_config.get_config('staleness=2')
-  sched = scheduler_lib.make(config, deterministic=False)
+  sched = scheduler_lib.make(scheduler_lib.settings(config),
+                             deterministic=False)
   plans = [sched.plan(k, latest=0) for k in range(300)]
   assert [p.min_version for p in plans[:4]] == [0, 0, 0, 1]
   counts = np.bincount([p.difficulty for p in plans], minlength=6)[1:]
@@ -171,6 +176,8 @@ def test_the_fixed_bound_plans_uniform_difficulties_at_k_minus_s():
     ('gas.latency_source', 'measured', 'gas.latency_source'),
     ('gas.model_step_seconds', 0.0, 'gas.model_step_seconds'),
     ('runtime.max_staleness', -1, 'runtime.max_staleness'),
+    ('gas.s_base', 99, 'gas.s_base'),  # Above runtime.max_staleness.
+    ('gas.s_base', -1, 'gas.s_base'),
 ])
 def test_bad_settings_name_their_field(field, value, named):
   config = _config()
@@ -178,3 +185,19 @@ def test_bad_settings_name_their_field(field, value, named):
   (config[block] if block else config)[last] = value
   with pytest.raises(ConfigError, match=named.replace('.', r'\.')):
     scheduler_lib.check_config(config)
+
+
+def test_s_base_is_its_own_field_below_the_hard_bound():
+  config = _config()
+  bound = config.runtime.max_staleness
+  assert bound >= 2
+  assert scheduler_lib.settings(config).options.s_base == bound  # Unset.
+  config.gas.s_base = bound - 1
+  scheduler_lib.check_config(config)
+  settings = scheduler_lib.settings(config)
+  assert (settings.options.s_base, settings.bound) == (bound - 1, bound)
+  sched = scheduler_lib.Gas(settings, deterministic=True)
+  # The easiest difficulty's budget is s_base, not the hard bound.
+  easiest = min(config.difficulties)
+  assert sched.admit(0, easiest, bound - 1)
+  assert not sched.admit(0, easiest, bound)

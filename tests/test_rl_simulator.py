@@ -7,6 +7,7 @@ rules every run must keep: a monotone clock, staleness within its bound,
 every slot trained once, versions as the runtime would hand them out.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -14,7 +15,7 @@ import os
 import numpy as np
 import pytest
 
-from bench import rl_simulator as sim
+from train.rl import simulator as sim
 from geom import gas
 
 K = 200
@@ -171,8 +172,9 @@ def test_gas_defers_a_hard_bucket_that_cannot_arrive_but_trains_it():
   options = _gas_options(alpha=2.2)
   assert gas.budgets(gas.init(options), options).tolist() == [4, 1]
   aware = sim.simulate(cal, sim.Policy('gas', gas_options=options), 2, 400)
-  blind = sim.simulate(cal, sim.Policy('gas', gas_options=options._replace(
-      execution_aware=False)), 2, 400)
+  blind_options = dataclasses.replace(options, execution_aware=False)
+  blind = sim.simulate(cal, sim.Policy('gas', gas_options=blind_options), 2,
+                       400)
   hard = 1
   assert aware.gas_state.counts[1, hard] > 50  # Deferred, often.
   # Deferred, not dropped: each draw trains, at most max_defer + 1
@@ -196,8 +198,9 @@ def test_gas_moves_a_hard_batch_to_a_slot_with_enough_lead():
   cal = _cal((0.5, 1.8), step=1.0, difficulties=(0.0, 1.0), rows=1)
   options = _gas_options(alpha=1.2)
   aware = sim.simulate(cal, sim.Policy('gas', gas_options=options), 1, 400)
-  blind = sim.simulate(cal, sim.Policy('gas', gas_options=options._replace(
-      execution_aware=False)), 1, 400)
+  blind_options = dataclasses.replace(options, execution_aware=False)
+  blind = sim.simulate(cal, sim.Policy('gas', gas_options=blind_options), 1,
+                       400)
   per_hard = [r.learner_stall_seconds / r.trained_mix[1]
               for r in (aware, blind)]
   # (Measured 0.39 against 0.46 s per hard batch; 0.26 before substitutes
@@ -274,7 +277,7 @@ def test_calibrate_refuses_an_asynchronous_run(tmp_path):
 
 def test_weak_scaling():
   cal = _cal((0.01, 0.02), step=0.02)
-  cal = sim.dataclasses.replace(cal, rows_per_slot=64)
+  cal = dataclasses.replace(cal, rows_per_slot=64)
   dep = sim.Deployment.split(64)
   assert (dep.rollout_chips, dep.learner_chips, dep.num_actors) == (32, 32, 8)
   at = sim.scale(cal, dep, t_comm=0.001)
@@ -287,7 +290,7 @@ def test_weak_scaling():
 
 def test_predict_writes_one_row_per_policy_and_scale():
   cal = _cal((0.01, 0.02), step=0.02, sigma=0.2)
-  cal = sim.dataclasses.replace(cal, rows_per_slot=64)
+  cal = dataclasses.replace(cal, rows_per_slot=64)
   table = sim.predict(cal, [8, 32], sim.gas_options(cal), bounds=(1, 2),
                       num_slots=60)
   rows = [line for line in table.splitlines()[2:]]

@@ -16,7 +16,7 @@ import scipy.special
 from geom import steering as st
 from train.lm import decoder as decoder_lm
 from train.lm import generate as lm_generate
-from train.steering import hooks as steering_hooks
+from train.lm import hooks as steering_hooks
 from train.steering import vectors as steering_vectors
 
 MODEL = decoder_lm.DecoderLM(vocab_size=64, d_model=32, num_layers=3,

@@ -46,15 +46,17 @@ class ConfigError(UsageError):
 
 
 def from_argument_error(error: Exception, prefix: str,
-                        renames: dict[str, str] | None = None
-                        ) -> 'ConfigError':
+                        renames: dict[str, str] | None = None,
+                        value: Any = None) -> 'ConfigError':
   """A geom `ArgumentError` (geom/validation.py) as the `ConfigError` of the
   config field that set the argument: `prefix.argument`, or
   `renames[argument]` (a field below `config`) where the names differ;
-  the value, problem and choices as geom gave them."""
+  the problem and choices as geom gave them, and the value too unless
+  `value` gives the config's (where the field is not the argument, e.g.
+  two fields that make one argument)."""
   argument = error.argument
   field = (renames or {}).get(argument, f'{prefix}.{argument}')
-  return ConfigError(field, error.value,
+  return ConfigError(field, error.value if value is None else value,
                      error.problem or f'unknown {argument}', error.choices)
 
 

@@ -390,8 +390,11 @@ def load_trained(workdir: str,
   built = {}
 
   def abstract_state(meta: dict):
+    if 'config' not in meta:
+      raise UsageError(field, workdir, 'its checkpoint has no saved config')
     config = ml_collections.ConfigDict(json.loads(meta['config']))
-    if config.get('task') != task:
+    # An image classifier's config has no task field.
+    if config.get('task', 'classification') != task:
       raise UsageError(field, workdir,
                        f'holds a {config.get("task", "classification")!r} '
                        f'run, not {what}')

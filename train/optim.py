@@ -46,6 +46,7 @@ from geom import method_hooks
 from geom import sam as sam_lib
 from geom.validation import ArgumentError
 from train.errors import ConfigError
+from train.errors import from_argument_error
 
 OPTIMIZERS = ('sgd', 'momentum', 'adamw')
 WEIGHT_DECAY_MODES = ('decoupled', 'l2')
@@ -208,14 +209,12 @@ _SAM_FIELDS = {'window': 'window_start/window_stop',
 
 def _sam_config_error(e: ArgumentError, cfg: ml_collections.ConfigDict,
                       prefix: str) -> ConfigError:
-  field = _SAM_FIELDS.get(e.argument, e.argument)
   if e.argument == 'window':
     value = (cfg.window_start, cfg.window_stop)
   else:
-    value = cfg.get(field, e.value)
-  return ConfigError(f'{prefix}.{field}', value,
-                     e.problem or f'unknown {e.argument}',
-                     e.choices)
+    value = cfg.get(_SAM_FIELDS.get(e.argument, e.argument), e.value)
+  return from_argument_error(
+      e, prefix, {a: f'{prefix}.{f}' for a, f in _SAM_FIELDS.items()}, value)
 
 
 def _check_sam_window(cfg: ml_collections.ConfigDict, total_steps: int

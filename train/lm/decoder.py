@@ -17,7 +17,7 @@ slots written.
 Parameters carry logical axes ('vocab', 'embed', 'heads', 'kv_heads',
 'mlp') for `train.sharding`; block i is the submodule `block_i`, whose
 output (the residual stream after the block) is what
-`train.steering.hooks` steers.
+`train.lm.hooks` steers.
 
 For pod-scale sizes (configs/lm.py `size=`): grouped-query attention
 (`num_kv_heads` < `num_heads`: each group of query heads shares one key

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from geom import steering as steering_lib
 from train.lm import decoder as decoder_lm
-from train.steering import hooks as steering_hooks
+from train.lm import hooks as steering_hooks
 
 MODES = ('cached', 'recompute')
 

@@ -10,10 +10,11 @@ resharding its weights. Batch k holds P prompts of one difficulty, drawn
 uniformly from `config.difficulties` by (seed, k), so its generation cost
 grows with that difficulty (longer answers, more decoding steps).
 
-The workdir gets the trainer's guarantees: one run at a time (a lock),
-the config checked against the checkpoint's on resume, verified Orbax
-checkpoints every `checkpoint_every` versions, SIGTERM/SIGINT save one
-and stop. A checkpoint holds the learner (weights, optimizer state,
+The workdir gets the trainer's guarantees from the same core
+(`train.resumable`): one run at a time (a lock), the config checked
+against the checkpoint's on resume, the SFT policy pinned by content,
+verified Orbax checkpoints every `checkpoint_every` versions,
+SIGTERM/SIGINT save one and stop. A checkpoint holds the learner (weights, optimizer state,
 version), the counters behind the metrics, and the weights of the last
 s versions, so that in `runtime.deterministic` mode a resumed run
 generates every later batch from the same version as an uninterrupted
@@ -48,18 +49,15 @@ import numpy as np
 import optax
 
 from train import aot
-from train import checkpointing
 from train import checksums
-from train import disk_space
 from train import fileio
 from train import metrics as metrics_lib
 from train import plots
-from train import preemption
+from train import resumable
 from train import resume_check
 from train import sharding as sharding_lib
 from train import steps
-from train import workdir_lock
-from train.errors import ConfigError, NonFiniteLossError, Preempted
+from train.errors import ConfigError
 from train.experiment import check_seed
 from train.experiment import check_workdir
 from train.lm import decoder as decoder_lm
@@ -341,13 +339,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   """
   check_config(config)
   workdir = check_workdir(workdir)
-  with workdir_lock.hold(workdir):
-    newest = checkpointing.newest_meta(workdir)
-    if newest is not None:  # Before the SFT policy is read.
-      _check_resume(config, workdir, *newest)
-    with disk_space.reported(
-        workdir, None, fileio.join(workdir, checkpointing.CHECKPOINTS)):
-      return _train(config, workdir)
+  with resumable.open_run(
+      config, workdir, check_config=functools.partial(
+          _check_resume, config, workdir), results_name=RESULTS) as run:
+    return _train(config, run)
 
 
 def _counters(bound: int, saved: dict | None = None
@@ -370,256 +365,265 @@ def _counters(bound: int, saved: dict | None = None
   return counters
 
 
-# Every float of the policy and optimizer state finite (before a save).
-_all_finite = jax.jit(steps.tree_is_finite)
+# Every float of the policy and optimizer state finite (before a save; a
+# finite loss can still leave inf in the parameters, e.g. an infinite
+# learning rate).
+_policy_finite = jax.jit(lambda tree: steps.tree_is_finite(
+    (tree['params'], tree['opt_state'])))
 
 
-def _train(config, workdir: str) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """Where the policy lives and the learner's compiled update."""
+  rollout_replicated: NamedSharding
+  rollout_rows: NamedSharding
+  learner_mesh: Mesh
+  learner_rows: NamedSharding
+  param_shardings: Any
+  # (params, opt_state, batch, reference) -> (params, opt_state, metrics)
+  update: Any
+
+
+def _layout(config, model, tx, params) -> _Layout:
+  rollout_mesh, learner_mesh = meshes(config)
+  param_shardings, learner_rows = learner_shardings(config, model,
+                                                    learner_mesh)
+  # Compiled ahead of time under the learner's mesh and rules, as
+  # `launch.compile` compiles it.
+  update = _update_program(config, model, tx, loss_settings(config), params,
+                           learner_mesh).lower().compile()
+  return _Layout(NamedSharding(rollout_mesh, P()),
+                 NamedSharding(rollout_mesh, P('data')), learner_mesh,
+                 learner_rows, param_shardings, update)
+
+
+def _train(config, run: resumable.Run) -> dict[str, Any]:
   sft_config, model, sft_params = sft.load_policy(config.sft_workdir)
   check_policy(config, sft_config, model.max_len)
   # The warm start (the first policy and GRPO's reference) is pinned by
   # content: `sft_workdir` may move, but another policy there is refused
   # on resume and on a finished rerun.
-  inputs = {'config.sft_workdir': checksums.digest(sft_params)}
-  length = sequence_length(config)
-  rsettings = runtime_settings(config)
-  lsettings = loss_settings(config)
-  s = rsettings.max_staleness
-  rollout_mesh, learner_mesh = meshes(config)
-  rollout_repl = NamedSharding(rollout_mesh, P())
-  param_shardings, learner_rows = learner_shardings(config, model,
-                                                    learner_mesh)
-  rollout_rows = NamedSharding(rollout_mesh, P('data'))
-
+  run.pin({'config.sft_workdir': checksums.digest(sft_params)})
+  finished = run.finished(config.num_versions)
+  if finished is not None:
+    return finished
   tx = optimizer(config)
-  params = jax.device_put(sft_params, param_shardings)
-  reference = params
+  layout = _layout(config, model, tx, sft_params)
+  params = jax.device_put(sft_params, layout.param_shardings)
+  s = config.runtime.max_staleness
   fresh = {'params': params, 'opt_state': jax.jit(
       tx.init, out_shardings=sharding_lib.optimizer_state_shardings(
-          tx, params, param_shardings, learner_mesh))(params),
+          tx, params, layout.param_shardings, layout.learner_mesh))(params),
            'history': [params] * s}
-  # Compiled ahead of time under the learner's mesh and rules, as
-  # `launch.compile` compiles it.
-  update = _update_program(config, model, tx, lsettings, params,
-                           learner_mesh).lower().compile()
-  heldout = {d: tasks.evaluation_set(config.family, d, config.eval_examples)
-             for d in config.difficulties}
+  found = run.restore(jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      fresh))
+  if found is not None:
+    logging.info('Resuming at version %d of %d (batches generated but not '
+                 'trained were dropped)', found[0], config.num_versions)
+  run.finite = resumable.Finite(_policy_finite, 'policy state',
+                                can_skip=False)
+  learner = _Learner(config, model, run, layout, reference=params,
+                     restored=found or (0, fresh, {}))
+  if learner.version == 0 and not learner.curve:
+    run.writer.write(0, learner.evaluate(0))
+  learner.start()
+  try:
+    with run.stopping():
+      for k in range(learner.version, config.num_versions):
+        learner.log(learner.train_batch(k))
+        run.end_step(learner.version, learner.checkpoint)
+  finally:
+    learner.halt.set()
+    learner.actors.stop()
+    learner.actors.join(config.runtime.shutdown_timeout)
+  results = _results(config, learner.counters, learner.curve, learner.wall())
+  if learner.scheduler.diagnostics():
+    results['gas'] = learner.scheduler.diagnostics()
+  results['params_sha256'] = fingerprint(learner.state['params'])
+  run.finish(results, learner.checkpoint)
+  _plot(learner.curve, config, fileio.join(run.workdir, PLOT))
+  return results
 
-  with checkpointing.Checkpoints(workdir, every_steps=config.checkpoint_every,
-                                 keep=config.keep_checkpoints) as ckpts:
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-        fresh)
 
-    def check_meta(step, meta):
-      _check_resume(config, workdir, step, meta)
-      resume_check.check_fingerprints(workdir, step, meta, inputs)
+class _Learner:
+  """The learner's side of a run: the policy and its counters, the
+  scheduler, and the actors generating from the published versions."""
 
-    found = ckpts.restore_latest_good(abstract, check_meta=check_meta)
-    results_path = fileio.join(workdir, RESULTS)
-    if found is not None:
-      version, tree, meta = found
-      if version == config.num_versions and fileio.exists(results_path):
-        logging.info('%s is finished; its results are reported again.',
-                     workdir)
-        return metrics_lib.read_json(results_path)
-      logging.info('Resuming at version %d of %d (batches generated but '
-                   'not trained were dropped)', version, config.num_versions)
-      state = tree
-      counters = _counters(s, meta.get('counters'))
-      writer = metrics_lib.MetricWriter(workdir, version,
-                                        meta.get('metrics_records'))
-      wall_offset = float(meta.get('wall_seconds', 0.0))
-      curve = list(meta.get('curve', []))
-    else:
-      version, state, counters = 0, fresh, _counters(s)
-      writer = metrics_lib.MetricWriter(workdir, None)
-      wall_offset, curve = 0.0, []
-
-    halt = threading.Event()
-    scheduler = scheduler_lib.make(config, rsettings.deterministic,
-                                   stopped=halt.is_set)
-    if found is not None:
-      scheduler.restore(version, meta.get('scheduler', {}))
-    snapshots = runtime_lib.Snapshots(keep=s + 1)
+  def __init__(self, config, model, run: resumable.Run, layout: _Layout,
+               reference, restored: tuple[int, dict, dict]):
+    self.config, self.model, self.run, self.layout = config, model, run, layout
+    self.reference = reference
+    self.version, self.state, meta = restored
+    s = self.bound = config.runtime.max_staleness
+    rsettings = runtime_settings(config)
+    self.settings = loss_settings(config)
+    self.length = sequence_length(config)
+    self.counters = _counters(s, meta.get('counters'))
+    self.wall_offset = float(meta.get('wall_seconds', 0.0))
+    self.curve = list(meta.get('curve', []))
+    self.heldout = {d: tasks.evaluation_set(config.family, d,
+                                            config.eval_examples)
+                    for d in config.difficulties}
+    self.halt = threading.Event()
+    self.scheduler = scheduler_lib.make(scheduler_lib.settings(config),
+                                        rsettings.deterministic,
+                                        stopped=self.halt.is_set)
+    if meta:
+      self.scheduler.restore(self.version, meta.get('scheduler', {}))
+    self.snapshots = runtime_lib.Snapshots(keep=s + 1)
     # The last s versions, oldest first, then the current one.
-    for i, old in enumerate(state['history']):
-      v = version - s + i
-      if v >= 0:
-        snapshots.publish(v, jax.device_put(old, rollout_repl))
-    snapshots.publish(version, jax.device_put(state['params'], rollout_repl))
-    buffer = runtime_lib.Buffer(rsettings.capacity, next_needed=version)
-    base_key = jax.random.key(config.seed)
+    for i, old in enumerate(self.state['history']):
+      if self.version - s + i >= 0:
+        self.snapshots.publish(self.version - s + i, jax.device_put(
+            old, layout.rollout_replicated))
+    self.snapshots.publish(self.version, jax.device_put(
+        self.state['params'], layout.rollout_replicated))
+    self.buffer = runtime_lib.Buffer(rsettings.capacity,
+                                     next_needed=self.version)
+    self.base_key = jax.random.key(config.seed)
+    self.actors = runtime_lib.Actors(
+        self.generate, self.snapshots, self.buffer, rsettings,
+        start=self.version,
+        plan=lambda k, latest: self.scheduler.plan(k, latest).min_version)
+    self.progress = metrics_lib.Progress(self.version, config.num_versions)
+    self.started = self.published = time.perf_counter()
 
-    def generate(k: int, v: int, params_v) -> Item:
-      difficulty, problems = batch_problems(
-          config, k, scheduler.plan(k, v).difficulty)
-      start = time.perf_counter()
-      out = rollout_lib.sample(
-          model, params_v, problems, jax.random.fold_in(base_key, k),
-          temperature=config.temperature,
-          num_steps=tasks.max_answer_tokens(config.family, difficulty),
-          version=v, sharding=rollout_rows)
-      return Item(out, difficulty, time.perf_counter() - start)
+  def start(self) -> None:
+    """Starts the actors; the first step's time counts from here."""
+    self.actors.start()
+    self.published = time.perf_counter()
 
-    def plan(k: int, latest: int) -> int:
-      return scheduler.plan(k, latest).min_version
+  def generate(self, k: int, v: int, params_v) -> Item:
+    difficulty, problems = batch_problems(
+        self.config, k, self.scheduler.plan(k, v).difficulty)
+    start = time.perf_counter()
+    out = rollout_lib.sample(
+        self.model, params_v, problems, jax.random.fold_in(self.base_key, k),
+        temperature=self.config.temperature,
+        num_steps=tasks.max_answer_tokens(self.config.family, difficulty),
+        version=v, sharding=self.layout.rollout_rows)
+    return Item(out, difficulty, time.perf_counter() - start)
 
-    actors = runtime_lib.Actors(generate, snapshots, buffer, rsettings,
-                                start=version, plan=plan)
-    stop = preemption.StopFlag()
-    started = time.perf_counter()
+  def wall(self) -> float:
+    return self.wall_offset + time.perf_counter() - self.started
 
-    def wall() -> float:
-      return wall_offset + time.perf_counter() - started
+  def evaluate(self, v: int) -> dict[str, float]:
+    devices = self.layout.learner_mesh.devices.size
+    scores = {f'eval/pass_at_1_d{d}': rollout_lib.pass_at_1(
+        self.model, self.state['params'], problems,
+        sharding=self.layout.learner_rows
+        if len(problems) % devices == 0 else None)
+              for d, problems in self.heldout.items()}
+    scores['eval/pass_at_1'] = float(np.mean(list(scores.values())))
+    self.curve.append({'version': v, 'wall': self.wall(), **scores})
+    return scores
 
-    def evaluate(v: int) -> dict[str, float]:
-      scores = {f'eval/pass_at_1_d{d}': rollout_lib.pass_at_1(
-          model, state['params'], problems, sharding=learner_rows
-          if len(problems) % learner_mesh.devices.size == 0 else None)
-                for d, problems in heldout.items()}
-      scores['eval/pass_at_1'] = float(np.mean(list(scores.values())))
-      curve.append({'version': v, 'wall': wall(), **scores})
-      return scores
+  def checkpoint(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tree and metadata a checkpoint at `version` holds."""
+    v, s = self.version, self.bound
+    history = [self.snapshots.held().get(v - s + i) for i in range(s)]
+    tree = {'params': self.state['params'],
+            'opt_state': self.state['opt_state'],
+            'history': [self.state['params'] if h is None else
+                        jax.device_put(h, self.layout.param_shardings)
+                        for h in history]}
+    meta = {'counters': {k: c.tolist() for k, c in self.counters.items()},
+            'scheduler': self.scheduler.save(v),
+            'wall_seconds': self.wall(), 'curve': self.curve}
+    return tree, meta
 
-    def save(v: int, force: bool = False) -> bool:
-      # Called after every update: build the tree only for a save.
-      if not (force or ckpts.should_save(v)):
-        return False
-      if not bool(_all_finite((state['params'], state['opt_state']))):
-        # A finite loss can still leave inf in the parameters (an infinite
-        # learning rate): never save them.
-        raise NonFiniteLossError(v, ckpts.latest_step(), 'policy state',
-                                 can_skip=False)
-      history = [snapshots.held().get(v - s + i) for i in range(s)]
-      tree = {'params': state['params'], 'opt_state': state['opt_state'],
-              'history': [state['params'] if h is None else
-                          jax.device_put(h, param_shardings)
-                          for h in history]}
-      meta = {'config': resume_check.as_json(config),
-              'counters': {k: v.tolist() for k, v in counters.items()},
-              'scheduler': scheduler.save(v),
-              'metrics_records': writer.records, 'wall_seconds': wall(),
-              'curve': curve, resume_check.FINGERPRINTS: inputs}
-      return ckpts.save(v, tree, meta, force=force)
+  def train_batch(self, k: int) -> dict[str, float]:
+    """Trains batch k (version k -> k + 1), publishes the new version;
+    returns its metrics."""
+    item = self.buffer.take(k, self.actors.check)
+    clock = time.perf_counter()
+    admitted = self.scheduler.admit(k, item.difficulty,
+                                    k - item.rollout.version)
+    scheduler_seconds = time.perf_counter() - clock
+    if not admitted:
+      # Over its budget (the budget tightened since it was planned):
+      # generated again from the current version, so nothing trains
+      # stale and no difficulty is skipped.
+      self.counters['dropped'][item.difficulty] += 1
+      item = self.generate(k, k, self.snapshots.held()[k])
+    out = item.rollout
+    staleness = k - out.version
+    if not 0 <= staleness <= self.bound:
+      raise RuntimeError(f'batch {k} from version {out.version}: '
+                         f'staleness {staleness} outside [0, {self.bound}]')
+    host_batch = learner_lib.assemble(out, self.settings.group_size,
+                                      self.length)
+    weight = self.scheduler.loss_weight(item.difficulty)
+    if weight != 1.0:
+      host_batch = host_batch._replace(
+          advantages=host_batch.advantages * np.float32(weight))
+    batch = jax.device_put(host_batch, self.layout.learner_rows)
+    begin = time.perf_counter()
+    params, opt_state, m = self.layout.update(
+        self.state['params'], self.state['opt_state'], batch, self.reference)
+    m = jax.device_get(m)
+    busy = time.perf_counter() - begin
+    bad = sorted(key for key, x in m.items() if not np.all(np.isfinite(x)))
+    if bad:  # Stop before the policy is published or saved.
+      self.run.stop_nonfinite(
+          k + 1, 'loss' if 'loss' in bad else f'train/{bad[0]}',
+          can_skip=False)
+    self.state['params'], self.state['opt_state'] = params, opt_state
+    self.version = version = k + 1
+    curvatures, curvature_seconds = None, 0.0
+    self.scheduler.remember(item.difficulty, batch)
+    if self.scheduler.needs_curvature(version):
+      clock = time.perf_counter()
+      curvatures = self.scheduler.curvatures(self.model, params, version)
+      curvature_seconds = time.perf_counter() - clock
+    now = clock = time.perf_counter()
+    scheduler_scalars = self.scheduler.observe(
+        version, difficulty=item.difficulty, rewards=out.rewards,
+        rows=len(out.rewards), generation_seconds=item.seconds,
+        step_seconds=now - self.published, regenerated=not admitted,
+        curvatures=curvatures)
+    scheduler_seconds += time.perf_counter() - clock
+    self.snapshots.publish(version, jax.device_put(
+        params, self.layout.rollout_replicated))
+    self.published = time.perf_counter()
+    c = self.counters
+    c['staleness'][staleness] += 1
+    c['difficulty'][item.difficulty] += 1
+    c['staleness_by_difficulty'][item.difficulty, staleness] += 1
+    c['totals'] += [len(out.rewards), out.generated_tokens, busy]
+    c['scheduler'] += [scheduler_seconds, curvature_seconds]
+    elapsed = self.wall()
+    scalars = {f'train/{key}': float(x) for key, x in m.items()}
+    scalars.update(scheduler_scalars)
+    if curvatures:
+      scalars.update({f'gas/lambda_max/d{d}': x
+                      for d, x in curvatures.items()})
+    scalars.update({
+        'reward': float(out.rewards.mean()),
+        'difficulty': float(item.difficulty),
+        'staleness': float(staleness),
+        'generation_seconds': item.seconds,
+        'samples_per_second': c['totals'][0] / elapsed,
+        'tokens_per_second': c['totals'][1] / elapsed,
+        'learner_busy_fraction': c['totals'][2] / elapsed,
+        'buffer': float(len(self.buffer)),
+        'actor_failures': float(self.actors.failures)})
+    return scalars
 
-    if version == 0 and not curve:
-      writer.write(0, evaluate(0))
-    progress = metrics_lib.Progress(version, config.num_versions)
-    actors.start()
-    published = time.perf_counter()
-    try:
-      with stop.installed():
-        for k in range(version, config.num_versions):
-          item = buffer.take(k, actors.check)
-          clock = time.perf_counter()
-          admitted = scheduler.admit(k, item.difficulty, k - item.rollout.version)
-          scheduler_seconds = time.perf_counter() - clock
-          if not admitted:
-            # Over its budget (the budget tightened since it was planned):
-            # generated again from the current version, so nothing trains
-            # stale and no difficulty is skipped.
-            counters['dropped'][item.difficulty] += 1
-            item = generate(k, k, snapshots.held()[k])
-          out = item.rollout
-          staleness = k - out.version
-          if not 0 <= staleness <= s:
-            raise RuntimeError(f'batch {k} from version {out.version}: '
-                               f'staleness {staleness} outside [0, {s}]')
-          host_batch = learner_lib.assemble(out, lsettings.group_size, length)
-          weight = scheduler.loss_weight(item.difficulty)
-          if weight != 1.0:
-            host_batch = host_batch._replace(
-                advantages=host_batch.advantages * np.float32(weight))
-          batch = jax.device_put(host_batch, learner_rows)
-          begin = time.perf_counter()
-          params, opt_state, m = update(state['params'], state['opt_state'],
-                                        batch, reference)
-          m = jax.device_get(m)
-          busy = time.perf_counter() - begin
-          bad = sorted(key for key, x in m.items()
-                       if not np.all(np.isfinite(x)))
-          if bad:  # Stop before the policy is published or saved.
-            raise NonFiniteLossError(
-                k + 1, ckpts.latest_step(),
-                'loss' if 'loss' in bad else f'train/{bad[0]}',
-                can_skip=False)
-          state['params'], state['opt_state'] = params, opt_state
-          version = k + 1
-          curvatures, curvature_seconds = None, 0.0
-          scheduler.remember(item.difficulty, batch)
-          if scheduler.needs_curvature(version):
-            clock = time.perf_counter()
-            curvatures = scheduler.curvatures(model, params, version)
-            curvature_seconds = time.perf_counter() - clock
-          now = time.perf_counter()
-          clock = now
-          scheduler_scalars = scheduler.observe(
-              version, difficulty=item.difficulty, rewards=out.rewards,
-              rows=len(out.rewards), generation_seconds=item.seconds,
-              step_seconds=now - published, regenerated=not admitted,
-              curvatures=curvatures)
-          scheduler_seconds += time.perf_counter() - clock
-          snapshots.publish(version, jax.device_put(params, rollout_repl))
-          published = time.perf_counter()
-          counters['staleness'][staleness] += 1
-          counters['difficulty'][item.difficulty] += 1
-          counters['staleness_by_difficulty'][item.difficulty,
-                                              staleness] += 1
-          counters['totals'] += [len(out.rewards), out.generated_tokens, busy]
-          counters['scheduler'] += [scheduler_seconds, curvature_seconds]
-          elapsed = wall()
-          scalars = {f'train/{key}': float(v) for key, v in m.items()}
-          scalars.update(scheduler_scalars)
-          if curvatures:
-            scalars.update({f'gas/lambda_max/d{d}': c
-                            for d, c in curvatures.items()})
-          scalars.update({
-              'reward': float(out.rewards.mean()),
-              'difficulty': float(item.difficulty),
-              'staleness': float(staleness),
-              'generation_seconds': item.seconds,
-              'samples_per_second': counters['totals'][0] / elapsed,
-              'tokens_per_second': counters['totals'][1] / elapsed,
-              'learner_busy_fraction': counters['totals'][2] / elapsed,
-              'buffer': float(len(buffer)),
-              'actor_failures': float(actors.failures)})
-          if version % config.eval_every == 0 or (
-              version == config.num_versions):
-            scalars.update(evaluate(version))
-          if version % config.log_every == 0 or 'eval/pass_at_1' in scalars:
-            writer.write(version, scalars)
-          if version % PROGRESS_EVERY == 0 or 'eval/pass_at_1' in scalars:
-            rate, eta = progress.update(version)
-            metrics_lib.log_progress(
-                version, config.num_versions,
-                {k: scalars[k] for k in PROGRESS_KEYS if k in scalars},
-                rate, eta, console=('eval/pass_at_1',))
-          saved = save(version)
-          if stop.requested(version) and version < config.num_versions:
-            if not saved:
-              save(version, force=True)
-            ckpts.wait_until_finished()
-            writer.flush()
-            raise Preempted(version, stop.signal_name)
-    finally:
-      halt.set()
-      actors.stop()
-      try:
-        actors.join(config.runtime.shutdown_timeout)
-      finally:
-        writer.close()
-    ckpts.wait_until_finished()
-    if ckpts.latest_step() != config.num_versions:
-      save(config.num_versions, force=True)
-    ckpts.wait_until_finished()
-    results = _results(config, counters, curve, wall())
-    if scheduler.diagnostics():
-      results['gas'] = scheduler.diagnostics()
-    results['params_sha256'] = fingerprint(state['params'])
-    metrics_lib.write_json_atomic(results_path, results)
-    _plot(curve, config, fileio.join(workdir, PLOT))
-    return results
+  def log(self, scalars: dict[str, float]) -> None:
+    """Evaluates when due; writes the metrics and the progress line."""
+    version, config = self.version, self.config
+    if version % config.eval_every == 0 or version == config.num_versions:
+      scalars.update(self.evaluate(version))
+    if version % config.log_every == 0 or 'eval/pass_at_1' in scalars:
+      self.run.writer.write(version, scalars)
+    if version % PROGRESS_EVERY == 0 or 'eval/pass_at_1' in scalars:
+      rate, eta = self.progress.update(version)
+      metrics_lib.log_progress(
+          version, config.num_versions,
+          {k: scalars[k] for k in PROGRESS_KEYS if k in scalars},
+          rate, eta, console=('eval/pass_at_1',))
 
 
 def _results(config, counters, curve, seconds: float) -> dict[str, Any]:

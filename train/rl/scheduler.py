@@ -30,6 +30,7 @@ and the dispatcher's state before the next undecided batch, so a resumed
 deterministic run plans every later batch as an uninterrupted one.
 """
 
+import dataclasses
 import functools
 import math
 import threading
@@ -104,18 +105,74 @@ class FixedBound:
     del version, saved
 
 
-def options_from_config(config) -> gas.GasOptions:
-  """`geom.gas.GasOptions` from config.gas (s_base = runtime.max_staleness)."""
+@dataclasses.dataclass(frozen=True)
+class SchedulerSettings:
+  """What a scheduler reads from the RL config (`settings(config)`), so that
+  neither it nor geom sees a ConfigDict.
+
+  Attributes:
+    kind: 'fixed' or 'gas' (config.scheduler).
+    bound: runtime.max_staleness, the hard bound on every batch's staleness
+      (the runtime keeps that many versions); GAS's budgets stay within it.
+    difficulties: the task difficulties batches are drawn from.
+    seed: the run's seed.
+    family: the task family (for modelled latencies).
+    group_size: GRPO's completions per prompt (GAS's learning signal).
+    temperature: the sampling temperature (GAS's curvature).
+    options: GAS's options (None for 'fixed'): config.gas, with s_base
+      gas.s_base, or `bound` when unset.
+    loss_weight, curvature, curvature_every, curvature_iters,
+      curvature_rows, latency_source, model_seconds_per_token,
+      model_step_seconds: config.gas's (see configs/rl.py).
+  """
+  kind: str
+  bound: int
+  difficulties: tuple[int, ...]
+  seed: int
+  family: str = ''
+  group_size: int = 1
+  temperature: float = 1.0
+  options: gas.GasOptions | None = None
+  loss_weight: bool = False
+  curvature: str = 'power'
+  curvature_every: int = 0
+  curvature_iters: int = 1
+  curvature_rows: int = 1
+  latency_source: str = 'measured'
+  model_seconds_per_token: float = 0.01
+  model_step_seconds: float = 0.05
+
+
+def _gas_options(config) -> gas.GasOptions:
   g = config.gas
+  s_base = g.get('s_base')
   return gas.GasOptions(
       difficulties=tuple(float(d) for d in config.difficulties),
-      s_base=config.runtime.max_staleness, alpha=g.alpha,
-      estimate_alpha=g.estimate_alpha, alpha_decay=g.alpha_decay,
-      curvature_decay=g.curvature_decay, bandit=g.bandit, signal=g.signal,
-      discount=g.discount, temperature=g.temperature,
-      exploration=g.exploration, floor=g.floor, coupling=g.coupling,
-      execution_aware=g.execution_aware, max_defer=g.max_defer,
-      latency_decay=g.latency_decay)
+      s_base=config.runtime.max_staleness if s_base is None else s_base,
+      alpha=g.alpha, estimate_alpha=g.estimate_alpha,
+      alpha_decay=g.alpha_decay, curvature_decay=g.curvature_decay,
+      bandit=g.bandit, signal=g.signal, discount=g.discount,
+      temperature=g.temperature, exploration=g.exploration, floor=g.floor,
+      coupling=g.coupling, execution_aware=g.execution_aware,
+      max_defer=g.max_defer, latency_decay=g.latency_decay)
+
+
+def settings(config) -> SchedulerSettings:
+  """The scheduler's settings from a config that passed `check_config`."""
+  common = dict(kind=config.scheduler, bound=config.runtime.max_staleness,
+                difficulties=tuple(int(d) for d in config.difficulties),
+                seed=config.seed)
+  if config.scheduler != 'gas':
+    return SchedulerSettings(**common)
+  g = config.gas
+  return SchedulerSettings(
+      **common, family=config.family, group_size=config.grpo.group_size,
+      temperature=config.temperature, options=_gas_options(config),
+      loss_weight=g.loss_weight, curvature=g.curvature,
+      curvature_every=g.curvature_every, curvature_iters=g.curvature_iters,
+      curvature_rows=g.curvature_rows, latency_source=g.latency_source,
+      model_seconds_per_token=g.model_seconds_per_token,
+      model_step_seconds=g.model_step_seconds)
 
 
 def check_config(config) -> None:
@@ -125,12 +182,21 @@ def check_config(config) -> None:
                       f'valid choices: {", ".join(SCHEDULERS)}')
   if config.scheduler != 'gas':
     return
+  s_base = config.gas.get('s_base')
+  if s_base is not None and (
+      isinstance(s_base, bool) or not isinstance(s_base, int)
+      or not 0 <= s_base <= config.runtime.max_staleness):
+    raise ConfigError('gas.s_base', s_base,
+                      'must be an integer in [0, runtime.max_staleness='
+                      f'{config.runtime.max_staleness}] (unset: '
+                      'runtime.max_staleness)')
+  renames = {'difficulties': 'difficulties'}
+  if s_base is None:
+    renames['s_base'] = 'runtime.max_staleness'
   try:
-    options_from_config(config).check()
+    _gas_options(config)
   except gas.validation.ArgumentError as e:
-    raise from_argument_error(e, 'gas', {
-        's_base': 'runtime.max_staleness',
-        'difficulties': 'difficulties'}) from e
+    raise from_argument_error(e, 'gas', renames) from e
   g = config.gas
   if g.curvature not in gas.CURVATURE_METHODS:
     raise ConfigError('gas.curvature', g.curvature, 'valid choices: '
@@ -190,15 +256,14 @@ def _decode(saved: dict[str, Any]) -> gas.GasState:
 class Gas:
   """`geom.gas` as the runtime's scheduler (see the module docstring)."""
 
-  def __init__(self, config, deterministic: bool,
+  def __init__(self, settings: SchedulerSettings, deterministic: bool,
                stopped: Callable[[], bool] = lambda: False):
-    self.options = options_from_config(config)
-    self.bound = config.runtime.max_staleness
-    self._config = config
-    self._g = config.gas
+    self.options = settings.options
+    self.bound = settings.bound
+    self._s = settings
     self._deterministic = deterministic
     self._stopped = stopped
-    self._difficulties = tuple(int(d) for d in config.difficulties)
+    self._difficulties = settings.difficulties
     self._cond = threading.Condition()
     initial = gas.init(self.options)
     # The learner's state at each version (bandit, curvature, latencies,
@@ -245,7 +310,7 @@ class Gas:
     else:
       lead = None
     state = self._merged(self._states[source])
-    u = float(np.random.default_rng([self._config.seed, k, 29]).random())
+    u = float(np.random.default_rng([self._s.seed, k, 29]).random())
     self._before[k] = self._dispatch
     bucket, after = gas.dispatch(state, self.options, u, lead=lead)
     budget = int(gas.budgets(state, self.options)[bucket])
@@ -265,25 +330,25 @@ class Gas:
                        self._bucket(difficulty), staleness)
 
   def loss_weight(self, difficulty: int) -> float:
-    if not self._g.loss_weight:
+    if not self._s.loss_weight:
       return 1.0
     with self._cond:
       return gas.loss_weight(self._current(), self.options,
                              self._bucket(difficulty))
 
   def needs_curvature(self, version: int) -> bool:
-    every = self._g.curvature_every
+    every = self._s.curvature_every
     return bool(every) and version % every == 0
 
   def latency_of(self, difficulty: int, measured: float) -> float:
-    if self._g.latency_source == 'measured':
+    if self._s.latency_source == 'measured':
       return measured
-    return (self._g.model_seconds_per_token
-            * tasks.max_answer_tokens(self._config.family, difficulty))
+    return (self._s.model_seconds_per_token
+            * tasks.max_answer_tokens(self._s.family, difficulty))
 
   def step_time_of(self, measured: float) -> float:
-    return (measured if self._g.latency_source == 'measured'
-            else self._g.model_step_seconds)
+    return (measured if self._s.latency_source == 'measured'
+            else self._s.model_step_seconds)
 
   def observe(self, version: int, *, difficulty: int, rewards: np.ndarray,
               rows: int, generation_seconds: float, step_seconds: float,
@@ -297,7 +362,7 @@ class Gas:
       if regenerated:
         state = gas.record_admission(state, b, False, rows)
       state = gas.record_admission(state, b, True, rows)
-      signal = gas.learning_signal(rewards, self._config.grpo.group_size,
+      signal = gas.learning_signal(rewards, self._s.group_size,
                                    self.options.signal)
       state = gas.observe_signal(state, self.options, b, signal)
       state = gas.observe_latency(
@@ -328,16 +393,16 @@ class Gas:
 
   def curvatures(self, model, params, version: int) -> dict[int, float]:
     """|lambda_max| of the answer-token NLL on each difficulty's last batch."""
-    g = self._g
+    g = self._s
     out = {}
     for d in sorted(self._last_batch):
       batch = self._last_batch[d]
       rows = min(g.curvature_rows, batch.tokens.shape[0])
       sub = jax.tree.map(lambda x: x[:rows], batch)
-      key = jax.random.fold_in(jax.random.key(self._config.seed + 7919),
+      key = jax.random.fold_in(jax.random.key(self._s.seed + 7919),
                                version * 64 + d)
       out[d] = float(batch_curvature(model, params, sub, key,
-                                     self._config.temperature, g.curvature,
+                                     self._s.temperature, g.curvature,
                                      g.curvature_iters))
     return out
 
@@ -383,10 +448,9 @@ def batch_curvature(model, params: Any, batch: grpo.Batch, key: jax.Array,
   return gas.curvature(nll, params, key, method, iters)
 
 
-def make(config, deterministic: bool,
+def make(settings: SchedulerSettings, deterministic: bool,
          stopped: Callable[[], bool] = lambda: False):
-  """The scheduler config.scheduler names."""
-  if config.scheduler == 'gas':
-    return Gas(config, deterministic, stopped)
-  return FixedBound(config.runtime.max_staleness,
-                    tuple(config.difficulties), config.seed)
+  """The scheduler `settings.kind` names."""
+  if settings.kind == 'gas':
+    return Gas(settings, deterministic, stopped)
+  return FixedBound(settings.bound, settings.difficulties, settings.seed)

@@ -58,7 +58,7 @@ from train.lm import decoder as decoder_lm
 from train.lm import generate as lm_generate
 from train.lm import tokenizer as lm_tokenizer
 from train.lm import trainer as lm_trainer
-from train.steering import hooks as steering_hooks
+from train.lm import hooks as steering_hooks
 from train.steering import pareto
 from train.steering import vectors as steering_vectors
 

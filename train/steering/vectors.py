@@ -21,6 +21,7 @@ than `UNIT_TOLERANCE` means the file was scaled or damaged after writing.
 
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import zipfile
@@ -31,7 +32,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from train.steering import hooks as steering_hooks
+from train import fileio
+from train.lm import hooks as steering_hooks
 
 FORMAT_VERSION = 1
 # |norm - 1| allowed for a saved direction: float32 normalisation is off by
@@ -121,15 +123,11 @@ def save(path: str, vector: SteeringVector) -> None:
               model_fingerprint=vector.model_fingerprint, info=vector.info)
   if vector.tokenizer_fingerprint:
     meta['tokenizer_fingerprint'] = vector.tokenizer_fingerprint
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  tmp = os.path.join(directory, f'.{os.path.basename(path)}.tmp.{os.getpid()}')
-  with open(tmp, 'wb') as f:
-    np.savez(f, direction=np.asarray(vector.direction, np.float32),
-             meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  buffer = io.BytesIO()
+  np.savez(buffer, direction=np.asarray(vector.direction, np.float32),
+           meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
+  fileio.write_bytes_atomic(path, buffer.getvalue())
 
 
 def load(path: str, params: Any | None = None) -> SteeringVector:

@@ -5,11 +5,12 @@ adaptation over the stream (`train.tta.streams`) -> per-corruption error,
 `metrics.jsonl` and TensorBoard (one record per batch), `results.json`
 and `errors.png`.
 
-The workdir gets the trainer's guarantees: one run per workdir (a lock),
-the config checked against the saved one on resume, verified checkpoints
-of the whole adaptation state (the method's state, the stream position and
-the error counts) every `checkpoint_every` batches, SIGTERM/SIGINT saving
-before the run ends, and a bit-exact resume: a run killed at any point and
+The workdir's guarantees are the trainer's, from the same core
+(`train.resumable`): one run per workdir, the config checked on resume,
+the source pinned by content, verified checkpoints of the whole
+adaptation state (the method's state, the stream position and the error
+counts) every `checkpoint_every` batches, SIGTERM/SIGINT saving before
+the run ends, and a bit-exact resume: a run killed at any point and
 restarted ends with the same numbers, bit for bit, as one never stopped
 (tested). A finished workdir returns its results without adapting again.
 Every setting is checked, the source checkpoint loaded and verified and the
@@ -33,17 +34,16 @@ import numpy as np
 import optax
 
 from geom import conga
+from geom import method_hooks
 from geom import validation
 from train import aot
-from train import checkpointing
-from train import disk_space
 from train import fileio
 from train import metrics as metrics_lib
 from train import plots
-from train import preemption
+from train import resumable
 from train import resume_check
-from train import workdir_lock
-from train.errors import ConfigError, Preempted, UsageError
+from train import steps
+from train.errors import ConfigError, UsageError
 from train.errors import from_argument_error
 from train.experiment import check_seed
 from train.experiment import check_workdir
@@ -152,7 +152,7 @@ def _tx(config, num_classes: int, total_steps: int
 
 
 @dataclasses.dataclass
-class _Run:
+class _Adaptation:
   """The mutable part of a run: what a checkpoint holds."""
   state: methods.AdaptState
   correct: np.ndarray  # Per corruption, correctly predicted samples.
@@ -171,12 +171,13 @@ def _error_percent(correct: np.ndarray, seen: np.ndarray) -> np.ndarray:
   return 100.0 * (1.0 - correct / np.maximum(seen, 1))
 
 
-def _results(names: list[str], run: _Run, batches: int) -> dict[str, Any]:
-  errors = _error_percent(run.correct, run.seen)
+def _results(names: list[str], adaptation: _Adaptation,
+             batches: int) -> dict[str, Any]:
+  errors = _error_percent(adaptation.correct, adaptation.seen)
   return {'errors': dict(zip(names, map(float, errors))),
           'mean_error': float(np.mean(errors)) if len(errors) else 0.0,
-          'batches': batches, 'updates': int(run.counts[0]),
-          'resets': int(run.counts[1])}
+          'batches': batches, 'updates': int(adaptation.counts[0]),
+          'resets': int(adaptation.counts[1])}
 
 
 def _plot(results: Mapping[str, Any], title: str, path: str) -> None:
@@ -206,23 +207,17 @@ def adapt_and_evaluate(config: ml_collections.ConfigDict,
       classifier for this data, or the workdir belongs to another run.
     WorkdirBusy: another run holds the workdir.
     NoGoodCheckpoint: the workdir's checkpoints are all damaged.
+    NonFiniteLossError: the adapted parameters went non-finite (nothing
+      non-finite is saved).
     DiskFull: a write ran out of space (earlier checkpoints are intact).
     Preempted: SIGTERM or SIGINT arrived; a checkpoint was saved first.
   """
   check_config(config)
   workdir = check_workdir(workdir)
-  with workdir_lock.hold(workdir):
-    with disk_space.reported(
-        workdir, None, fileio.join(workdir, checkpointing.CHECKPOINTS)):
-      return _adapt(config, workdir)
-
-
-def _check_latest(config, workdir: str) -> None:
-  """The config against the newest checkpoint's, before anything is loaded
-  or computed."""
-  newest = checkpointing.newest_meta(workdir)
-  if newest is not None:
-    _check_resume(config, workdir, *newest)
+  with resumable.open_run(
+      config, workdir, check_config=functools.partial(
+          _check_resume, config, workdir), results_name=RESULTS) as run:
+    return _adapt(config, run)
 
 
 def _settings(config, num_classes: int) -> methods.Settings:
@@ -284,12 +279,10 @@ def programs(config: ml_collections.ConfigDict,
                             place((method, state, images)))]
 
 
-def _adapt(config, workdir: str) -> dict[str, Any]:
-  _check_latest(config, workdir)
-  source = source_lib.load(config)
-  stream = tta_data.load(config)
-  plan = streams.plan(config.protocol, stream.labels, config.batch_size,
-                      config.seed, config.order)
+def _method(config, source: source_lib.Source, stream: tta_data.Stream,
+            plan: list[streams.Batch]) -> methods.Method:
+  """The method bound to the source model, its optimizer and EATA's Fisher
+  batches."""
   longest = max((len(l) for l in stream.labels), default=0)
   per_episode = -(-longest // config.batch_size)
   settings = _settings(config, source.spec.num_classes)
@@ -301,107 +294,102 @@ def _adapt(config, workdir: str) -> dict[str, Any]:
   if settings.method == 'eata':
     fisher = [jnp.asarray(b)
               for b in tta_data.in_distribution_batches(config)]
-  method = methods.make(settings, source.model, source.params,
-                        source.batch_stats, tx, fisher)
+  return methods.make(settings, source.model, source.params,
+                      source.batch_stats, tx, fisher)
+
+
+def _hooks(config) -> method_hooks.MethodHooks:
+  """What the schedule needs from the loop (its diagnostics)."""
+  return (conga.hooks() if config.method.schedule == 'conga'
+          else method_hooks.MethodHooks())
+
+
+# Whether the adapted parameters are finite (checked before each save).
+_adapted_finite = jax.jit(lambda tree: steps.tree_is_finite(
+    tree['state'].adapted))
+
+
+def _adapt(config, run: resumable.Run) -> dict[str, Any]:
+  source = source_lib.load(config)
+  # The source is pinned by content: one that trained on since this run
+  # started (same path) is refused, on resume and on a finished rerun.
+  run.pin({'config.source_workdir': source.fingerprint})
+  stream = tta_data.load(config)
+  plan = streams.plan(config.protocol, stream.labels, config.batch_size,
+                      config.seed, config.order)
+  finished = run.finished(len(plan))
+  if finished is not None:
+    return finished
+  method = _method(config, source, stream, plan)
   names = stream.corruptions
-  fresh = _Run(method.init(), np.zeros(len(names), np.int32),
-               np.zeros(len(names), np.int32), np.zeros(2, np.int32))
+  adaptation = _Adaptation(method.init(), np.zeros(len(names), np.int32),
+                           np.zeros(len(names), np.int32),
+                           np.zeros(2, np.int32))
+  found = run.restore(jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      adaptation.tree()))
+  position = 0
+  if found is not None:
+    position, tree, _ = found
+    logging.info('Resuming at batch %d of %d', position, len(plan))
+    adaptation = _Adaptation(tree['state'], np.array(tree['correct']),
+                             np.array(tree['seen']),
+                             np.array(tree['counts']))
+  run.finite = resumable.Finite(_adapted_finite, 'adapted parameters',
+                                can_skip=False)
+  timed_from = _adapt_stream(config, run, method, stream, plan, position,
+                             adaptation)
+  if timed_from is not None:
+    seconds = time.perf_counter() - timed_from[0]
+    timed = len(plan) - timed_from[1]
+    metrics_lib.write_json_atomic(fileio.join(run.workdir, TIMING), {
+        'batches': timed, 'seconds': seconds,
+        'batches_per_second': timed / seconds if seconds > 0 else None})
+  results = _results(names, adaptation, len(plan))
+  run.writer.write(len(plan), {'mean_error': results['mean_error']})
+  run.finish(results, lambda: (adaptation.tree(), {}))
+  _plot(results, f'{config.method.name} ({config.method.schedule}), '
+        f'{config.protocol}, severity {config.severity}',
+        fileio.join(run.workdir, PLOT))
+  return results
 
-  with checkpointing.Checkpoints(workdir, every_steps=config.checkpoint_every,
-                                 keep=config.keep_checkpoints) as ckpts:
-    template = fresh.tree()
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-        template)
-    # The source is pinned by content: one that trained on since this run
-    # started (same path) is refused, on resume and on a finished rerun.
-    inputs = {'config.source_workdir': source.fingerprint}
 
-    def check_meta(step, meta):
-      _check_resume(config, workdir, step, meta)
-      resume_check.check_fingerprints(workdir, step, meta, inputs)
-
-    found = ckpts.restore_latest_good(abstract, check_meta=check_meta)
-    results_path = fileio.join(workdir, RESULTS)
-    if found is not None:
-      position, tree, meta = found
-      run = _Run(tree['state'], np.array(tree['correct']),
-                 np.array(tree['seen']), np.array(tree['counts']))
-      if position == len(plan) and fileio.exists(results_path):
-        logging.info('%s is finished; its results are reported again.',
-                     workdir)
-        return metrics_lib.read_json(results_path)
-      logging.info('Resuming at batch %d of %d', position, len(plan))
-      writer = metrics_lib.MetricWriter(workdir, position,
-                                        meta.get('metrics_records'))
-    else:
-      position, run = 0, fresh
-      writer = metrics_lib.MetricWriter(workdir, None)
-
-    initial = method.init()
-    has_conga = config.method.schedule == 'conga'
-    stop = preemption.StopFlag()
-
-    def save(done: int, force: bool = False) -> bool:
-      meta = {'config': resume_check.as_json(config),
-              'metrics_records': writer.records,
-              resume_check.FINGERPRINTS: inputs}
-      return ckpts.save(done, run.tree(), meta, force=force)
-
-    timed_from = None  # (time, batches done) after the first batch.
-    try:
-      with stop.installed():
-        images = stream.images_of(plan[position]) if plan[position:] else None
-        for index in range(position, len(plan)):
-          batch = plan[index]
-          if batch.reset:
-            run.state = initial
-          run.state, out = _step(method, run.state, images)
-          # The next batch is gathered while the devices run this one.
-          if index + 1 < len(plan):
-            images = stream.images_of(plan[index + 1])
-          out = jax.device_get(out)
-          hit = out['pred'] == stream.labels_of(batch)
-          np.add.at(run.correct, batch.corruption, hit)
-          np.add.at(run.seen, batch.corruption, 1)
-          run.counts += [int(out['updated']), int(out['reset'])]
-          done = index + 1
-          if done % config.log_every == 0 or done == len(plan):
-            scalars = {'error': 100.0 * (1.0 - float(np.mean(hit))),
-                       'entropy': float(np.mean(out['entropy'])),
-                       'loss': float(out['loss']),
-                       'kept': float(out['kept']),
-                       'corruption': float(batch.corruption[0]),
-                       'reset': float(out['reset'])}
-            if has_conga:
-              scalars.update({f'opt/{k}': float(v) for k, v in jax.device_get(
-                  conga.diagnostics(run.state.opt_state)).items()})
-            writer.write(done, scalars)
-          saved = save(done)
-          if timed_from is None:
-            timed_from = (time.perf_counter(), done)
-          if stop.requested(done) and done < len(plan):
-            if not saved:
-              save(done, force=True)
-            ckpts.wait_until_finished()
-            writer.flush()
-            raise Preempted(done, stop.signal_name)
-      if timed_from is not None:
-        seconds = time.perf_counter() - timed_from[0]
-        timed = len(plan) - timed_from[1]
-        metrics_lib.write_json_atomic(fileio.join(workdir, TIMING), {
-            'batches': timed, 'seconds': seconds,
-            'batches_per_second': timed / seconds if seconds > 0 else None})
-      results = _results(names, run, len(plan))
-      writer.write(len(plan), {'mean_error': results['mean_error']})
-      ckpts.wait_until_finished()
-      if ckpts.latest_step() != len(plan):
-        save(len(plan), force=True)
-      ckpts.wait_until_finished()
-      metrics_lib.write_json_atomic(results_path, results)
-      _plot(results, f'{config.method.name} ({config.method.schedule}), '
-            f'{config.protocol}, severity {config.severity}',
-            fileio.join(workdir, PLOT))
-      return results
-    finally:
-      writer.close()
+def _adapt_stream(config, run: resumable.Run, method: methods.Method,
+                  stream: tta_data.Stream, plan: list[streams.Batch],
+                  position: int, adaptation: _Adaptation
+                  ) -> tuple[float, int] | None:
+  """Adapts `adaptation` in place over `plan[position:]`, logging and saving;
+  returns (time, batches done) after the first batch (None if none)."""
+  initial = method.init()
+  diagnostics = _hooks(config).diagnostics
+  timed_from = None
+  with run.stopping():
+    images = stream.images_of(plan[position]) if plan[position:] else None
+    for index in range(position, len(plan)):
+      batch = plan[index]
+      if batch.reset:
+        adaptation.state = initial
+      adaptation.state, out = _step(method, adaptation.state, images)
+      # The next batch is gathered while the devices run this one.
+      if index + 1 < len(plan):
+        images = stream.images_of(plan[index + 1])
+      out = jax.device_get(out)
+      hit = out['pred'] == stream.labels_of(batch)
+      np.add.at(adaptation.correct, batch.corruption, hit)
+      np.add.at(adaptation.seen, batch.corruption, 1)
+      adaptation.counts += [int(out['updated']), int(out['reset'])]
+      done = index + 1
+      if done % config.log_every == 0 or done == len(plan):
+        scalars = {'error': 100.0 * (1.0 - float(np.mean(hit))),
+                   'entropy': float(np.mean(out['entropy'])),
+                   'loss': float(out['loss']), 'kept': float(out['kept']),
+                   'corruption': float(batch.corruption[0]),
+                   'reset': float(out['reset'])}
+        if diagnostics is not None:
+          scalars.update({f'opt/{k}': float(v) for k, v in jax.device_get(
+              diagnostics(adaptation.state.opt_state)).items()})
+        run.writer.write(done, scalars)
+      run.end_step(done, lambda: (adaptation.tree(), {}))
+      if timed_from is None:
+        timed_from = (time.perf_counter(), done)
+  return timed_from

@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from geom import conga
 from geom import sam
 
 METHODS = ('source', 'bn_stats', 'tent', 'eata', 'sar')
@@ -58,10 +59,9 @@ MARGIN_FRACTION = 0.4
 Flat = dict[str, jax.Array]
 
 
-def entropies(logits: jax.Array) -> jax.Array:
-  """Per-sample prediction entropy in nats, in float32: (batch,)."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+# Per-sample prediction entropy in nats, in float32: (batch,). CONGA's, so
+# that the loss and the schedule read one entropy (-inf logits included).
+entropies = conga.entropies_from_logits
 
 
 def margin(num_classes: int) -> float:

@@ -8,8 +8,6 @@ left in place: the source workdir belongs to its training run.
 """
 
 import dataclasses
-import json
-import os
 from typing import Any
 
 from absl import logging
@@ -17,7 +15,6 @@ import flax.linen as nn
 import jax
 import ml_collections
 
-from train import checkpointing
 from train import checksums
 from train import experiment as experiment_lib
 from train.errors import UsageError
@@ -56,49 +53,32 @@ def load(config: ml_collections.ConfigDict) -> Source:
       images of another shape or number of classes than the stream's.
     NoGoodCheckpoint: it holds checkpoints and none loads and verifies.
   """
-  field = 'source_workdir'
-  workdir = os.path.abspath(config.source_workdir)
-  if not os.path.isdir(os.path.join(workdir, checkpointing.CHECKPOINTS)):
-    raise UsageError(
-        f'config.{field}', config.source_workdir,
-        'holds no checkpoints; train a classifier first, e.g. `python -m '
-        'launch.train --config=configs/digits.py:dataset=mnist5k '
-        f'--workdir={config.source_workdir}`')
-  built = {}
+  field = 'config.source_workdir'
 
-  def abstract_state(meta):
-    if 'config' not in meta:
-      raise UsageError(f'config.{field}', config.source_workdir,
-                       'its checkpoint has no saved config')
-    source_config = ml_collections.ConfigDict(json.loads(meta['config']))
-    task = source_config.get('task', 'classification')
-    if task != 'classification':
-      raise UsageError(f'config.{field}', config.source_workdir,
-                       f'holds a {task!r} run, not an image classifier')
+  def build(source_config: ml_collections.ConfigDict, workdir: str):
     stream = tta_data.stream_spec(config)
     spec = datasets.get_spec(source_config.dataset)
     if (spec.image_shape, spec.num_classes) != (stream.image_shape,
                                                 stream.num_classes):
       raise UsageError(
-          f'config.{field}', config.source_workdir,
+          field, config.source_workdir,
           f'its classifier was trained on {source_config.dataset!r} '
           f'({spec.image_shape} images, {spec.num_classes} classes); the '
           f'stream {config.dataset!r} has {stream.image_shape} images and '
           f'{stream.num_classes} classes')
-    exp = experiment.build(source_config, workdir)
-    built.update(config=source_config, spec=spec, exp=exp)
-    return exp.abstract_state
+    return experiment.build(source_config, workdir)
 
-  with experiment_lib.reading_checkpoints(workdir) as ckpts:
-    found = ckpts.restore_latest_good(abstract_state, move_damaged=False)
-  if found is None:
-    raise UsageError(f'config.{field}', config.source_workdir,
-                     'holds no checkpoints')
-  step, state, _ = found
-  logging.info('Source classifier: step %d of %s', step, workdir)
-  used = (nn.meta.unbox(state.params), state.batch_stats)
+  run = experiment_lib.load_trained(
+      config.source_workdir, build, field=field, task='classification',
+      what='an image classifier',
+      hint='train a classifier first, e.g. `python -m launch.train '
+      '--config=configs/digits.py:dataset=mnist5k '
+      f'--workdir={config.source_workdir}`')
+  logging.info('Source classifier: step %d of %s', run.step,
+               run.exp.workdir)
+  used = (nn.meta.unbox(run.state.params), run.state.batch_stats)
   host = jax.device_get(used)
-  return Source(config=built['config'], spec=built['spec'],
-                model=built['exp'].model, params=host[0],
-                batch_stats=host[1] or {}, step=step,
+  return Source(config=run.config,
+                spec=datasets.get_spec(run.config.dataset), model=run.exp.model,
+                params=host[0], batch_stats=host[1] or {}, step=run.step,
                 fingerprint=checksums.digest(used))

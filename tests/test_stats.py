@@ -1,4 +1,4 @@
-"""train.bootstrap against direct computations: exact enumeration on tiny
+"""train.stats against direct computations: exact enumeration on tiny
 data, the closed-form variance of the two-level bootstrap, and edges."""
 
 import itertools
@@ -6,13 +6,13 @@ import itertools
 import numpy as np
 import pytest
 
-from train import bootstrap
+from train import stats
 
 
 def test_nested_mean_weighs_every_unit_the_same():
   data = [[np.array([1.0, 0.0]), np.array([1.0])],  # Seed 0: sets 0.5, 1.
           [np.array([0.0, 0.0, 0.0, 1.0])]]  # Seed 1: 0.25.
-  assert bootstrap.nested_mean(data) == pytest.approx((0.75 + 0.25) / 2)
+  assert stats.nested_mean(data) == pytest.approx((0.75 + 0.25) / 2)
 
 
 def test_one_level_matches_the_exact_bootstrap_distribution():
@@ -20,7 +20,7 @@ def test_one_level_matches_the_exact_bootstrap_distribution():
   # Every one of the 27 equally likely resamples, enumerated.
   exact = np.array([items[list(i)].mean()
                     for i in itertools.product(range(3), repeat=3)])
-  reps = bootstrap.replicates(items, num_samples=200_000, seed=1)
+  reps = stats.replicates(items, num_samples=200_000, seed=1)
   assert reps.mean() == pytest.approx(exact.mean(), abs=0.01)
   assert reps.var() == pytest.approx(exact.var(), rel=0.02)
   for q in (0.1, 0.5, 0.9):
@@ -36,7 +36,7 @@ def test_two_levels_match_the_closed_form_variance():
   seeds = [rng.normal(mu, 1.0, size=n) for mu in (0.0, 0.5, 1.0)]
   means = np.array([x.mean() for x in seeds])
   expected = (means.var() + np.mean([x.var() / n for x in seeds])) / s
-  reps = bootstrap.replicates(seeds, num_samples=100_000, seed=2)
+  reps = stats.replicates(seeds, num_samples=100_000, seed=2)
   assert reps.var() == pytest.approx(expected, rel=0.03)
   assert reps.mean() == pytest.approx(means.mean(), abs=0.02)
 
@@ -46,17 +46,17 @@ def test_identical_methods_give_a_zero_width_paired_interval():
   correct = [[rng.integers(0, 2, 50).astype(float) for _ in range(3)]
              for _ in range(3)]
   diff = [[c - c for c in seed] for seed in correct]
-  assert bootstrap.interval(diff, 500) == (0.0, 0.0, 0.0)
+  assert stats.interval(diff, 500) == (0.0, 0.0, 0.0)
 
 
 def test_constant_data_and_the_interval_contains_the_mean():
   const = [[np.full(5, 0.7)], [np.full(9, 0.7)]]
-  m, lo, hi = bootstrap.interval(const, 300)
+  m, lo, hi = stats.interval(const, 300)
   assert m == pytest.approx(0.7) and lo == pytest.approx(0.7)
   assert hi == pytest.approx(0.7)
   rng = np.random.default_rng(4)
   data = [rng.integers(0, 2, 200).astype(float) for _ in range(3)]
-  m, lo, hi = bootstrap.interval(data, 2000, seed=5)
+  m, lo, hi = stats.interval(data, 2000, seed=5)
   assert lo < m < hi
   # A 95% interval of three seeds of 200 coin flips: about +-1.96 SE.
   se = np.sqrt(0.25 / 600)
@@ -65,9 +65,9 @@ def test_constant_data_and_the_interval_contains_the_mean():
 
 def test_the_interval_is_a_function_of_its_seed():
   data = [np.arange(10.0), np.arange(5.0)]
-  assert bootstrap.interval(data, 400, seed=7) == bootstrap.interval(
+  assert stats.interval(data, 400, seed=7) == stats.interval(
       data, 400, seed=7)
-  assert bootstrap.interval(data, 400, seed=7) != bootstrap.interval(
+  assert stats.interval(data, 400, seed=7) != stats.interval(
       data, 400, seed=8)
 
 
@@ -81,11 +81,30 @@ def test_the_interval_is_a_function_of_its_seed():
 ])
 def test_malformed_data_is_one_line_naming_the_position(data, message):
   with pytest.raises(ValueError, match=message):
-    bootstrap.interval(data, 10)
+    stats.interval(data, 10)
 
 
 def test_bad_arguments():
   with pytest.raises(ValueError, match='num_samples=0'):
-    bootstrap.replicates([np.ones(3)], 0)
+    stats.replicates([np.ones(3)], 0)
   with pytest.raises(ValueError, match='level=1'):
-    bootstrap.interval([np.ones(3)], 10, level=1)
+    stats.interval([np.ones(3)], 10, level=1)
+
+
+def test_mean_std_is_the_sample_deviation_of_the_scaled_values():
+  values = [0.25, 0.5, 0.125]
+  scaled = np.array(values) * 100
+  assert stats.mean_std(values, 100.0) == (
+      f'{scaled.mean():.1f} ± {scaled.std(ddof=1):.1f}')
+  assert stats.mean_std([0.5], 100.0, digits=2) == '50.00'
+  assert stats.mean_std([]) == '-'
+
+
+def test_markdown_table_aligns_and_checks_its_columns():
+  table = stats.markdown_table(['run', 'acc'], [['a', 1.5], ['b', '-']])
+  assert table.splitlines() == ['| run | acc |', '|:--|--:|', '| a | 1.5 |',
+                                '| b | - |']
+  with pytest.raises(ValueError, match='2 cells, the header 3'):
+    stats.markdown_table(['a', 'b', 'c'], [[1, 2]])
+  with pytest.raises(ValueError, match='align'):
+    stats.markdown_table(['a', 'b'], [], align='l')

@@ -1,4 +1,10 @@
-"""Hierarchical (multi-level) bootstrap intervals for a mean over nested units.
+"""Statistics and tables of the studies: mean ± std, markdown tables, and
+hierarchical (multi-level) bootstrap intervals for a mean over nested units.
+
+`mean_std` and `markdown_table` format what the study launchers and
+reports write to RESULTS.md.
+
+The bootstrap:
 
 A study's per-item scores are nested: items within an item set, item sets
 within a trained model (seed). The spread a reader needs covers every
@@ -26,6 +32,7 @@ coverage; the study text says so where it matters.
 """
 
 from collections.abc import Sequence
+import statistics
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -37,6 +44,38 @@ class Interval(NamedTuple):
   mean: float  # The nested mean of the data itself.
   low: float
   high: float
+
+
+def mean_std(values: Sequence[float], scale: float = 1.0,
+             digits: int = 1) -> str:
+  """'mean ± sample std' of `scale * values` ('-' if none; the value alone
+  if one)."""
+  values = [scale * v for v in values]
+  if not values:
+    return '-'
+  if len(values) == 1:
+    return f'{values[0]:.{digits}f}'
+  return (f'{statistics.mean(values):.{digits}f} ± '
+          f'{statistics.stdev(values):.{digits}f}')
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]],
+                   align: str | None = None) -> str:
+  """A GitHub markdown table; `align` is one character per column ('l',
+  'r' or 'c'; default: the first column left, the others right)."""
+  align = align or 'l' + 'r' * (len(header) - 1)
+  if len(align) != len(header):
+    raise ValueError(f'align {align!r} has {len(align)} columns, the '
+                     f'header {len(header)}')
+  rule = {'l': ':--', 'r': '--:', 'c': ':-:'}
+  lines = ['| ' + ' | '.join(map(str, header)) + ' |',
+           '|' + '|'.join(rule[a] for a in align) + '|']
+  for row in rows:
+    if len(row) != len(header):
+      raise ValueError(f'row {list(row)!r} has {len(row)} cells, the '
+                       f'header {len(header)}')
+    lines.append('| ' + ' | '.join(map(str, row)) + ' |')
+  return '\n'.join(lines)
 
 
 def _check(data: Nested, where: str = 'data') -> int:

@@ -4,7 +4,8 @@ The runs behind `launch.detector_noise` (which describes the noise model
 and the four kinds of run), importable without that launcher's flags:
 `run(kind, rho, sigma, key, detector, steps)` is jit- and vmap-friendly,
 `noiseless_stalls(rhos, steps)` gives each rho's stall point and its
-|grad f|, `PREVIOUS` is the detector configuration before 2026-11-30.
+|grad f|, `PREVIOUS` is the detector's earlier default configuration
+(the one its thresholds were changed from; RESULTS.md compares them).
 """
 
 import functools
