@@ -90,6 +90,8 @@ def toy_run(workdir, config, *, inputs=None, events=None, after_step=None):
         if after_step is not None:
           after_step(step)
         run.end_step(step, lambda: ({'w': w}, {'note': step}))
+    # A record after the last save, as the trainer's final evaluation.
+    run.writer.write(config.num_steps, {'final_w0': float(w[0])})
     return run.finish({'sha': _sha(w), 'steps': config.num_steps},
                       lambda: ({'w': w}, {'note': config.num_steps}))
 
@@ -136,7 +138,7 @@ def test_a_crashed_run_resumes_bit_exactly_and_logs_each_step_once(
   events = []
   assert toy_run(tmp_path, _config(), events=events) == reference[0]
   assert events[:2] == ['loaded', 'step 7']  # From the checkpoint at 6.
-  assert _logged_steps(tmp_path) == reference[1] == list(range(1, 11))
+  assert _logged_steps(tmp_path) == reference[1] == list(range(1, 11)) + [10]
   assert _steps_saved(tmp_path) == [3, 6, 9, 10]
 
 
@@ -258,3 +260,5 @@ def test_unreadable_results_are_computed_again(reference, tmp_path):
   events = []
   assert toy_run(tmp_path, _config(), events=events) == reference[0]
   assert events == ['loaded']  # Restored at the end; nothing retrained.
+  # The record written after the last save is not doubled.
+  assert _logged_steps(tmp_path) == reference[1]

@@ -189,6 +189,11 @@ def test_kill_9_then_resume_is_bit_exact(source_workdir, tmp_path):
   assert _records(workdir) == _records(reference)
 
 
+# Slow: the core's stop-signal tests (test_resumable: SIGTERM and SIGINT
+# save at that step and resume bit for bit), the launcher's exit codes
+# for them (test_workdir_faults) and this loop's kill -9 resume above
+# cover it.
+@pytest.mark.slow
 def test_sigterm_saves_and_the_same_command_resumes(source_workdir, tmp_path):
   overrides = ('--config.batch_size=4', '--config.checkpoint_every=1000')
   workdir = str(tmp_path / 'w')

@@ -410,6 +410,11 @@ def test_no_good_checkpoint_is_one_line_and_changes_nothing(reference,
 # --- Logs that survive a crash -----------------------------------------------
 
 
+# Slow: the metrics log cut back to the checkpoint's records and an
+# unreadable results file evaluated again without a doubled final record
+# are the core's (test_resumable); a damaged line dropped on resume is
+# test_a_line_that_is_not_utf8_is_dropped_on_resume.
+@pytest.mark.slow
 def test_torn_metrics_and_final_metrics_are_repaired_on_resume(reference,
                                                                tmp_path):
   workdir = _copy(reference[0], tmp_path / 'run', keep_steps=(20,),
