@@ -156,12 +156,16 @@ def test_a_finished_workdir_reports_without_adapting_again(source_workdir,
 
 
 def test_kill_9_then_resume_is_bit_exact(source_workdir, tmp_path):
+  # Two corruptions (of runlocal's three): the stream still resets between
+  # episodes after the resume, in two thirds of the time.
   overrides = ('--config.method.schedule=conga', '--config.batch_size=8',
-               '--config.checkpoint_every=4')
+               '--config.checkpoint_every=4',
+               '--config.corruptions=fog,contrast')
   reference = str(tmp_path / 'reference')  # The same run, in-process.
   adapt.adapt_and_evaluate(
       _config(source_workdir, 'runlocal,method=sar', batch_size=8,
-              checkpoint_every=4, **{'method.schedule': 'conga'}), reference)
+              checkpoint_every=4, corruptions='fog,contrast',
+              **{'method.schedule': 'conga'}), reference)
 
   workdir = str(tmp_path / 'killed')
   proc = subprocess.Popen(
