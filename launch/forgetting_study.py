@@ -58,6 +58,19 @@ import statistics
 from absl import app
 from absl import flags
 from absl import logging
+import jax
+import numpy as np
+import optax
+
+from configs import lm
+from geom import curvature
+from launch import entry
+from train import metrics
+from train import plots
+from train.errors import UsageError
+from train.lm import data as lm_data
+from train.lm import quantization
+from train.lm import trainer
 
 VARIANTS = ('baseline', 'sam', 'sam_mid', 'large_lr', 'short_anneal')
 
@@ -87,8 +100,6 @@ _TRACE_SAMPLES = flags.DEFINE_integer('trace_samples', 32,
 
 def check_settings(pretrain) -> None:
   """UsageError naming the flag, before anything is trained."""
-  from train.errors import UsageError  # pylint: disable=g-import-not-at-top
-  from train.lm import data as lm_data  # pylint: disable=g-import-not-at-top
   unknown = [v for v in _VARIANTS.value if v not in VARIANTS]
   if unknown or not _VARIANTS.value:
     raise UsageError('--variants', unknown[0] if unknown else '',
@@ -124,7 +135,6 @@ def check_settings(pretrain) -> None:
 
 
 def pretrain_config(variant: str, seed: int):
-  from configs import lm  # pylint: disable=g-import-not-at-top
   config = lm.get_config(_CONFIG_ARG.value or None)
   config.seed = seed
   opt = config.optimizer
@@ -142,7 +152,6 @@ def pretrain_config(variant: str, seed: int):
 
 
 def post_config(seed: int, pretrain_workdir: str):
-  from configs import lm  # pylint: disable=g-import-not-at-top
   config = lm.get_config(_CONFIG_ARG.value or None)
   config.seed = seed
   config.data.mix = ((_POST_SOURCE.value, 1.0),)
@@ -159,8 +168,6 @@ def post_config(seed: int, pretrain_workdir: str):
 def _per_window_ce(model):
   """Jitted (params, tokens) -> per-window mean CE: one per model, so the
   five measures of a run (and every run of one model) compile it once."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
 
   @jax.jit
   def per_window(p, tokens):
@@ -172,7 +179,6 @@ def _per_window_ce(model):
 
 def _held_out_ce(model, params, windows, batch: int = 64) -> float:
   """Mean next-byte cross-entropy (nats) over `windows` (N, seq + 1)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
 
   per_window = _per_window_ce(model)
   tokens = np.asarray(windows, np.int32)
@@ -192,10 +198,7 @@ def _sharpness_fns(model, power_iters: int, trace_samples: int):
   trace, one pair per model and settings: each holds the LM's
   Hessian-vector product in a loop, the study's costliest compiles (10-20 s
   each on a CPU), and every variant and seed reuses them."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
 
-  from geom import curvature  # pylint: disable=g-import-not-at-top
 
   def loss_on(tokens):
     def loss(p):
@@ -212,8 +215,6 @@ def _sharpness_fns(model, power_iters: int, trace_samples: int):
 
 
 def _sharpness(model, params, windows, seed: int) -> dict:
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
 
   tokens = np.asarray(windows[:_HESSIAN_WINDOWS.value], np.int32)
   top_fn, trace_fn = _sharpness_fns(model, _POWER_ITERS.value,
@@ -228,10 +229,6 @@ def _sharpness(model, params, windows, seed: int) -> dict:
 
 def measure(variant: str, seed: int) -> dict:
   """Trains what is missing for (variant, seed) and measures it."""
-  from train import metrics  # pylint: disable=g-import-not-at-top
-  from train.lm import quantization  # pylint: disable=g-import-not-at-top
-  from train.lm import data as lm_data  # pylint: disable=g-import-not-at-top
-  from train.lm import trainer  # pylint: disable=g-import-not-at-top
   root = _WORKDIR.value
   path = os.path.join(root, 'measures', f'{variant}_seed{seed}.json')
   if os.path.exists(path):
@@ -317,7 +314,6 @@ def summarize(records: list[dict], paper: dict) -> str:
 
 
 def plot(records: list[dict], path: str) -> None:
-  from train import plots  # pylint: disable=g-import-not-at-top
   plt = plots.pyplot()
   variants = [v for v in VARIANTS if any(r['variant'] == v for r in records)]
   fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -345,7 +341,6 @@ def plot(records: list[dict], path: str) -> None:
 
 def main(argv):
   del argv
-  from launch import entry  # pylint: disable=g-import-not-at-top
   entry.quiet_libraries()
 
   def job():

@@ -25,6 +25,9 @@ from absl import app
 from absl import flags
 
 from launch import entry
+from train import fileio
+from train import plots
+from train.errors import UsageError
 
 _METRIC = flags.DEFINE_string('metric', 'test_accuracy',
                               'Metric for the plot (y axis).')
@@ -118,9 +121,6 @@ def csv_text(keys: list[str], groups: list[dict], metrics: list[str]) -> str:
 
 def write_report(dirs: list[str], metric: str, out: str) -> dict:
   """Writes report.md/.csv/.png into `out`; returns what it found."""
-  from train import fileio  # pylint: disable=g-import-not-at-top
-  from train import plots  # pylint: disable=g-import-not-at-top
-  from train.errors import UsageError  # pylint: disable=g-import-not-at-top
   runs, unfinished = collect(dirs)
   if not runs:
     raise UsageError('WORKDIR', dirs, 'holds no finished run '
@@ -144,7 +144,6 @@ def write_report(dirs: list[str], metric: str, out: str) -> dict:
 
 def main(argv):
   dirs = argv[1:]
-  from train.errors import UsageError  # pylint: disable=g-import-not-at-top
   if not dirs:
     print('error: WORKDIR: give one or more sweep roots or run directories',
           file=sys.stderr)

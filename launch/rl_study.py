@@ -21,6 +21,7 @@ difficulty, and GAS's final alpha, budgets and dropped / deferred
 batches.
 """
 
+import ast
 import json
 import os
 import statistics
@@ -28,8 +29,18 @@ import statistics
 from absl import app
 from absl import flags
 from absl import logging
+import ml_collections
+import numpy as np
 
+from configs import rl
+from configs import rl_sft
+from launch import entry
+from train import plots
 from train import stats
+from train.errors import UsageError
+from train.rl import grpo
+from train.rl import run
+from train.rl import sft
 
 _WORKDIR = flags.DEFINE_string('workdir', 'workdirs/rl_study', 'Root dir.')
 _SEEDS = flags.DEFINE_integer('seeds', 3, 'Seeds (warm start and RL).')
@@ -51,8 +62,6 @@ _OVERRIDES = flags.DEFINE_list(
 
 
 def _sft(seed: int) -> str:
-  from configs import rl_sft  # pylint: disable=g-import-not-at-top
-  from train.rl import sft  # pylint: disable=g-import-not-at-top
   workdir = os.path.join(_WORKDIR.value, f'sft_{seed}')
   config = rl_sft.get_config()
   config.seed = seed
@@ -63,7 +72,6 @@ def _sft(seed: int) -> str:
 
 
 def _set(config, field: str, text: str) -> None:
-  import ast  # pylint: disable=g-import-not-at-top
   *path, last = field.split('.')
   block = config
   for part in path:
@@ -74,7 +82,6 @@ def _set(config, field: str, text: str) -> None:
 def _rl_config(seed: int, bound: int, correction: str,
                gas: str | None = None):
   """(config, workdir) of one RL run of the study."""
-  from configs import rl  # pylint: disable=g-import-not-at-top
   variant = f',gas={gas}' if gas else ''
   config = rl.get_config(f'staleness={bound},correction={correction}'
                          + variant)
@@ -91,7 +98,6 @@ def _rl_config(seed: int, bound: int, correction: str,
 
 def _rl(seed: int, bound: int, correction: str, gas: str | None = None
         ) -> dict:
-  from train.rl import run  # pylint: disable=g-import-not-at-top
   return run.train_and_evaluate(*_rl_config(seed, bound, correction, gas))
 
 
@@ -99,13 +105,6 @@ def check_flags() -> None:
   """UsageError naming the first bad flag, before anything is trained:
   the flags themselves, then every RL run's config as the study builds it
   (`run.check_config`, the SFT warm start aside: the study trains it)."""
-  # pylint: disable=g-import-not-at-top
-  import ast
-  from configs import rl
-  from train.errors import UsageError
-  from train.rl import grpo
-  from train.rl import run
-  # pylint: enable=g-import-not-at-top
 
   def integers(flag, low):
     for text in flag.value if isinstance(flag.value, list) else [flag.value]:
@@ -244,8 +243,6 @@ def _schedule_table(raw, difficulties) -> str:
 def _plot(raw) -> None:
   """pass@1 (mean over difficulties, then each difficulty) against wall
   time and trained samples, mean over seeds."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from train import plots  # pylint: disable=g-import-not-at-top
   plt = plots.pyplot()
   difficulties = sorted(raw['sync|0']['pass_at_1'], key=int)
   keys = ['eval/pass_at_1'] + [f'eval/pass_at_1_d{d}' for d in difficulties]
@@ -278,8 +275,6 @@ def _plot(raw) -> None:
 
 def main(argv):
   del argv
-  from launch import entry  # pylint: disable=g-import-not-at-top
-  import ml_collections  # pylint: disable=g-import-not-at-top
   entry.quiet_libraries()
 
   def job():

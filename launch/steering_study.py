@@ -37,7 +37,12 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from configs import lm
+from configs import steering
 from launch import entry
+from train.errors import RunError
+from train.errors import UsageError
+from train.steering import evaluation
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Root directory of the study.')
 _LM_SEEDS = flags.DEFINE_list('lm_seeds', ['0', '1', '2'], 'LM seeds.')
@@ -60,7 +65,6 @@ flags.mark_flags_as_required(['workdir'])
 
 
 def _numbers(flag: str, values: list[str], kind, check, problem: str):
-  from train.errors import UsageError  # pylint: disable=g-import-not-at-top
   out = []
   for value in values:
     try:
@@ -77,7 +81,6 @@ def _numbers(flag: str, values: list[str], kind, check, problem: str):
 
 def check_flags() -> dict:
   """The parsed settings; UsageError naming the flag, before any compute."""
-  from train.errors import UsageError  # pylint: disable=g-import-not-at-top
   lm_seeds = _numbers('--lm_seeds', _LM_SEEDS.value, int, lambda v: v >= 0,
                       'seeds are integers >= 0')
   item_seeds = _numbers('--item_seeds', _ITEM_SEEDS.value, int,
@@ -98,13 +101,11 @@ def check_flags() -> dict:
   if base.beta in betas:
     raise UsageError('--gate_betas', base.beta, 'is the evaluation\'s own '
                      'beta (already in the main evaluation)')
-  from configs import lm  # pylint: disable=g-import-not-at-top
   try:
     lm.get_config(_LM_CONFIG_ARG.value or None)
   except ValueError as e:
     raise UsageError('--lm_config_arg', _LM_CONFIG_ARG.value,
                      str(e).removeprefix('configs/lm.py: ')) from None
-  from train.steering import evaluation  # pylint: disable=g-import-not-at-top
   evaluation.check_config(base)
   return dict(lm_seeds=lm_seeds, item_seeds=item_seeds, targets=targets,
               betas=betas)
@@ -115,7 +116,6 @@ def lm_workdir(seed: int) -> str:
 
 
 def eval_config(seed: int, item_seeds, beta: float | None = None):
-  from configs import steering  # pylint: disable=g-import-not-at-top
   config = steering.get_config(_STEERING_CONFIG_ARG.value or None)
   config.lm_workdir = lm_workdir(seed)
   config.mc_seeds = tuple(item_seeds)
@@ -127,7 +127,6 @@ def eval_config(seed: int, item_seeds, beta: float | None = None):
 
 def train_lm(seed: int) -> None:
   """`launch.train` for one LM seed (resumes; a finished run returns at once)."""
-  from train.errors import RunError  # pylint: disable=g-import-not-at-top
   workdir = lm_workdir(seed)
   os.makedirs(_WORKDIR.value, exist_ok=True)
   cmd = [sys.executable, '-m', 'launch.train',
@@ -150,7 +149,6 @@ def train_lm(seed: int) -> None:
 def finished(config, name: str) -> dict | None:
   """The finished evaluation in `name/` if its config is `config`; None if
   there is none; UsageError if it was made with another config."""
-  from train.errors import UsageError  # pylint: disable=g-import-not-at-top
   path = os.path.join(_WORKDIR.value, name, 'results.json')
   if not os.path.exists(path):
     return None
@@ -169,7 +167,6 @@ def finished(config, name: str) -> dict | None:
 
 def evaluate(config, name: str) -> dict:
   """The evaluation in `name/` (reused when its config is this one)."""
-  from train.steering import evaluation  # pylint: disable=g-import-not-at-top
   results = finished(config, name)
   if results is not None:
     logging.info('%s: reusing the finished evaluation', name)

@@ -37,6 +37,9 @@ from absl import flags
 
 from launch import entry
 from launch import sweep_plan
+from train import disk_space
+from train import workdir_lock
+from train.errors import UsageError
 
 _CONFIG = flags.DEFINE_string('config', None,
                               'Config file with get_sweep(), path[:arg].')
@@ -67,7 +70,6 @@ flags.mark_flags_as_required(['config', 'sweep', 'workdir'])
 
 
 def _check_target_flags() -> None:
-  from train.errors import UsageError  # pylint: disable=g-import-not-at-top
   required = {'tpu': (('--tpu', _TPU), ('--zone', _ZONE)),
               'xpk': (('--xpk_cluster', _XPK_CLUSTER),
                       ('--xpk_tpu_type', _XPK_TPU_TYPE))}
@@ -100,7 +102,6 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _latest_checkpoint(workdir: str) -> int | None:
-  from train import disk_space  # pylint: disable=g-import-not-at-top
   steps = disk_space.completed_steps(os.path.join(workdir, 'checkpoints'))
   return steps[-1] if steps else None
 
@@ -112,7 +113,6 @@ def run_local(runs: list[sweep_plan.Run], root: str, parallel: int) -> int:
   earlier launch of this sweep) waits until it is free, then is skipped if
   that process finished it, else resumed.
   """
-  from train import workdir_lock  # pylint: disable=g-import-not-at-top
   logs = os.path.join(root, 'logs')
   os.makedirs(logs, exist_ok=True)
   pending, waiting = list(runs), set()
@@ -181,7 +181,6 @@ def run_local(runs: list[sweep_plan.Run], root: str, parallel: int) -> int:
 
 def main(argv):
   del argv
-  from train.errors import UsageError  # pylint: disable=g-import-not-at-top
   local = _TARGET.value == 'local'
   root = os.path.abspath(_WORKDIR.value) if local else _WORKDIR.value
   try:

@@ -35,8 +35,19 @@ import statistics
 from absl import app
 from absl import flags
 from absl import logging
+import ml_collections
 
+from configs import digits
+from configs import tta
+from launch import entry
+from train import plots
 from train import stats
+from train.errors import UsageError
+from train.tta import adapt
+from train.tta import methods
+from train.tta import streams
+from train.vision import models
+from train.vision import trainer
 
 _WORKDIR = flags.DEFINE_string('workdir', 'workdirs/tta_study', 'Root dir.')
 _STUDY = flags.DEFINE_enum('study', 'table', ['table', 'rates', 'norm'],
@@ -81,12 +92,6 @@ TABLE_ROWS = [
 
 def check_flags() -> None:
   """UsageError naming the first bad flag, before anything is trained."""
-  # pylint: disable=g-import-not-at-top
-  from train.errors import UsageError
-  from train.tta import methods
-  from train.tta import streams
-  from train.vision import models
-  # pylint: enable=g-import-not-at-top
 
   def values(flag):
     items = flag.value if isinstance(flag.value, list) else [flag.value]
@@ -133,8 +138,6 @@ def _source_dir(seed: int, norm: str = 'batch') -> str:
 
 
 def _source(seed: int, norm: str = 'batch') -> str:
-  from configs import digits  # pylint: disable=g-import-not-at-top
-  from train.vision import trainer  # pylint: disable=g-import-not-at-top
   workdir = _source_dir(seed, norm)
   config = digits.get_config(_SOURCE_ARG.value + (
       '' if norm == 'batch' else f',norm={norm}'))
@@ -149,8 +152,6 @@ def _source(seed: int, norm: str = 'batch') -> str:
 def _adapt(seed: int, method: str, schedule: str, protocol: str,
            severity: int, rate: float | None = None, norm: str = 'batch',
            batch_size: int | None = None, order: str = 'shuffled') -> dict:
-  from configs import tta  # pylint: disable=g-import-not-at-top
-  from train.tta import adapt  # pylint: disable=g-import-not-at-top
   config = tta.get_config(f'method={method},schedule={schedule},'
                           f'protocol={protocol}')
   config.seed = seed
@@ -266,12 +267,11 @@ def norm() -> tuple[str, dict]:
 
 
 def _plot_rates(grid, summary) -> None:
-  from train import plots  # pylint: disable=g-import-not-at-top
   plt = plots.pyplot()
-  methods = _METHODS.value
-  fig, axes = plt.subplots(1, len(methods), figsize=(4.5 * len(methods), 3.8),
+  names = _METHODS.value
+  fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 3.8),
                            sharey=True)
-  for ax, method in zip(list(axes) if len(methods) > 1 else [axes], methods):
+  for ax, method in zip(list(axes) if len(names) > 1 else [axes], names):
     for schedule, style in (('fixed', 'o-'), ('conga', 's-')):
       ax.plot(grid, summary[f'{method}|{schedule}']['means'], style,
               label=schedule)
@@ -280,15 +280,13 @@ def _plot_rates(grid, summary) -> None:
     ax.set_title(f'{method}, {_PROTOCOL.value}, severity 5')
     ax.grid(alpha=0.3)
     ax.legend()
-  axes_list = list(axes) if len(methods) > 1 else [axes]
+  axes_list = list(axes) if len(names) > 1 else [axes]
   axes_list[0].set_ylabel(f'error % (mean of {_SEEDS.value} seeds)')
   plots.save_png(fig, os.path.join(_WORKDIR.value, 'rates.png'))
 
 
 def main(argv):
   del argv
-  from launch import entry  # pylint: disable=g-import-not-at-top
-  import ml_collections  # pylint: disable=g-import-not-at-top
   entry.quiet_libraries()
 
   def job():
