@@ -434,9 +434,7 @@ def _train(config, run: resumable.Run) -> dict[str, Any]:
         learner.log(learner.train_batch(k))
         run.end_step(learner.version, learner.checkpoint)
   finally:
-    learner.halt.set()
-    learner.actors.stop()
-    learner.actors.join(config.runtime.shutdown_timeout)
+    learner.stop(config.runtime.shutdown_timeout)
   results = _results(config, learner.counters, learner.curve, learner.wall())
   if learner.scheduler.diagnostics():
     results['gas'] = learner.scheduler.diagnostics()
@@ -493,6 +491,12 @@ class _Learner:
     """Starts the actors; the first step's time counts from here."""
     self.actors.start()
     self.published = time.perf_counter()
+
+  def stop(self, timeout: float) -> None:
+    """Stops the scheduler's waits and the actors; waits `timeout` s."""
+    self.halt.set()
+    self.actors.stop()
+    self.actors.join(timeout)
 
   def generate(self, k: int, v: int, params_v) -> Item:
     difficulty, problems = batch_problems(
