@@ -124,7 +124,8 @@ def _parity_method(base, cfg):
 
   def init(params):
     return {'base': base.init(params), 'calls': jnp.zeros((), jnp.int32),
-            'grad_error': jnp.zeros((), jnp.float32)}
+            'grad_error': jnp.zeros((), jnp.float32),
+            'grad_norm': jnp.zeros((), jnp.float32)}
 
   def update(grads, state, params, *, grad_fn, parity):
     updates, base_state = base.update(grads, state['base'], params)
@@ -133,7 +134,7 @@ def _parity_method(base, cfg):
     if parity == 'odd':
       updates = jax.tree.map(jnp.zeros_like, updates)
     return updates, {'base': base_state, 'calls': state['calls'] + 1,
-                     'grad_error': error}
+                     'grad_error': error, 'grad_norm': optax.tree.norm(grads)}
 
   hooks = method_hooks.MethodHooks(
       name='parity', update_arguments=('grad_fn',),
@@ -141,7 +142,8 @@ def _parity_method(base, cfg):
           'parity', ('even', 'odd'),
           lambda step, _: 'odd' if step % 2 else 'even'),
       diagnostics=lambda s: {'calls': s['calls'],
-                             'grad_error': s['grad_error']},
+                             'grad_error': s['grad_error'],
+                             'grad_norm': s['grad_norm']},
       console=('calls',))
   return optax.GradientTransformationExtraArgs(init, update), hooks, None
 
@@ -172,8 +174,13 @@ def test_a_new_method_plugs_in_through_its_hooks_alone(digits_config,
         jax.tree.leaves(after), jax.tree.leaves(before)))
     assert (moved == 0) == (step % 2 == 1), (step, moved)
     assert int(metrics['opt/calls']) == step + 1
-    # grad_fn is the loss gradient: at the same weights it gives g back.
-    assert float(metrics['opt/grad_error']) < 1e-5
+    # grad_fn is the loss gradient: at the same weights it gives g back, to
+    # float32 rounding (the step's gradient and grad_fn's are separate
+    # computations that XLA may fuse and reassociate differently: 3.7e-4
+    # at |g| of 2-6 on one AVX-512 host, 0 on others). Another batch or
+    # other weights give an error of the order of |g|.
+    assert (float(metrics['opt/grad_error'])
+            < 1e-3 * float(metrics['opt/grad_norm']))
 
   # And the whole run: the loop logs its diagnostics, nothing else changes.
   final = loop.train_and_evaluate(
