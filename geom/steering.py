@@ -25,15 +25,9 @@ gate (`gate=True`): x' = x + t * coefficient * mu with t from the gate, so
 that the gate and the geometry can be ablated separately (gate on/off x
 rotation/addition). By default the rotation is gated and addition is not.
 
-Everything is computed in float32 and cast back to the input dtype;
-tokens outside `mask` and tokens the gate leaves alone come back bit for
-bit. The angle is atan2(|x_hat - c mu|, c), accurate at both ends, and
-the rotation is the exact slerp at every angle, theta = 0 included. u is
-projected off mu twice: near theta = pi one projection leaves rounding
-noise along mu that tilts the plane. Within float32 rounding of theta = pi
-(x = -|x| mu) x does not define the plane, and a fixed unit vector
-orthogonal to mu is used (any choice gives a valid geodesic; a fixed one
-keeps the result deterministic). See `slerp_rotate` for the accuracy.
+Computed in float32 and cast back to the input dtype; tokens outside `mask`
+and tokens the gate leaves alone come back bit for bit. How the rotation
+stays exact from theta = 0 to theta = pi: docs/steering.md.
 
 Which parts are the reference's: the rotation, the vMF gate with kappa,
 alpha, beta. Ours: the gate on addition (for the ablation), the

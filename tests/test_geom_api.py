@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
@@ -95,8 +96,8 @@ def test_package_exports_the_method_modules_and_their_classes():
   assert issubclass(geom.ArgumentError, ValueError)
 
 
-@pytest.mark.parametrize('module', (geom, curvature, gas, method_hooks,
-                                    validation),
+@pytest.mark.parametrize('module', (geom, curvature, gas, hallucination,
+                                    method_hooks, validation),
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
   result = doctest.testmod(module, verbose=False)
@@ -133,7 +134,6 @@ def test_argument_errors_carry_the_argument(make, owner, argument, value):
 
 
 def test_traced_values_are_not_checked():
-  import jax  # pylint: disable=g-import-not-at-top
   calls = []
 
   @jax.jit

@@ -1,103 +1,37 @@
 """A Pallas kernel pair for SAM's perturbation: w + rho g / |g| (and ASAM's).
 
-Two passes over the parameters, as in apex's multi-tensor L2-norm-and-scale:
+`sam_perturb(params, grads, rho)` returns w + rho g / (|g| + eps) and the
+global norm |g| (ASAM, `adaptive=True`: w + rho T^2 g / (|T g| + eps),
+T = |w| + eta) in two passes over the parameters, as apex's multi-tensor
+L2-norm-and-scale does:
 
-1. The norm pass: per block of rows (`BlockSizes.block_rows` rows of 128
-   lanes, or as many elements of a wider buffer), for each lane the
-   largest magnitude m and the sum of (x / m)^2, in
-   float32 whatever the input dtype (x = g, or T g with T = |w| + eta for
-   ASAM). Rows past the end of a ragged last block are masked. Combining
-   the per-lane results of all blocks as M sqrt(sum s (m / M)^2),
-   M = max m, cannot overflow or underflow where a plain sum of squares
-   would (|g| near 1e20 or 1e-25 in float32).
-2. The update pass: w' = w + scale * g (ASAM: + scale * T^2 g) with
-   scale = rho / (norm + eps), computed in float32 and cast to w's dtype.
+1. norm: per block of rows, each lane's largest magnitude and scaled sum
+   of squares, in float32 whatever the dtype, combined without overflow
+   or underflow (|g| = 1e20 or 1e-25 in float32);
+2. update: w' = w + scale * g, scale = rho / (norm + eps) in float32, cast
+   to w's dtype.
 
-Layout. Every buffer is (rows, width), width a multiple of 128: 128
-lanes is the TPU vector width and a whole number of 128-byte GPU memory
-transactions, and a block of whole rows is a tile both backends accept.
-A leaf of at least `BlockSizes.pack_below` elements whose size is a
-multiple of 128 is its own buffer: on GPU (rows, 128), a reshape, free
-in GPU memory; on TPU (rows, its last dimension) where that dimension is
-a multiple of 128 and the view moves no data in TPU's tiled HBM layout
-(`_tpu_width`), else (rows, 128), which on TPU is a relayout copy of w
-and g and of w' back (compiled for one v5e, a 62500 x 1024 float32 leaf
-moves 40 bytes of HBM traffic per parameter viewed as rows of 128, 16
-with its own 1024 lanes; XLA's fusion of `sam_perturb_reference` moves
-20). Every other leaf is packed with the others of its dtype pair into
-one zero-padded (rows, 128) buffer (one copy, and one launch per pass
-for any number of small leaves). The zeros add nothing to the norm and
-their update is dropped. The per-block results are written as (1, width)
-vectors, not scalars (TPU cannot store scalars to vector memory), and
-combined in jnp.
+Large leaves are their own (rows, 128 n) buffers; small ones are packed, per
+dtype pair, into one. Each pass has a TPU body (Mosaic) and a GPU body
+(Triton), chosen where the call is lowered; on CPU the TPU bodies run in
+Pallas's interpreter (`interpret`). `BlockSizes` holds the tile sizes and
+`BlockSizes.for_target` each backend's defaults. The norm is always the
+global one, and each device works on its own shards: under `jax.jit` the
+SPMD partitioner splits the call (GPU, CPU; on a split TPU program it is
+XLA's fusion of the same arithmetic), and `shardings=` runs the kernels
+in a `shard_map`. The kernels are not differentiable (SAM never
+differentiates through its ascent point). `sam_perturb_reference` is the
+same computation in plain jnp.
 
-Backends. Each pass has two bodies, chosen where the call is lowered
-(`jax.lax.platform_dependent`), so one jitted or exported function
-carries the right kernel for the platform it runs on:
-- TPU (Mosaic): blocks of `block_rows` rows, a multiple of the sublane
-  tiling (8 rows for 32-bit, 16 for 16-bit dtypes) or the whole buffer;
-  the grid axis is 'parallel' (megacore chips split it); eta and the
-  scale are read from scalar memory. Rows read past a ragged last block
-  are masked before the reduction; writes there are dropped by Pallas.
-- GPU (Triton, through `pallas.triton.CompilerParams`): power-of-two
-  blocks, masked loads and stores. Our choice over Pallas's default GPU
-  lowering in jax 0.10.2, Mosaic GPU, whose `pallas_call` path is
-  deprecated there ("migrate to plgpu.kernel") and, lowered from this
-  repository's CPU host, refuses these kernels: "No support for axes
-  yet" for the per-lane reductions, copies of at most 256 elements per
-  dimension, and a 64K-element float32 block over its shared memory
-  (measured with jax 0.10.2). Passing Triton's compiler parameters also makes
-  the choice independent of the `jax_pallas_use_mosaic_gpu` flag.
-- CPU: the TPU bodies in Pallas's interpreter (`interpret=None` or
-  True); `target='gpu'` with `interpret=True` interprets the Triton
-  bodies, so tests check both bodies' arithmetic on CPU.
-Lowering enforces block shape, alignment and memory-space rules, and
-`tests/test_kernels_sam_perturb_lowering.py` lowers every pass for 'cuda'
-and 'tpu' (v5e, v6e, v5p) from a CPU host with `jax.export`.
-`tests/test_kernels_sam_perturb_compile.py` compiles them, without the
-hardware (`train.targets`), for TPU v4, v5e, v5p and v6e (Mosaic, VMEM
-allocation included) and H100 and H200 (Triton to PTX and a cubin), one
-chip and sharded over several. What compiling showed: VMEM is the limit
-lowering cannot see (with the 16 MiB guard below lifted, 16384-row
-float32 blocks compile on v5e and v6e but not on v4 and v5p, and a
-single 16384-row update needs 24 MiB of the 16 MiB scoped VMEM); the
-relayout above; XLA keeps small working sets in on-chip memory (VMEM,
-v4's CMEM), which the kernels, streaming from HBM, do not; and on TPU
-the traffic against XLA's own fusion depends on the model (BENCHMARKS.md,
-"estimated from the compiler"). Registers, occupancy and speed are only
-known on the hardware: the GPU defaults in `BlockSizes.for_target` are a
-first choice, untuned until `bench.sam_perturb` runs on a GPU.
+Layout, lowering, sharding and what compiling for TPU v4/v5e/v5p/v6e and
+H100/H200 showed: docs/sam_perturb.md.
 
-Sharding. The norm is always the global one, and each device runs the
-kernels on its own shards; nothing parameter-sized is gathered:
-- under `jax.jit` over several devices (any NamedShardings of the leaves:
-  replicated, FSDP, tensor-parallel, mixed per leaf), on GPU and CPU, the
-  call is one `custom_partitioning` op: the SPMD partitioner (Shardy's
-  rule: w, g and w' of a leaf share their dimensions) hands each device
-  its shards, packing groups the leaves split over the same mesh axes,
-  and the per-lane (max, scaled sum of squares) statistics combine as a
-  max over the whole mesh and sums over exactly the axes each group is
-  split over (a leaf replicated over an axis counts once). A dimension
-  the mesh axes do not divide evenly is taken whole.
-- on TPU, Mosaic kernels cannot be partitioned automatically and libtpu
-  (0.0.42, jax 0.10.2) has no handler for `custom_partitioning`
-  ("Custom emitter for CustomSPMDPartitioning not found", jax-ml/jax
-  issue 38196). There the call lowers, where the partitioner splits it,
-  to XLA's own fusion of the same float32 arithmetic
-  (`sam_perturb_reference`), which partitions without gathers; where
-  nothing is split (one chip, or inside a `shard_map` over every mesh
-  axis) the Mosaic kernels run.
-- `shardings=` (NamedShardings of the leaves, as the caller places them)
-  runs the kernels in a `shard_map` over that mesh, each device on its
-  shards, with the same combination: the route that runs Mosaic kernels
-  sharded on a TPU slice, and on any backend.
-Inside a `shard_map` over every mesh axis each device gets its own norm
-(what m-sharpness wants); inside one that leaves axes automatic (as
-`train.steps` does for m-sharpness over the data axis), each device of
-the manual axes gets its own norm over the leaves whole along the
-automatic axes. The kernels are not differentiable: SAM never
-differentiates through its perturbation, and `jax.grad` through
-`sam_perturb` raises a clear error instead of failing to linearize.
+References:
+  Foret et al., Sharpness-Aware Minimization for Efficiently Improving
+  Generalization, ICLR 2021 (https://arxiv.org/abs/2010.01412).
+  Kwon et al., ASAM: Adaptive Sharpness-Aware Minimization for
+  Scale-Invariant Learning of Deep Neural Networks, ICML 2021
+  (https://arxiv.org/abs/2102.11600).
 """
 
 import dataclasses
@@ -757,9 +691,10 @@ def sam_perturb(params: Params, grads: Params, rho: float | jax.Array, *,
     interpret: run in Pallas's interpreter; None: on CPU only.
     shardings: None, or NamedShardings (one for all leaves, or a tree like
       `params`) of the leaves over one mesh: the kernels then run in a
-      `shard_map` over it, each device on its shards (see the module
-      docstring). Without it, under `jax.jit` the SPMD partitioner splits
-      the call (GPU, CPU) or XLA's fusion runs where it splits it (TPU).
+      `shard_map` over it, each device on its shards
+      (docs/sam_perturb.md). Without it, under `jax.jit` the SPMD
+      partitioner splits the call (GPU, CPU) or XLA's fusion runs where it
+      splits it (TPU).
 
   Returns:
     (the perturbed params, the global norm |g| or |T g| in float32).
