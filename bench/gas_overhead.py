@@ -26,7 +26,21 @@ import time
 
 from absl import app
 from absl import flags
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
+
+from bench import report
+from bench import rl_setup
+from configs import rl
+from train.rl import learner
+from train.rl import rollout
+from train.rl import run
+from train.rl import runtime
+from train.rl import scheduler
+from train.rl import sft
+from train.rl import tasks
 
 _SFT = flags.DEFINE_string('sft_workdir', 'workdirs/rl_sft',
                            'The warm start (trained if absent).')
@@ -39,14 +53,6 @@ SECTION = 'gas_overhead'
 
 def _learner(config):
   """A jitted learner step on one real batch: () -> seconds."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from train.rl import learner  # pylint: disable=g-import-not-at-top
-  from train.rl import rollout  # pylint: disable=g-import-not-at-top
-  from train.rl import run  # pylint: disable=g-import-not-at-top
-  from train.rl import runtime  # pylint: disable=g-import-not-at-top
-  from train.rl import sft  # pylint: disable=g-import-not-at-top
-  from train.rl import tasks  # pylint: disable=g-import-not-at-top
   _, model, params = sft.load_policy(config.sft_workdir)
   rollout_mesh, learner_mesh = runtime.split_devices(config.rollout_devices)
   repl = NamedSharding(learner_mesh, P())
@@ -92,12 +98,7 @@ def _scheduler_steps(config, count: int, start: int, sched) -> list[float]:
 
 def main(argv):
   del argv
-  from bench import report  # pylint: disable=g-import-not-at-top
-  from bench import rl_setup  # pylint: disable=g-import-not-at-top
   rl_setup.prepare(_SFT.value)
-  import jax  # pylint: disable=g-import-not-at-top
-  from configs import rl  # pylint: disable=g-import-not-at-top
-  from train.rl import scheduler  # pylint: disable=g-import-not-at-top
   config = rl.get_config('gas=full,staleness=4')
   config.sft_workdir = _SFT.value
   step, model, params, batch = _learner(config)

@@ -27,6 +27,19 @@ import time
 
 from absl import app
 from absl import flags
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import optax
+
+from bench import report
+from configs import digits
+from configs import lm
+from geom import curvature
+from train import host_devices
+from train import sharding
+from train.lm import decoder
+from train.vision import models
 
 _STEPS = flags.DEFINE_integer('steps', 20, 'Calls per timed run.')
 _REPEATS = flags.DEFINE_integer('repeats', 5, 'Alternating repeats.')
@@ -37,15 +50,6 @@ SECTION = 'hvp_cost'
 
 def problems():
   """name -> (loss(params, batch), params, batch, description)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-
-  from configs import digits  # pylint: disable=g-import-not-at-top
-  from configs import lm  # pylint: disable=g-import-not-at-top
-  from train.lm import decoder  # pylint: disable=g-import-not-at-top
-  from train.vision import models  # pylint: disable=g-import-not-at-top
-
   key = jax.random.key(0)
   lm_config = lm.get_config()
   model = decoder.DecoderLM(**lm_config.model)
@@ -71,7 +75,6 @@ def problems():
                           train=True, mutable=['batch_stats'])
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-  del jnp
   return {
       'lm': (lm_loss, lm_params, tokens,
              f'decoder LM (configs/lm.py), batch {lm_config.batch_size} x '
@@ -84,15 +87,7 @@ def problems():
 
 def main(argv):
   del argv
-  from train import host_devices  # pylint: disable=g-import-not-at-top
   host_devices.configure_cpu_devices(8)
-  import jax  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-
-  from bench import report  # pylint: disable=g-import-not-at-top
-  from geom import curvature  # pylint: disable=g-import-not-at-top
-  from train import sharding  # pylint: disable=g-import-not-at-top
 
   mesh = sharding.make_mesh((-1,), ('data',))
   data = NamedSharding(mesh, P('data'))

@@ -21,6 +21,12 @@ import tempfile
 
 from absl import app
 from absl import flags
+import jax
+
+from bench import report
+from bench import rl_setup
+from configs import rl
+from train.rl import run
 
 _SFT = flags.DEFINE_string('sft_workdir', 'workdirs/rl_sft',
                            'The warm start (trained if absent).')
@@ -33,8 +39,6 @@ SECTION = 'rl_throughput'
 
 
 def _run(bound: int, root: str, repeat: int) -> dict:
-  from configs import rl  # pylint: disable=g-import-not-at-top
-  from train.rl import run  # pylint: disable=g-import-not-at-top
   config = rl.get_config(f'staleness={bound}')
   config.sft_workdir = _SFT.value
   config.num_versions = _VERSIONS.value
@@ -47,10 +51,7 @@ def _run(bound: int, root: str, repeat: int) -> dict:
 
 def main(argv):
   del argv
-  from bench import report  # pylint: disable=g-import-not-at-top
-  from bench import rl_setup  # pylint: disable=g-import-not-at-top
   rl_setup.prepare(_SFT.value)
-  import jax  # pylint: disable=g-import-not-at-top
   bounds = [int(b) for b in _BOUNDS.value]
   rates = {b: [] for b in [0] + bounds}
   busy = {b: [] for b in [0] + bounds}

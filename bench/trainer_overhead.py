@@ -36,6 +36,14 @@ import jax
 import optax
 
 from bench import report
+from configs import digits
+from train import aot
+from train import host_devices
+from train import input_pipeline
+from train import loop
+from train import resumable
+from train.vision import datasets
+from train.vision import experiment
 
 _STEPS = flags.DEFINE_integer('steps', 300, 'Steps per timed run.')
 _REPEATS = flags.DEFINE_integer('repeats', 9, 'Alternating repeats.')
@@ -47,7 +55,6 @@ SECTION = 'trainer_overhead'
 
 def device_batches(exp, train_data, steps: int) -> list[dict[str, jax.Array]]:
   """The trainer's first `steps` batches, placed on the devices up front."""
-  from train import input_pipeline  # pylint: disable=g-import-not-at-top
   batches = input_pipeline.TrainBatches(train_data, exp.config.batch_size,
                                         exp.config.seed)
   placed = [input_pipeline.to_global(b, exp.batch_sharding)
@@ -90,7 +97,6 @@ def minimal_loop(exp, batches: list[dict[str, jax.Array]]) -> float:
 
 def step_loop(exp, compiled, train_data, steps: int) -> float:
   """Seconds for the trainer's compiled step alone, batches pre-placed."""
-  from train import input_pipeline  # pylint: disable=g-import-not-at-top
   warm = exp.config.log_every
   batches = input_pipeline.TrainBatches(train_data, exp.config.batch_size,
                                         exp.config.seed)
@@ -110,9 +116,6 @@ def step_loop(exp, compiled, train_data, steps: int) -> float:
 
 def trainer_loop(exp, compiled, train_data, val_data, steps: int) -> float:
   """Seconds for `steps` updates of the trainer's own loop (after warm-up)."""
-  # pylint: disable=g-import-not-at-top
-  from train import loop
-  from train import resumable
   config = exp.config.copy_and_resolve_references()
   config.checkpoint_every = 10**9
   with tempfile.TemporaryDirectory() as workdir:
@@ -136,7 +139,6 @@ def trainer_loop(exp, compiled, train_data, val_data, steps: int) -> float:
 
 def measure(exp, train_data, val_data, steps: int, repeats: int):
   """Alternates minimal loop and trainer; returns per-repeat seconds of each."""
-  from train import aot  # pylint: disable=g-import-not-at-top
   compiled = aot.compile_steps(exp, train_data)
   # The same batches the trainer will draw (its warm-up takes log_every
   # steps first, so offset them): identical compute, no loading cost.
@@ -152,13 +154,8 @@ def measure(exp, train_data, val_data, steps: int, repeats: int):
 
 def main(argv):
   del argv
-  from configs import digits  # pylint: disable=g-import-not-at-top
-  from train import host_devices  # pylint: disable=g-import-not-at-top
   config = digits.get_config(_CONFIG_ARG.value or None)
   host_devices.configure_cpu_devices(config.cpu_devices)
-  # pylint: disable=g-import-not-at-top
-  from train.vision import datasets
-  from train.vision import experiment
   config.unlock()
   config.eval_every = 10**9
   train_data, val_data = (datasets.load_split(config.dataset, s,

@@ -26,6 +26,24 @@ import time
 
 from absl import app
 from absl import flags
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+
+from bench import report
+from configs import digits
+from configs import tta
+from geom import conga
+from train import host_devices
+from train import metrics
+from train.tta import adapt
+from train.tta import data as tta_data
+from train.tta import methods
+from train.tta import source as source_lib
+from train.tta import streams
+from train.vision import models
+from train.vision import trainer
 
 _STEPS = flags.DEFINE_integer('steps', 50, 'Steps per timed run (1).')
 _REPEATS = flags.DEFINE_integer('repeats', 5, 'Alternating repeats.')
@@ -35,14 +53,6 @@ SECTION = 'tta_overhead'
 
 
 def _step_ratio(steps: int, repeats: int) -> list[float]:
-  # pylint: disable=g-import-not-at-top
-  import flax.linen as nn
-  import jax
-  import numpy as np
-  import optax
-  from geom import conga
-  from train.tta import methods
-  from train.vision import models
   model = models.CNN(num_classes=10)
   images = np.random.default_rng(0).integers(0, 256, (64, 28, 28, 1)
                                              ).astype(np.uint8)
@@ -74,17 +84,6 @@ def _step_ratio(steps: int, repeats: int) -> list[float]:
 
 
 def _loop_ratio(repeats: int) -> tuple[list[float], float]:
-  # pylint: disable=g-import-not-at-top
-  import jax
-  from configs import digits
-  from configs import tta
-  from train.tta import adapt
-  from train.tta import data as tta_data
-  from train.tta import methods
-  from train.tta import source as source_lib
-  from train.tta import streams
-  from train.vision import trainer
-  from train import metrics
   root = tempfile.mkdtemp(prefix='tta_bench_')
   source_dir = os.path.join(root, 'source')
   trainer.train_and_evaluate(digits.get_config('runlocal,dataset=mnist5k'),
@@ -124,10 +123,7 @@ def _loop_ratio(repeats: int) -> tuple[list[float], float]:
 
 def main(argv):
   del argv
-  from bench import report  # pylint: disable=g-import-not-at-top
-  from train import host_devices  # pylint: disable=g-import-not-at-top
   host_devices.configure_cpu_devices(8)  # The source run's mesh.
-  import jax  # pylint: disable=g-import-not-at-top
   step_ratios = _step_ratio(_STEPS.value, _REPEATS.value)
   loop_ratios, loop_rate = _loop_ratio(max(3, _REPEATS.value // 2))
   lines = [

@@ -50,6 +50,8 @@ from absl import logging
 
 from launch import entry
 from launch import trainers
+from train.errors import UsageError
+from train.vision import datasets
 
 METHODS = ('sgd', 'sam', 'sam_warmstart', 'asam')
 EXPERIMENTS = ('digits', 'lm')
@@ -82,7 +84,6 @@ _NUM_STEPS = flags.DEFINE_integer(
 
 def check_flags() -> None:
   """UsageError naming the flag, before anything is trained."""
-  from train.errors import UsageError  # pylint: disable=g-import-not-at-top
   if _EXPERIMENT.value not in EXPERIMENTS:
     raise UsageError('--experiment', _EXPERIMENT.value, 'unknown experiment',
                      EXPERIMENTS)
@@ -157,7 +158,6 @@ def num_classes(config) -> int:
   """K of the stall criterion: classes, or the LM's vocabulary."""
   if config.get('task', 'classification') == 'lm':
     return config.model.vocab_size
-  from train.vision import datasets  # pylint: disable=g-import-not-at-top
   return datasets.get_spec(config.dataset).num_classes
 
 

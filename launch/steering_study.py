@@ -40,6 +40,7 @@ from absl import logging
 from configs import lm
 from configs import steering
 from launch import entry
+from train import experiment
 from train.errors import RunError
 from train.errors import UsageError
 from train.steering import evaluation
@@ -183,7 +184,6 @@ def main(argv):
 
   def job():
     settings = check_flags()
-    from train import experiment  # pylint: disable=g-import-not-at-top
     experiment.check_workdir(_WORKDIR.value)
     entry.configure_devices(eval_config(0, settings['item_seeds']))
     # pylint: disable=g-import-not-at-top

@@ -40,8 +40,10 @@ import ml_collections
 from configs import digits
 from configs import tta
 from launch import entry
+from train import experiment
 from train import plots
 from train import stats
+from train import workdir_lock
 from train.errors import UsageError
 from train.tta import adapt
 from train.tta import methods
@@ -292,8 +294,6 @@ def main(argv):
   def job():
     check_flags()
     entry.configure_devices(ml_collections.ConfigDict({'cpu_devices': 8}))
-    from train import experiment  # pylint: disable=g-import-not-at-top
-    from train import workdir_lock  # pylint: disable=g-import-not-at-top
     root = experiment.check_workdir(_WORKDIR.value)
     # One study per workdir (its runs below lock their own directories).
     with workdir_lock.hold(root):

@@ -28,9 +28,11 @@ import numpy as np
 import pytest
 
 from launch import compile_jobs
+from train import aot
 from train import compile_report
 from train import targets
 from train.errors import UsageError
+from train.lm import trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -156,7 +158,6 @@ def test_rl_compiles_learner_and_rollout_on_their_own_meshes(compiled_jobs):
 
 
 def _abstract_lm(target, overrides=None):
-  from train.lm import trainer  # pylint: disable=g-import-not-at-top
   config = _config('configs/lm.py:size=1b,runlocal', overrides)
   devices = targets.devices(targets.parse(target))
   return trainer.build(config, '/tmp/geom_compile_test', devices=devices,
@@ -168,7 +169,6 @@ def test_compiled_arguments_are_the_shards_the_rules_make():
   # one device's shards of the state and batch, computed here from the
   # config's rules alone: 'embed' over 'data' (2), heads, MLP and
   # vocabulary over 'model' (2).
-  from train import aot  # pylint: disable=g-import-not-at-top
   exp = _abstract_lm('h100:1x1x4')
   program = aot.train_programs(exp)[None]
   compiled = program.lower().compile()
@@ -214,7 +214,6 @@ def test_argument_bytes_count_prng_keys_by_their_key_data():
 
 def test_a_program_that_does_not_compile_is_a_row_naming_the_error():
   # A key among the arguments (as GRPO's rollout has) must not stop the row.
-  from train import aot  # pylint: disable=g-import-not-at-top
   mesh = Mesh(np.array(jax.devices()[:2]), ('data',))
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
                              sharding=NamedSharding(mesh, P()))
@@ -258,7 +257,6 @@ def test_a_kernel_block_over_vmem_fails_the_compile_naming_the_step(
 
 
 def test_multi_slice_puts_the_data_axis_over_the_slices():
-  from train.lm import trainer  # pylint: disable=g-import-not-at-top
   config = _config('configs/lm.py:size=1b,runlocal', {'mesh.shape': (4, 2)})
   devices = targets.devices(targets.parse('v5e:2x2'), num_slices=2)
   exp = trainer.build(config, '/tmp/geom_compile_test', devices=devices,

@@ -9,6 +9,8 @@ from ml_collections import config_flags
 import pytest
 
 from tests.conftest import REPO_ROOT
+from train import resume_check
+from train.tta import adapt
 
 CONFIG_MODULES = sorted(
     f[:-3] for f in os.listdir(os.path.join(REPO_ROOT, 'configs'))
@@ -88,7 +90,6 @@ def test_conga_settings_of_the_tta_config_are_flags():
   assert config.method.conga.margin == 0.3
   assert config.method.conga.max_learning_rate == 0.01
   assert config.method.conga.grad_decay is None  # geom's default.
-  from train.tta import adapt  # pylint: disable=g-import-not-at-top
   config = _parse([f'--config={path}:schedule=conga',
                    '--config.method.conga.margin=2.0',
                    '--config.source_workdir=/nonexistent'])
@@ -100,7 +101,6 @@ def test_conga_settings_of_the_tta_config_are_flags():
 def test_a_field_added_since_and_left_unset_is_not_a_config_change():
   # Runs saved before method.conga listed its fields (an empty block)
   # resume; a value set in either is a change.
-  from train import resume_check  # pylint: disable=g-import-not-at-top
   saved = {'method': {'conga': {}, 'name': 'tent'}}
   assert resume_check.changed_fields(
       saved, {'method': {'conga': {'margin': None}, 'name': 'tent'}}) == []

@@ -1,5 +1,8 @@
 """Data: the offline digits builder, deterministic resumable batches, host slicing, TFDS names."""
 
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 from sklearn.datasets import load_digits
@@ -121,8 +124,6 @@ def test_unknown_data_set_lists_the_choices():
 
 
 def test_device_batches_keep_order_and_sharding():
-  import jax  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   mesh = jax.make_mesh((8,), ('data',))
   sharding = NamedSharding(mesh, P('data'))
   it = _batches(batch=16)

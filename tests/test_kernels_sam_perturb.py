@@ -7,19 +7,20 @@ kernels lower for GPU and TPU is checked from CPU in
 test_kernels_sam_perturb_lowering.py.
 """
 
+import doctest
 import re
 
 import jax
 from jax.extend import core as jex
-from jax.sharding import NamedSharding, PartitionSpec as P
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import optax
 import pytest
 
-from train import hlo_traffic
 from geom import sam
 from geom.kernels import sam_perturb as k
+from train import hlo_traffic
 
 # Odd sizes: the packed buffer (541 rows) and the aligned leaf of 300 rows
 # of 128 (a buffer of its own) both end in a ragged block of 32 rows.
@@ -432,6 +433,5 @@ def test_a_gradient_of_another_shape_is_named():
 
 
 def test_docstring_example_runs():
-  import doctest  # pylint: disable=g-import-not-at-top
   result = doctest.testmod(k, verbose=False)
   assert result.attempted > 0 and result.failed == 0

@@ -2,7 +2,10 @@
 other classes, deterministic by its own seed; wired into the trainer's
 training split only; a bad rate is refused before anything runs."""
 
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -97,9 +100,6 @@ def test_the_sam_study_runs_under_label_noise_and_reports_the_detector(
   """`launch.sam_study` as a user runs it (a subprocess: the launchers'
   flags share names), one tiny SAM and one ASAM run (on its own radius)
   at 40% noise."""
-  import json  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run(
       [sys.executable, '-m', 'launch.sam_study', f'--workdir={tmp_path}',

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+from configs import digits
 from train.errors import ConfigError, UsageError
 from train.vision import corrupted_builder
 from train.vision import corruptions
@@ -66,7 +67,6 @@ def test_registered_by_name_next_to_digits_and_the_standard_mnist():
       10, (28, 28, 1), 255.0)
   assert spec.builder is mnist_builder.Mnist5k
   assert datasets.get_spec('mnist').builder is None  # TFDS's, from data_dir.
-  from configs import digits  # pylint: disable=g-import-not-at-top
   assert digits.get_config().dataset == 'digits'
 
 

@@ -13,17 +13,18 @@ import time
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from configs import rl as rl_config
 from configs import rl_sft as sft_config
 from geom import gas
 from launch import trainers
-from tests.conftest import REPO_ROOT
-from tests.conftest import SFT_POLICY_OVERRIDES
 from tests import config_edits
 from tests import full_disk
 from tests import launch_runs
+from tests.conftest import REPO_ROOT
+from tests.conftest import SFT_POLICY_OVERRIDES
 from train import checksums
 from train import errors
 from train.rl import learner
@@ -297,7 +298,6 @@ def test_bad_input_is_one_line_before_any_work(sft_workdir, tmp_path,
 
 def _saved_arrays(workdir):
   """{step: every array of that checkpoint's state}, read as stored."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   root = os.path.join(workdir, 'checkpoints')
   steps = sorted(int(d) for d in os.listdir(root) if d.isdigit())
   with ocp.PyTreeCheckpointer() as reader:

@@ -1,10 +1,11 @@
 """geom.sam against independent references: optax's SAM, hand-written ASAM and m-sharpness."""
 
+import doctest
 import functools
 
 import jax
-from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
@@ -463,7 +464,6 @@ def test_default_detector_omits_the_cosine():
 
 
 def test_docstring_example_runs():
-  import doctest  # pylint: disable=g-import-not-at-top
   result = doctest.testmod(sam, verbose=False)
   assert result.attempted > 0 and result.failed == 0
 

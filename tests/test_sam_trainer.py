@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 
+from configs import digits
 from configs import sam_block
 from geom import hallucination
 from geom import sam as sam_lib
@@ -77,7 +78,6 @@ def _one_step(config, workdir, batch_step=3):
 
 def test_batchnorm_statistics_come_from_the_clean_pass(digits_config,
                                                        tmp_path):
-  from configs import digits  # pylint: disable=g-import-not-at-top
   plain_cfg = digits.get_config('runlocal')
   _, plain, _ = _one_step(plain_cfg, str(tmp_path / 'a'))
   _, with_sam, _ = _one_step(_sam_config(digits_config, rho=0.5),
@@ -247,7 +247,6 @@ def test_warm_restart_runs_plain_steps_exactly_after_each_flag(tmp_path):
   # detector fires on every SAM step (|g+|/|g| stays far below 10, patience
   # 1) and each restart is 2 plain steps: update 0 is the warm-up, then SAM
   # at 1, 4 and 7, plain between.
-  from configs import digits  # pylint: disable=g-import-not-at-top
   logs = {}
   for response in ('warm_restart', 'flag'):
     config = _sam_config(digits.get_config('runlocal,model=mlp'), rho=0.5,
@@ -282,7 +281,6 @@ def test_warm_restart_runs_plain_steps_exactly_after_each_flag(tmp_path):
 ])
 def test_fused_perturbation_matches_the_unfused_step(digits_config, tmp_path,
                                                      m_sharpness):
-  from configs import digits  # pylint: disable=g-import-not-at-top
   states = {}
   for fused in (False, True):
     config = _sam_config(digits.get_config('runlocal'), rho=0.5,

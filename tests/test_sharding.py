@@ -6,6 +6,8 @@ import numpy as np
 import optax
 import pytest
 
+from configs import digits
+from train import aot
 from train import input_pipeline
 from train import sharding as sharding_lib
 from train.errors import ConfigError
@@ -15,7 +17,6 @@ from train.vision import experiment
 
 @pytest.fixture(scope='module')
 def exp_and_state(tmp_path_factory):
-  from configs import digits  # pylint: disable=g-import-not-at-top
   config = digits.get_config('runlocal')
   config.mesh.shape = (4, 2)
   exp = experiment.build(config, str(tmp_path_factory.mktemp('wd')))
@@ -75,7 +76,6 @@ def test_batch_is_split_over_data_and_replicated_over_model(exp_and_state):
 @pytest.mark.parametrize('data_on_device', [True, False])
 def test_train_step_keeps_the_shardings_and_both_data_paths_agree(
     exp_and_state, data_on_device):
-  from train import aot  # pylint: disable=g-import-not-at-top
   exp, _ = exp_and_state
   train_data = datasets.load_split('digits', 'train', None)
   exp.config.device_data_max_mb = 256 if data_on_device else 0
@@ -112,7 +112,6 @@ def test_mesh_shape_resolution_and_errors():
 
 
 def test_a_dimension_that_does_not_divide_is_reported(tmp_path):
-  from configs import digits  # pylint: disable=g-import-not-at-top
   config = digits.get_config('runlocal')
   config.mesh.shape = (1, 8)
   config.model.hidden = 36

@@ -7,6 +7,7 @@ import re
 import tracemalloc
 import zipfile
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,9 +15,11 @@ import pytest
 import scipy.special
 
 from geom import steering as st
+from train.lm import corpus as text_corpus
 from train.lm import decoder as decoder_lm
 from train.lm import generate as lm_generate
 from train.lm import hooks as steering_hooks
+from train.steering import evaluation as steering_eval
 from train.steering import vectors as steering_vectors
 
 MODEL = decoder_lm.DecoderLM(vocab_size=64, d_model=32, num_layers=3,
@@ -336,8 +339,6 @@ def test_save_refuses_a_direction_load_would_refuse(params, tmp_path):
 
 
 def test_multiple_choice_scores_equal_a_direct_computation(params):
-  from train.steering import evaluation as steering_eval  # pylint: disable=g-import-not-at-top
-  from train.lm import corpus as text_corpus  # pylint: disable=g-import-not-at-top
   model = decoder_lm.DecoderLM(vocab_size=256, d_model=32, num_layers=2,
                                num_heads=4, mlp_dim=64, max_len=256)
   p = jax.jit(model.init)(jax.random.key(5),
@@ -378,7 +379,6 @@ def test_multiple_choice_scores_equal_a_direct_computation(params):
 
 
 def test_hooks_steer_a_model_they_were_not_written_for():
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
   class Stack(nn.Module):
     """Flax's usual list-of-layers naming: layers_0, layers_1, ..."""
@@ -412,7 +412,6 @@ def test_generation_ce_under_the_unsteered_model_equals_a_direct_computation(
   """gen_ce: the unsteered model's cross-entropy of steered generations,
   against scoring each row alone, unpadded, token by token; steering
   changes the texts and so their CE."""
-  from train.steering import evaluation as steering_eval  # pylint: disable=g-import-not-at-top
   tokens, valid = _prompts()
   steer = _steering(alpha=0.9)
   out = steering_eval.generation_metrics(
@@ -446,7 +445,6 @@ class _VocabTokenizer:
 
 
 def test_results_table_has_one_ce_column_per_source_and_the_generations_last():
-  from train.steering import evaluation  # pylint: disable=g-import-not-at-top
   row = {'method': 'spherical_gate', 'alpha': 0.5, 'cloze_acc_sum': 0.5,
          'cloze_acc_mean': 0.25, 'kl': 0.3, 'trigger_rate': 0.6,
          'positive_share': 0.7, 'distinct_2': 0.4, 'repetition_3': 0.01,
@@ -456,7 +454,7 @@ def test_results_table_has_one_ce_column_per_source_and_the_generations_last():
                 f'{source}_norm_ratio_at': 1.0,
                 f'{source}_norm_ratio_next': 0.9,
                 f'{source}_norm_ratio_last': 0.8})
-  head, _, line = evaluation.markdown_table([row], ['cloze']).splitlines()
+  head, _, line = steering_eval.markdown_table([row], ['cloze']).splitlines()
   cols = [c.strip() for c in head.strip('|').split('|')]
   cells = [c.strip() for c in line.strip('|').split('|')]
   assert len(cols) == len(cells)

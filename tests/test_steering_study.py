@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from train.steering import study
+from train.steering import study_report
 
 METHODS = ('addition', 'addition_gate', 'spherical', 'spherical_gate')
 
@@ -164,7 +165,6 @@ def test_check_runs_refuses_unpaired_evaluations():
 
 
 def test_report_gain_over_unsteered_is_the_paired_difference_with_none():
-  from train.steering import study_report  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(7)
   sweeps = {m: [0.2, 0.4, 0.6] for m in METHODS}
   # The unsteered model never picks the positive choice; the gated rotation

@@ -16,6 +16,8 @@ from train.errors import ConfigError, UsageError
 from train.lm import corpus as text_corpus
 from train.lm import tokenizer as lm_tokenizer
 from train.lm import trainer as lm_trainer
+from train.steering import evaluation as steering_eval
+from train.steering import vectors as steering_vectors
 
 
 @pytest.fixture(scope='module')
@@ -183,8 +185,6 @@ def test_a_replaced_tokenizer_is_refused_in_one_line(sp_lm, sp_model,
 
 
 def test_a_steering_vector_of_another_tokenizer_is_refused(sp_lm, tmp_path):
-  from train.steering import evaluation as steering_eval  # pylint: disable=g-import-not-at-top
-  from train.steering import vectors as steering_vectors  # pylint: disable=g-import-not-at-top
   lm = lm_trainer.load_trained(sp_lm)
   direction = np.zeros(32, np.float32)
   direction[0] = 1.0

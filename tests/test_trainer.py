@@ -7,7 +7,9 @@ import os
 import jax
 import numpy as np
 import pytest
+import tensorflow_datasets as tfds
 
+from configs import digits
 from train import checkpointing
 from train import optim
 from train.errors import NonFiniteLossError
@@ -18,7 +20,6 @@ from train.vision import trainer
 
 @pytest.fixture(scope='module')
 def finished_run(digits_runlocal_run):
-  from configs import digits  # pylint: disable=g-import-not-at-top
   return (digits.get_config('runlocal'),) + tuple(digits_runlocal_run)
 
 
@@ -172,7 +173,6 @@ def test_nonfinite_skip_policy_keeps_the_last_finite_parameters(
 
 def test_standard_tfds_name_trains_end_to_end_under_mock_data(
     digits_config, tmp_path):
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   config = digits_config
   config.dataset = 'mnist'
   config.data_dir = str(tmp_path / 'tfds')

@@ -16,18 +16,23 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax
 import numpy as np
 import pytest
+import tensorstore as ts
 
+from configs import digits
 from launch import trainers
 from tests import config_edits
 from tests import launch_runs
 from train import checkpointing
 from train import disk_space
 from train import errors
+from train import metrics
+from train import preemption
 from train import resume_check
 from train import workdir_lock
 from train.vision import experiment
@@ -37,7 +42,6 @@ EXIT_USAGE, EXIT_NO_CHECKPOINT, EXIT_DISK_FULL, EXIT_BUSY = 2, 4, 5, 75
 
 
 def _config(**changes):
-  from configs import digits  # pylint: disable=g-import-not-at-top
   config = digits.get_config('runlocal')
   for key, value in changes.items():
     config[key] = value
@@ -93,9 +97,9 @@ def _error_line(result) -> str:
   """The run's one `error:` line (asserting there is exactly one, and no
   traceback)."""
   assert 'Traceback' not in result.stderr, result.stderr[-3000:]
-  errors = [l for l in result.stderr.splitlines() if l.startswith('error:')]
-  assert len(errors) == 1, result.stderr[-3000:]
-  return errors[0]
+  lines = [l for l in result.stderr.splitlines() if l.startswith('error:')]
+  assert len(lines) == 1, result.stderr[-3000:]
+  return lines[0]
 
 
 def _read_json(path):
@@ -257,7 +261,6 @@ def _flip_bit(path, rng):
 
 def _arrays(workdir, step):
   """The names of the arrays stored in a checkpoint (e.g. 'params.bn0.scale')."""
-  import tensorstore as ts  # pylint: disable=g-import-not-at-top
   store = ts.KvStore.open({'driver': 'ocdbt', 'base': {
       'driver': 'file',
       'path': os.path.join(workdir, 'checkpoints', str(step), 'state/')}}
@@ -269,7 +272,6 @@ def _arrays(workdir, step):
 def _flip_stored_bit(workdir, step, array, rng):
   """Flips one bit of one element of `array` through tensorstore: the
   storage's own checks (OCDBT's CRCs) pass; only the fingerprint can tell."""
-  import tensorstore as ts  # pylint: disable=g-import-not-at-top
   stored = ts.open({'driver': 'zarr', 'kvstore': {
       'driver': 'ocdbt', 'path': f'{array}/', 'base': {
           'driver': 'file',
@@ -439,7 +441,6 @@ def test_torn_metrics_and_final_metrics_are_repaired_on_resume(reference,
 
 
 def test_a_line_that_is_not_utf8_is_dropped_on_resume(tmp_path):
-  from train import metrics  # pylint: disable=g-import-not-at-top
   path = tmp_path / 'metrics.jsonl'
   path.write_bytes(b'{"step": 1, "loss": 0.5}\n'
                    b'{"step": 2, "loss": 0.\xff4}\n'  # A damaged block.
@@ -460,7 +461,6 @@ def _strict(text):
 
 
 def test_non_finite_metrics_are_written_as_null(tmp_path):
-  from train import metrics  # pylint: disable=g-import-not-at-top
   path = str(tmp_path / 'final.json')
   metrics.write_json_atomic(path, {'step': 3, 'test_loss': float('nan'),
                                    'val_loss': float('inf'), 'ok': 0.5})
@@ -642,8 +642,6 @@ def test_after_a_stop_signal_a_second_signal_does_not_cut_the_save_short(
     monkeypatch):
   # Ctrl-C reaches a sweep and its runs; the sweep then terminates them
   # while they save. The second signal must not raise in the saving run.
-  from train import errors, preemption  # pylint: disable=g-import-not-at-top
-  import threading  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(preemption, '_STOPPING', threading.Event())
   monkeypatch.setattr(preemption, '_PENDING', [])
   with preemption.raise_on_signals():
@@ -668,7 +666,6 @@ def test_a_stop_between_log_lines_resumes_to_the_same_log(reference,
   # Stopped at step 25 (logs every 10, checkpoints every 20): the interval
   # 21..30 straddles the stop, and its logged means must still equal an
   # uninterrupted run's, as must every other line and the parameters.
-  from train import errors, preemption  # pylint: disable=g-import-not-at-top
   workdir = str(tmp_path)
   monkeypatch.setattr(preemption.StopFlag, 'requested',
                       lambda self, step: step == 25)
