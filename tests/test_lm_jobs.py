@@ -98,6 +98,22 @@ def test_steering_evaluation_writes_table_plot_and_vector(lm_workdir,
   assert again[0]['cloze_correct_mean'] == gated['cloze_correct_mean'][:1]
 
 
+@pytest.mark.parametrize('changes,message', [
+    ({'optimizer.sam.enabled': True, 'optimizer.sam.rho': -0.1},
+     'config.optimizer.sam.rho=-0.1: must be finite and >= 0'),
+    ({'optimizer.sam.enabled': True, 'optimizer.sam.warmup_steps': -1},
+     'config.optimizer.sam.warmup_steps=-1: '),
+])
+def test_a_bad_sam_setting_of_the_lm_is_one_line_before_compute(
+    changes, message, tmp_path):
+  config = config_edits.apply(lm_config.get_config('runlocal'), changes)
+  workdir = tmp_path / 'run'
+  with pytest.raises(ConfigError) as e:
+    lm_trainer.train_and_evaluate(config, str(workdir))
+  assert str(e.value).startswith(message) and '\n' not in str(e.value)
+  assert not workdir.exists()
+
+
 @pytest.mark.parametrize('overrides,message', [
     (dict(methods=('none', 'iti')),
      "config.methods=.*unknown method 'iti'; valid choices: 'none', "
