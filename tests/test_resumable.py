@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 
 from tests import full_disk
+from train import checkpointing
+from train import disk_space
 from train import errors
 from train import preemption
 from train import resumable
@@ -243,6 +245,24 @@ def test_a_full_disk_is_one_error_and_the_checkpoints_stay(
   assert 'checkpoints up to step 6 are intact' in str(e.value)
   monkeypatch.undo()
   assert toy_run(tmp_path, _config()) == reference[0]
+
+
+def test_a_full_disk_counts_a_save_still_in_flight_as_intact(tmp_path,
+                                                             monkeypatch):
+  # The save of step 1 is asynchronous; the disk is found full when step 2
+  # starts, before step 1's directory is renamed into place. The message
+  # must count step 1, which is (and stays) intact.
+  ckpts = checkpointing.Checkpoints(str(tmp_path), every_steps=1, keep=5)
+  state = {'w': jnp.arange(4 << 20, dtype=jnp.float32)}  # 16 MB to write.
+  assert ckpts.save(1, state, {})
+  monkeypatch.setattr(disk_space, 'free_bytes', lambda path: 0)
+  with pytest.raises(errors.DiskFull) as e:
+    ckpts.save(2, state, {})
+  assert 'checkpoints up to step 1 are intact' in str(e.value)
+  monkeypatch.undo()
+  restored, _ = ckpts.restore(1, state)
+  np.testing.assert_array_equal(restored['w'], state['w'])
+  ckpts.close()
 
 
 def test_a_run_of_no_steps_saves_once_and_is_finished(tmp_path):

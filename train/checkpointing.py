@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from train import checksums
 from train import disk_space
 from train import fileio
-from train.errors import RunError, cause_line
+from train.errors import DiskFull, RunError, cause_line
 
 CHECKPOINTS = 'checkpoints'
 CHECKSUMS = 'checksums'
@@ -134,8 +134,15 @@ class Checkpoints:
     if not (force or self.should_save(step)):
       return False
     # Arrays as stored (uncompressed), plus the metadata files.
-    disk_space.check_room(self.directory,
-                          disk_space.tree_bytes(state) * 11 // 10 + 2**16)
+    needed = disk_space.tree_bytes(state) * 11 // 10 + 2**16
+    try:
+      disk_space.check_room(self.directory, needed)
+    except DiskFull:
+      # A save still in flight holds space in its temporary directory and
+      # is not yet counted among the intact checkpoints: let it finish (it
+      # may free the space of one past `keep`), then look again.
+      self._manager.wait_until_finished()
+      disk_space.check_room(self.directory, needed)
     meta = dict(meta, **{CHECKSUMS: checksums.fingerprint(state)})
     meta[META_DIGEST] = _meta_digest(meta)
     return self._manager.save(
