@@ -133,20 +133,26 @@ def train_programs(exp: experiment_lib.Experiment,
         exp.model, exp.tx, exp.per_example, nonfinite=config.nonfinite,
         log_every=config.log_every, hooks=exp.hooks, mesh=exp.mesh,
         variant=variant)
-    metric_names = jax.eval_shape(
-        train_fn, exp.abstract_state,
-        exp.abstract_batch(config.batch_size))[1]
-    out_shardings = (exp.state_shardings,
-                     {name: sharding_of(name) for name in metric_names})
+
+    def train_step(state, batch):
+      # Each metric's sharding, by name, set where the metric is made: the
+      # out-shardings would need the names first, which cost a trace of the
+      # whole step before the one that lowers it.
+      new_state, metrics = train_fn(state, batch)
+      return new_state, {
+          name: jax.lax.with_sharding_constraint(value, sharding_of(name))
+          for name, value in metrics.items()}
+
+    out_shardings = (exp.state_shardings, None)
     name = _variant_name(exp, variant)
     if resident is None:
       return Program(name, jax.jit(
-          train_fn, in_shardings=(exp.state_shardings, exp.batch_sharding),
+          train_step, in_shardings=(exp.state_shardings, exp.batch_sharding),
           out_shardings=out_shardings, donate_argnums=(0,)),
                      (exp.abstract_state,
                       exp.abstract_batch(config.batch_size)), *context)
     return Program(name, jax.jit(
-        lambda state, data, batch: train_fn(
+        lambda state, data, batch: train_step(
             state, input_pipeline.gather(data, batch['index'])),
         in_shardings=(exp.state_shardings, repl, exp.batch_sharding),
         out_shardings=out_shardings, donate_argnums=(0,)),
