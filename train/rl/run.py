@@ -190,8 +190,8 @@ def check_config(config: ml_collections.ConfigDict,
     raise ConfigError('temperature', config.temperature, 'must be > 0')
   loss_settings(config).check('grpo')
   runtime_settings(config).check('runtime')
-  # Sizes, before anything is allocated (a billion of any of these grew
-  # the process to 18 GB before it was killed).
+  # Sizes, before anything is allocated: a billion of any of these takes
+  # the process past the host's memory (18 GB when measured).
   if config.runtime.max_staleness > config.num_versions:
     raise ConfigError('runtime.max_staleness', config.runtime.max_staleness,
                       f'must be <= num_versions ({config.num_versions}): '

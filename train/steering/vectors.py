@@ -48,8 +48,8 @@ _NPZ_MAGIC = b'PK\x03\x04'
 _DAMAGED = (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile,
             zlib.error)
 # Elements an array of the file may hold, checked from its header before it
-# is read: a 1 MB file of deflated zeros stated a direction of 1 GiB, which
-# was allocated before any check. Hidden sizes are far below 2**20.
+# is read: a 1 MB file of deflated zeros can state a direction of 1 GiB.
+# Hidden sizes are far below 2**20.
 MAX_ELEMENTS = {'direction': 1 << 20, 'meta': 1 << 20}
 
 
