@@ -24,6 +24,7 @@ from tests import full_disk
 from train import checkpointing
 from train import disk_space
 from train import errors
+from train import local_checkpoints
 from train import preemption
 from train import resumable
 from train import resume_check
@@ -59,6 +60,20 @@ class _Crash(Exception):
   """A stand-in for a process killed after a step."""
 
 
+# The checkpoint class toy runs use (the `backend` fixture sets it).
+_BACKEND = [checkpointing.Checkpoints]
+
+
+@pytest.fixture(params=['orbax', 'local'])
+def backend(request):
+  """Runs the test on Orbax's checkpoints and on the local ones (a run on
+  part of a multi-process job)."""
+  _BACKEND[0] = (checkpointing.Checkpoints if request.param == 'orbax'
+                 else local_checkpoints.LocalCheckpoints)
+  yield request.param
+  _BACKEND[0] = checkpointing.Checkpoints
+
+
 def toy_run(workdir, config, *, inputs=None, events=None, after_step=None):
   """The toy loop on the core. `events` records what the loop did beyond
   the core ('loaded': its data; 'step k'); `after_step(k)` runs after
@@ -68,7 +83,8 @@ def toy_run(workdir, config, *, inputs=None, events=None, after_step=None):
                             task='toy', what='a toy run',
                             may_change=MAY_CHANGE)
   with resumable.open_run(config, str(workdir), check_config=check,
-                          results_name='results.json') as run:
+                          results_name='results.json',
+                          checkpoints=_BACKEND[0]) as run:
     if inputs:
       run.pin(inputs)
     done = run.finished(config.num_steps)
@@ -132,7 +148,7 @@ def _crash_at(n):
 
 
 def test_a_crashed_run_resumes_bit_exactly_and_logs_each_step_once(
-    reference, tmp_path):
+    reference, tmp_path, backend):
   with pytest.raises(_Crash):
     toy_run(tmp_path, _config(), after_step=_crash_at(8))
   assert _steps_saved(tmp_path) == [3, 6]
@@ -145,7 +161,7 @@ def test_a_crashed_run_resumes_bit_exactly_and_logs_each_step_once(
 
 
 def test_a_finished_run_returns_its_results_and_loads_nothing(reference,
-                                                             tmp_path):
+                                                             tmp_path, backend):
   toy_run(tmp_path, _config())
   before = open(os.path.join(tmp_path, 'metrics.jsonl')).read()
   events = []
@@ -193,7 +209,7 @@ def test_a_second_run_on_a_held_workdir_is_refused(tmp_path):
 
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_saves_at_that_step_and_resumes_bit_exactly(
-    reference, tmp_path, signum):
+    reference, tmp_path, signum, backend):
   def stop(step):
     if step == 4:
       os.kill(os.getpid(), signum)
@@ -212,7 +228,7 @@ def test_a_stop_at_the_last_step_finishes_the_run(reference, tmp_path):
   assert toy_run(tmp_path, _config(), after_step=stop) == reference[0]
 
 
-def test_a_non_finite_state_is_never_saved(tmp_path):
+def test_a_non_finite_state_is_never_saved(tmp_path, backend):
   with pytest.raises(NonFiniteLossError) as e:
     toy_run(tmp_path, _config(blow_up_at=5))
   # Found at the save of step 6; the last good checkpoint is 3's.
@@ -222,11 +238,14 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
 
 
 def test_a_damaged_newest_checkpoint_falls_back_and_resumes_bit_exactly(
-    reference, tmp_path):
+    reference, tmp_path, backend):
   with pytest.raises(_Crash):
     toy_run(tmp_path, _config(), after_step=_crash_at(7))
-  state_dir = os.path.join(tmp_path, 'checkpoints', '6', 'state')
-  for root, _, files in os.walk(state_dir):
+  step_dir = os.path.join(tmp_path, 'checkpoints', '6')
+  if backend == 'local':
+    path = os.path.join(step_dir, local_checkpoints.ARRAYS)
+    os.truncate(path, os.path.getsize(path) // 3)
+  for root, _, files in os.walk(os.path.join(step_dir, 'state')):
     for name in files:
       if name != '_METADATA' and not name.startswith('_'):
         path = os.path.join(root, name)
@@ -238,7 +257,7 @@ def test_a_damaged_newest_checkpoint_falls_back_and_resumes_bit_exactly(
 
 
 def test_a_full_disk_is_one_error_and_the_checkpoints_stay(
-    reference, tmp_path, monkeypatch):
+    reference, tmp_path, monkeypatch, backend):
   full_disk.on_metrics_write(monkeypatch, 'metrics.jsonl', 8)
   with pytest.raises(errors.DiskFull) as e:
     toy_run(tmp_path, _config())

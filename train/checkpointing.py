@@ -271,11 +271,13 @@ class Checkpoints:
     self.close()
 
 
-def newest_meta(workdir: str) -> tuple[int, dict[str, Any]] | None:
+def newest_meta(workdir: str, checkpoints: type['Checkpoints'] | None = None
+                ) -> tuple[int, dict[str, Any]] | None:
   """(step, metadata) of the newest checkpoint in `workdir`, without
   restoring arrays; None if there is none or its metadata is damaged (the
-  restore that follows skips a damaged checkpoint and reports it)."""
-  with Checkpoints(workdir, every_steps=1, keep=1, async_save=False,
+  restore that follows skips a damaged checkpoint and reports it).
+  `checkpoints`: the class that wrote them (default: Orbax's)."""
+  with (checkpoints or Checkpoints)(workdir, every_steps=1, keep=1, async_save=False,
                    read_only=True) as ckpts:
     step = ckpts.latest_step()
     if step is None:

@@ -270,7 +270,9 @@ class Run:
 @contextlib.contextmanager
 def open_run(config: ml_collections.ConfigDict, workdir: str, *,
              check_config: CheckConfig, results_name: str,
-             needed_bytes: int | None = None) -> Iterator[Run]:
+             needed_bytes: int | None = None,
+             checkpoints: type[checkpointing.Checkpoints]
+             = checkpointing.Checkpoints) -> Iterator[Run]:
   """Holds `workdir` for one run: lock, config check, checkpoints.
 
   Args:
@@ -284,6 +286,9 @@ def open_run(config: ml_collections.ConfigDict, workdir: str, *,
       its last checkpoint and this file exist.
     needed_bytes: about how much a checkpoint takes, for `DiskFull`'s
       message.
+    checkpoints: the checkpoint class (Orbax's, or
+      `train.local_checkpoints.LocalCheckpoints` for a run on part of a
+      multi-process job).
 
   Yields:
     The `Run`. Leaving the block waits for the saves in flight, also when
@@ -297,10 +302,10 @@ def open_run(config: ml_collections.ConfigDict, workdir: str, *,
     with disk_space.reported(
         workdir, needed_bytes,
         fileio.join(workdir, checkpointing.CHECKPOINTS)):
-      newest = checkpointing.newest_meta(workdir)
+      newest = checkpointing.newest_meta(workdir, checkpoints)
       if newest is not None:
         check_config(*newest)
-      with checkpointing.Checkpoints(
+      with checkpoints(
           workdir, every_steps=config.checkpoint_every,
           keep=config.keep_checkpoints) as ckpts:
         run = Run(config, workdir, ckpts, check_config, results_name)
