@@ -25,11 +25,13 @@ from typing import Any
 from absl import logging
 import jax
 from jax.experimental import multihost_utils
+import numpy as np
 import orbax.checkpoint as ocp
 
 from train import checksums
 from train import disk_space
 from train import fileio
+from train import process_group
 from train.errors import DiskFull, RunError, cause_line
 
 CHECKPOINTS = 'checkpoints'
@@ -96,6 +98,27 @@ class Checkpoints:
     checkpoints may be that run's saves in progress."""
     self.workdir = fileio.absolute(workdir)
     self.directory = fileio.join(self.workdir, CHECKPOINTS)
+    # A run alone on part of a job (process_group) reads with Orbax as a
+    # job of one process; Orbax cannot write there (its numpy and scalar
+    # writers run on process 0 only): such a run saves LocalCheckpoints.
+    self._alone = process_group.is_alone()
+    if self._alone and not read_only:
+      raise RuntimeError('a run alone on part of a multi-process job saves '
+                         'train.local_checkpoints.LocalCheckpoints')
+    extra = {}
+    if self._alone:
+      me = jax.process_index()
+      processes = ocp.options.MultiprocessingOptions(
+          primary_host=me, active_processes={me},
+          barrier_sync_key_prefix=f'geom_alone_{me}')
+      extra = dict(multiprocessing_options=processes)
+      items = {'item_handlers': {
+          'state': ocp.StandardCheckpointHandler(
+              multiprocessing_options=processes),
+          'meta': ocp.JsonCheckpointHandler(
+              multiprocessing_options=processes)}}
+    else:
+      items = {'item_names': ('state', 'meta')}
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
@@ -107,8 +130,9 @@ class Checkpoints:
             enable_async_checkpointing=async_save,
             cleanup_tmp_directories=not read_only,
             read_only=read_only,
+            **extra,
         ),
-        item_names=('state', 'meta'),
+        **items,
     )
 
   def latest_step(self) -> int | None:
@@ -159,10 +183,14 @@ class Checkpoints:
       DamagedCheckpoint: it does not load, or an array's fingerprint
         differs from the one saved with it.
     """
-    target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                       sharding=x.sharding),
-        abstract_state)
+    if self._alone:  # Read as host arrays, then placed (module docstring).
+      target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype),
+                            abstract_state)
+    else:
+      target = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                         sharding=x.sharding),
+          abstract_state)
     try:
       restored = self._manager.restore(
           step,
@@ -173,6 +201,9 @@ class Checkpoints:
       raise DamagedCheckpoint(step, f'does not load ({cause_line(e)})'
                               ) from e
     state, meta = restored.state, _verified_meta(step, restored.meta)
+    if self._alone:
+      state = jax.tree.map(lambda h, x: jax.device_put(h, x.sharding), state,
+                           abstract_state)
     saved = meta.get(CHECKSUMS)
     if saved is None:
       logging.warning('The checkpoint at step %d in %s has no checksums '
@@ -243,7 +274,7 @@ class Checkpoints:
 
   def _move_aside(self, damaged_steps: list[int]) -> None:
     """Moves damaged steps to `workdir/checkpoints_damaged/` (process 0)."""
-    if jax.process_index() == 0:
+    if process_group.is_writer():
       aside = fileio.join(self.workdir, DAMAGED)
       fileio.makedirs(aside)
       for step in damaged_steps:
@@ -253,7 +284,7 @@ class Checkpoints:
         fileio.rename(fileio.join(self.directory, str(step)), target)
         logging.warning('Moved the damaged checkpoint at step %d to %s',
                         step, target)
-    if jax.process_count() > 1:
+    if process_group.count() > 1:
       multihost_utils.sync_global_devices('geom_move_damaged_checkpoints')
     self._manager.reload()
 

@@ -35,6 +35,7 @@ from geom import method_hooks
 from train import checkpointing
 from train import fileio
 from train import optim
+from train import process_group
 from train import sharding as sharding_lib
 from train import steps
 from train.errors import ConfigError, UsageError
@@ -241,7 +242,8 @@ def build_mesh(config: ml_collections.ConfigDict,
   the processes the batch is split over.
   """
   axes = tuple(config.mesh.axes)
-  count = jax.device_count() if devices is None else len(devices)
+  count = (len(process_group.devices()) if devices is None
+           else len(devices))
   sharding_lib.mesh_shape(config.mesh.shape, axes, count)
   rules = [tuple(r) for r in config.logical_axis_rules]
   sharding_lib.check_rules(rules, axes)
@@ -249,7 +251,7 @@ def build_mesh(config: ml_collections.ConfigDict,
   mesh = sharding_lib.make_mesh(config.mesh.shape, axes, devices,
                                 dcn_axis=batch_axes[0] if batch_axes
                                 else None)
-  processes = (jax.process_count() if devices is None
+  processes = (process_group.count() if devices is None
                else len({d.process_index for d in devices}))
   divisor = math.prod(mesh.shape[a] for a in batch_axes)
   for field in ('batch_size', 'eval_batch_size'):

@@ -18,9 +18,9 @@ import math
 import time
 
 from absl import logging
-import jax
 
 from train import fileio
+from train import process_group
 
 
 def _finite_or_none(value: object) -> object:
@@ -107,7 +107,7 @@ class MetricWriter:
         checkpoint of an older version) keeps those at steps <=
         `resume_step`.
     """
-    self.enabled = jax.process_index() == 0
+    self.enabled = process_group.is_writer()
     self.path = fileio.join(workdir, 'metrics.jsonl')
     self._tb = None
     self.records = 0

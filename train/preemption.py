@@ -22,9 +22,9 @@ import signal
 import threading
 from collections.abc import Iterator
 
-import jax
 from jax.experimental import multihost_utils
 
+from train import process_group
 from train.errors import Interrupted
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -37,7 +37,7 @@ def _handling(handler, *, with_jax_processes: bool) -> Iterator[None]:
   # would take it away) and `requested` asks it; `with_jax_processes` is
   # False where JAX must not be started yet.
   if (threading.current_thread() is not threading.main_thread()
-      or (with_jax_processes and jax.process_count() > 1)):
+      or (with_jax_processes and process_group.count() > 1)):
     yield
     return
   previous = {s: signal.signal(s, handler) for s in SIGNALS}
@@ -109,6 +109,6 @@ class StopFlag:
 
   def requested(self, step: int) -> bool:
     """Whether to stop after `step` (every process gets one answer)."""
-    if jax.process_count() > 1:
+    if process_group.count() > 1:
       return multihost_utils.reached_preemption_sync_point(step)
     return self.event.is_set()

@@ -53,7 +53,6 @@ import dataclasses
 from typing import Any
 
 from absl import logging
-import jax
 import ml_collections
 
 from train import checkpointing
@@ -61,6 +60,7 @@ from train import disk_space
 from train import fileio
 from train import metrics as metrics_lib
 from train import preemption
+from train import process_group
 from train import resume_check
 from train import workdir_lock
 from train.errors import NonFiniteLossError, Preempted
@@ -258,7 +258,7 @@ class Run:
     if checkpoint is not None and self._ckpts.latest_step() != self.total:
       self._save(self.total, checkpoint, force=True)
       self._ckpts.wait_until_finished()
-    if jax.process_index() == 0:
+    if process_group.is_writer():
       metrics_lib.write_json_atomic(self._results_path, results)
     return results
 

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 import optax
 
+from train import process_group
 from train.errors import ConfigError
 
 Rules = Sequence[tuple[str, str | None]]
@@ -72,9 +73,11 @@ def make_mesh(shape: Sequence[int], axes: Sequence[str],
   out); the other axes stay within a slice.
   """
   kinds = (jax.sharding.AxisType.Auto,) * len(axes)
-  if devices is None:
+  if devices is None and not process_group.is_alone():
     resolved = mesh_shape(shape, axes, jax.device_count(), field)
     return jax.make_mesh(resolved, tuple(axes), axis_types=kinds)
+  if devices is None:
+    devices = process_group.devices()
   devices = list(devices)
   resolved = mesh_shape(shape, axes, len(devices), field)
   slices = len({getattr(d, 'slice_index', 0) for d in devices})

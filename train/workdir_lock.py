@@ -23,11 +23,11 @@ import json
 import os
 import socket
 
-import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
 from train import fileio
+from train import process_group
 from train.errors import UsageError
 
 LOCK_FILE = '.lock'
@@ -104,10 +104,10 @@ def hold(workdir: str) -> Iterator[None]:
       run, so that none waits for the others at a collective).
   """
   f = info = None
-  if jax.process_index() == 0:
+  if process_group.is_writer():
     f, info = _try_lock(lock_path(workdir))
   held = f is not None
-  if jax.process_count() > 1:
+  if process_group.count() > 1:
     held = bool(multihost_utils.broadcast_one_to_all(np.int32(held)))
   if not held:
     raise WorkdirBusy(workdir, info or {})
