@@ -30,6 +30,7 @@ from absl import app
 from absl import flags
 
 from bench import report
+from train import stats
 
 _WRITE = flags.DEFINE_bool('write', False, 'Write the tables to BENCHMARKS.md.')
 _ONLY = flags.DEFINE_string('only', None, 'Run only rows whose name starts so.')
@@ -126,18 +127,21 @@ def _gib(n: float) -> str:
 
 
 def table(results) -> list[str]:
-  lines = [
-      '| job | target | overrides | function | args GiB | temp GiB | '
-      'total GiB/chip | of HBM | TFLOPs/chip | HBM GB/chip | roofline ms |',
-      '|' + '---|' * 11]
+  head = ['job', 'target', 'overrides', 'function', 'args GiB', 'temp GiB',
+          'total GiB/chip', 'of HBM', 'TFLOPs/chip', 'HBM GB/chip',
+          'roofline ms']
+  align = '-' * len(head)
+  lines = stats.markdown_table(head, [], align).split('\n')
   for row, result, error in results:
     name, _, _, target, overrides = row
     shown = ', '.join(f'{k}={v}' for k, v in overrides.items()
                       if k != 'optimizer.sam.enabled') or '-'
     if result is None:
+      # By hand: its empty cells read '| |', stats.markdown_table's '|  |'.
       lines.append(f'| {name} | {target} | {shown} | (no result: {error}) '
                    '| | | | | | | |')
       continue
+    programs = []
     for r in result['rows']:
       b = r['bytes']
       flops = '-' if r['flops'] is None else f'{r["flops"] / 1e12:.3g}'
@@ -149,11 +153,13 @@ def table(results) -> list[str]:
                  + ('' if r['fits'] else ' DOES NOT FIT'))
       if r['error'] and not r['oom']:
         verdict = f'DOES NOT COMPILE: {r["error"][:120]}'
-      lines.append(
-          f'| {name} | {target} | {shown} | {r["function"]} | '
-          f'{_gib(b["argument"]) if b else "-"} | '
-          f'{_gib(b["temp"]) if b else "-"} | {_gib(r["total_bytes"])} | '
-          f'{verdict} | {flops} | {traffic} | {roof} |')
+      programs.append([name, target, shown, r['function'],
+                       _gib(b['argument']) if b else '-',
+                       _gib(b['temp']) if b else '-',
+                       _gib(r['total_bytes']), verdict, flops, traffic,
+                       roof])
+    # The rows alone: the header is the first two lines above.
+    lines += stats.markdown_table(head, programs, align).split('\n')[2:]
   return lines
 
 
@@ -168,8 +174,7 @@ def sam_ratios(results) -> list[str]:
                  if r['function'].startswith('train_step')), None)
     if step is not None:
       by_key[(name, target)] = step
-  lines = ['| job | target | memory SAM / base | roofline SAM / base |',
-           '|---|---|---|---|']
+  rows = []
   for (name, target), sam in by_key.items():
     if not name.endswith(' + SAM'):
       continue
@@ -178,9 +183,11 @@ def sam_ratios(results) -> list[str]:
       continue
     roof = ('-' if not (sam['roofline_seconds'] and base['roofline_seconds'])
             else f'{sam["roofline_seconds"] / base["roofline_seconds"]:.2f}x')
-    lines.append(f'| {name[:-len(" + SAM")]} | {target} | '
-                 f'{sam["total_bytes"] / base["total_bytes"]:.2f}x | {roof} |')
-  return lines
+    rows.append([name[:-len(' + SAM')], target,
+                 f'{sam["total_bytes"] / base["total_bytes"]:.2f}x', roof])
+  return stats.markdown_table(
+      ['job', 'target', 'memory SAM / base', 'roofline SAM / base'], rows,
+      '----').split('\n')
 
 
 def main(argv):

@@ -34,6 +34,7 @@ import numpy as np
 from bench import report
 from bench import rl_setup
 from configs import rl
+from train import stats
 from train.rl import learner
 from train.rl import rollout
 from train.rl import run
@@ -134,18 +135,18 @@ def main(argv):
       f'{len(learner_times)} steps each, interleaved in {_BLOCKS.value} '
       'blocks.',
       '',
-      '| per learner step | seconds | / learner step |',
-      '|---|---|---|',
-      f'| learner update (64 samples, the baseline) | {learner_s * 1e3:.2f} ms '
-      '| 1 |',
-      f'| GAS plan + admit + observe | {scheduler_s * 1e3:.3f} ms | '
-      f'**{100 * scheduler_s / learner_s:.2f}%** |',
-      f'| curvature estimate ({len(config.difficulties)} difficulties x '
-      f'{config.gas.curvature_iters} products, {config.gas.curvature_rows} '
-      f'rows), once | {curvature_s:.2f} s | {curvature_s / learner_s:.0f} |',
-      f'| the same amortised over curvature_every={every} versions | '
-      f'{curvature_s / every * 1e3:.2f} ms | '
-      f'{100 * curvature_s / every / learner_s:.1f}% |',
+      stats.markdown_table(['per learner step', 'seconds', '/ learner step'], [
+          ['learner update (64 samples, the baseline)',
+           f'{learner_s * 1e3:.2f} ms', '1'],
+          ['GAS plan + admit + observe', f'{scheduler_s * 1e3:.3f} ms',
+           f'**{100 * scheduler_s / learner_s:.2f}%**'],
+          [f'curvature estimate ({len(config.difficulties)} difficulties x '
+           f'{config.gas.curvature_iters} products, '
+           f'{config.gas.curvature_rows} rows), once', f'{curvature_s:.2f} s',
+           f'{curvature_s / learner_s:.0f}'],
+          [f'the same amortised over curvature_every={every} versions',
+           f'{curvature_s / every * 1e3:.2f} ms',
+           f'{100 * curvature_s / every / learner_s:.1f}%']], '---'),
       '',
       'The scheduler (budgets, bandit, execution-aware dispatch, admission, '
       'diagnostics) is host numpy; the curvature estimate is jitted on the '

@@ -38,6 +38,7 @@ from configs import lm
 from geom import curvature
 from train import host_devices
 from train import sharding
+from train import stats
 from train.lm import decoder
 from train.vision import models
 
@@ -123,9 +124,9 @@ def main(argv):
         times[k].append((time.perf_counter() - start) / _STEPS.value)
     ratio = statistics.median(a / b for a, b in zip(times['power step'],
                                                     times['gradient']))
-    rows.append(f'| {what} | {1e3 * statistics.median(times["gradient"]):.1f} '
-                f'| {1e3 * statistics.median(times["power step"]):.1f} | '
-                f'**{ratio:.2f}x** | <= 3x |')
+    rows.append([what, f'{1e3 * statistics.median(times["gradient"]):.1f}',
+                 f'{1e3 * statistics.median(times["power step"]):.1f}',
+                 f'**{ratio:.2f}x**', '<= 3x'])
     details.append((name, ratio))
   lines = [
       '## Hessian-vector product cost (one power-iteration step)',
@@ -139,9 +140,9 @@ def main(argv):
       f'Machine: {platform.machine()}, {os.cpu_count()} CPU cores '
       f'({len(jax.devices())} simulated devices), jax {jax.__version__}.',
       '',
-      '| model and batch | gradient (ms) | power step (ms) | ratio | goal |',
-      '|---|---|---|---|---|',
-      *rows,
+      stats.markdown_table(['model and batch', 'gradient (ms)',
+                            'power step (ms)', 'ratio', 'goal'], rows,
+                           '-----'),
       '',
       'Reproduce: `.venv/bin/python -m bench.hvp_cost '
       f'--steps={_STEPS.value} --repeats={_REPEATS.value}`.',

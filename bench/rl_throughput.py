@@ -26,6 +26,7 @@ import jax
 from bench import report
 from bench import rl_setup
 from configs import rl
+from train import stats
 from train.rl import run
 
 _SFT = flags.DEFINE_string('sft_workdir', 'workdirs/rl_sft',
@@ -69,17 +70,17 @@ def main(argv):
       f'{_VERSIONS.value} updates of 64 samples per run, median over '
       f'{_REPEATS.value} alternating repeats.',
       '',
-      '| staleness bound | samples/s | / synchronous | learner busy |',
-      '|---|---|---|---|',
   ]
+  rows = []
   for bound in [0] + bounds:
     ratios = [r / s for r, s in zip(rates[bound], rates[0])]
-    lines.append(
-        f'| {bound}{" (sync)" if bound == 0 else ""} | '
-        f'{statistics.median(rates[bound]):.0f} | '
-        f'**{statistics.median(ratios):.3f}x** | '
-        f'{statistics.median(busy[bound]):.2f} |')
+    rows.append([f'{bound}{" (sync)" if bound == 0 else ""}',
+                 f'{statistics.median(rates[bound]):.0f}',
+                 f'**{statistics.median(ratios):.3f}x**',
+                 f'{statistics.median(busy[bound]):.2f}'])
   lines += [
+      stats.markdown_table(['staleness bound', 'samples/s', '/ synchronous',
+                            'learner busy'], rows, '----'),
       '',
       'Per repeat (samples/s): ' + '; '.join(
           f's={b}: ' + ', '.join(f'{r:.0f}' for r in rates[b])

@@ -33,6 +33,7 @@ import optax
 from bench import report
 from geom import hallucination
 from geom import sam
+from train import stats
 
 _STEPS = flags.DEFINE_integer('steps', 100, 'Steps per timed run.')
 _REPEATS = flags.DEFINE_integer('repeats', 7, 'Alternating repeats.')
@@ -157,14 +158,15 @@ def main(argv):
       f'Machine: {platform.machine()}, {os.cpu_count()} CPU cores, '
       f'jax {jax.__version__}.',
       '',
-      '| ratio | measured | goal |',
-      '|---|---|---|',
-      *[f'| {name} | **{value:.3f}x** | {goal} |' for name, value, goal in rows],
+      stats.markdown_table(
+          ['ratio', 'measured', 'goal'],
+          [[name, f'**{value:.3f}x**', goal] for name, value, goal in rows],
+          '---'),
       '',
-      '| variant | ms per step (median) | peak memory (MiB) |',
-      '|---|---|---|',
-      *[f'| {name} | {1e3 * statistics.median(times[name]):.2f} | '
-        f'{peak[name] / 2**20:.2f} |' for name in compiled],
+      stats.markdown_table(
+          ['variant', 'ms per step (median)', 'peak memory (MiB)'],
+          [[name, f'{1e3 * statistics.median(times[name]):.2f}',
+            f'{peak[name] / 2**20:.2f}'] for name in compiled], '---'),
       '',
       'Reproduce: `.venv/bin/python -m bench.sam_cost '
       f'--steps={_STEPS.value} --repeats={_REPEATS.value}`.',

@@ -38,6 +38,7 @@ import numpy as np
 from bench import report
 from bench import sam_perturb_trees
 from geom.kernels import sam_perturb as k
+from train import stats
 
 _SIZES = flags.DEFINE_list('sizes', ['1e6', '4e6'], 'Element counts.')
 _REPEATS = flags.DEFINE_integer('repeats', 20, 'Timed calls per figure.')
@@ -55,10 +56,10 @@ _CHECK_TREES = {
     for name, (params, _) in sam_perturb_trees.TREES.items()}
 
 
-def check(scales=(1.0, 1e20, 1e-25)) -> list[str]:
+def check(scales=(1.0, 1e20, 1e-25)) -> list[list[str]]:
   """Fused vs reference, compiled for the default device; raises on a
-  mismatch. Returns one line per tree."""
-  lines = []
+  mismatch. Returns one table row (its cells) per tree."""
+  rows = []
   for name, spec in _CHECK_TREES.items():
     worst = 0.0
     for adaptive in (False, True):
@@ -83,8 +84,8 @@ def check(scales=(1.0, 1e20, 1e-25)) -> list[str]:
                                      atol=1e-2 if bf16 else 5e-7,
                                      err_msg=f'{name}/{key}')
           worst = max(worst, float(np.max(np.abs(x - y), initial=0.0)))
-    lines.append(f'| {name} | SAM, ASAM | 1, 1e20, 1e-25 | {worst:.2e} |')
-  return lines
+    rows.append([name, 'SAM, ASAM', '1, 1e20, 1e-25', f'{worst:.2e}'])
+  return rows
 
 
 def _median_seconds(fn, *args, repeats):
@@ -128,11 +129,11 @@ def main(argv):
   rows = []
   for n in sizes:
     r = measure(n, _REPEATS.value)
-    rows.append(
-        f'| {n:,} | {1e3 * r["fused_s"]:.3f} | {1e3 * r["xla_s"]:.3f} | '
-        f'{r["xla_s"] / r["fused_s"]:.2f}x | {r["fused_gbps"]:.1f} | '
-        f'{r["xla_gbps"]:.1f} | {r["copy_gbps"]:.1f} | '
-        f'{100 * r["fused_gbps"] / r["copy_gbps"]:.0f}% |')
+    rows.append([
+        f'{n:,}', f'{1e3 * r["fused_s"]:.3f}', f'{1e3 * r["xla_s"]:.3f}',
+        f'{r["xla_s"] / r["fused_s"]:.2f}x', f'{r["fused_gbps"]:.1f}',
+        f'{r["xla_gbps"]:.1f}', f'{r["copy_gbps"]:.1f}',
+        f'{100 * r["fused_gbps"] / r["copy_gbps"]:.0f}%'])
   device = jax.devices()[0]
   section = _SECTION.value or f'sam_perturb_{backend}'
   mode = ("in Pallas's interpreter, which emulates the kernel grid step by "
@@ -147,10 +148,10 @@ def main(argv):
       f'{platform.machine()}, {os.cpu_count()} CPU cores; jax '
       f'{jax.__version__}.',
       '',
-      '| elements | fused (ms) | XLA (ms) | XLA time / fused time | '
-      'fused GB/s | XLA GB/s | copy GB/s | fused / copy |',
-      '|---|---|---|---|---|---|---|---|',
-      *rows,
+      stats.markdown_table(
+          ['elements', 'fused (ms)', 'XLA (ms)', 'XLA time / fused time',
+           'fused GB/s', 'XLA GB/s', 'copy GB/s', 'fused / copy'], rows,
+          '--------'),
       '',
       'Reproduce: `python -m bench.sam_perturb '
       f'--sizes={",".join(_SIZES.value)} --repeats={_REPEATS.value}`.',
@@ -163,9 +164,9 @@ def main(argv):
         'relative 1e-5 or 5e-7 absolute, bfloat16 within 1e-2), per tree; '
         'the last column is the largest absolute difference:',
         '',
-        '| tree | method | gradient scale | max abs difference |',
-        '|---|---|---|---|',
-        *checked,
+        stats.markdown_table(
+            ['tree', 'method', 'gradient scale', 'max abs difference'],
+            checked, '----'),
     ]
   report.publish(section, lines, _WRITE.value)
 

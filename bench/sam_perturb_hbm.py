@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from train import hlo_traffic
+from train import stats
 from bench import report
 from bench import sam_perturb_trees
 from geom.kernels import sam_perturb as k
@@ -119,16 +120,17 @@ def main(argv):
       r = measure(target, trees[name])
       ratio = r['fused'] / r['xla']
       verdicts.setdefault(chip.name, []).append(ratio)
-      rows.append(
-          f'| {chip.name} | {name} | '
-          f'{sam_perturb_trees.parameters(trees[name]) / 1e6:,.1f}M | '
-          f'{_mb(r["ideal"])} | {_mb(r["fused"])} '
-          f'({_mb(r["fused_kernels"])} in kernels) | {_mb(r["xla"])} | '
-          f'**{ratio:.2f}x** | {_mb(r["fused_cost"])} | {_mb(r["xla_cost"])} '
-          f'| {r["fused_ops"]} | {r["xla_ops"]} '
-          f'| {1e3 * r["fused"] / chip.hbm_bandwidth:.2f} | '
-          f'{1e3 * r["xla"] / chip.hbm_bandwidth:.2f} |')
-      print(rows[-1], f'({time.time() - start:.0f} s)', file=sys.stderr)
+      rows.append([
+          chip.name, name,
+          f'{sam_perturb_trees.parameters(trees[name]) / 1e6:,.1f}M',
+          _mb(r['ideal']),
+          f'{_mb(r["fused"])} ({_mb(r["fused_kernels"])} in kernels)',
+          _mb(r['xla']), f'**{ratio:.2f}x**', _mb(r['fused_cost']),
+          _mb(r['xla_cost']), r['fused_ops'], r['xla_ops'],
+          f'{1e3 * r["fused"] / chip.hbm_bandwidth:.2f}',
+          f'{1e3 * r["xla"] / chip.hbm_bandwidth:.2f}'])
+      print(' | '.join(map(str, rows[-1])), f'({time.time() - start:.0f} s)',
+            file=sys.stderr)
   lines = [
       '## Fused SAM perturbation: HBM traffic per chip (estimated from the '
       'compiler, not measured)',
@@ -146,11 +148,11 @@ def main(argv):
       '(`train.targets.CHIPS`). jax '
       f'{jax.__version__}.',
       '',
-      '| chip | tree | parameters | ideal MB | fused MB | XLA MB | fused / '
-      'XLA | fused cost_analysis MB | XLA cost_analysis MB | fused ops | XLA '
-      'ops | roofline fused (ms) | roofline XLA (ms) |',
-      '|---|---|---|---|---|---|---|---|---|---|---|---|---|',
-      *rows,
+      stats.markdown_table(
+          ['chip', 'tree', 'parameters', 'ideal MB', 'fused MB', 'XLA MB',
+           'fused / XLA', 'fused cost_analysis MB', 'XLA cost_analysis MB',
+           'fused ops', 'XLA ops', 'roofline fused (ms)',
+           'roofline XLA (ms)'], rows, '-' * 13),
       '',
       'Reproduce: `python -m bench.sam_perturb_hbm` (needs the compile '
       'toolchain, `make compile-toolchain`; about '

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from bench import report
 from configs import lm as lm_config
 from geom import steering as steering_lib
+from train import stats
 from train.lm import decoder as decoder_lm
 from train.lm import generate as lm_generate
 
@@ -102,13 +103,13 @@ def main(argv):
     base = times['no steering']
     vocab = f'{tokenizer} ({model.vocab_size})'
     for name, (_, mode) in variants(jnp.ones(model.d_model)).items():
-      speed_rows.append(f'| {vocab} | {name} | '
-                        f'{tokens / statistics.median(times[name]):.0f} |')
+      speed_rows.append(
+          [vocab, name, f'{tokens / statistics.median(times[name]):.0f}'])
       if name == 'no steering':
         continue
       ratio = statistics.median(b / t for b, t in zip(base, times[name]))
       goal = '>= 0.95x' if mode == 'cached' else '-'
-      ratio_rows.append(f'| {vocab} | {name} | **{ratio:.3f}x** | {goal} |')
+      ratio_rows.append([vocab, name, f'**{ratio:.3f}x**', goal])
   lines = [
       '## Steering in generation',
       '',
@@ -121,14 +122,13 @@ def main(argv):
       f'Machine: {platform.machine()}, {os.cpu_count()} CPU cores, '
       f'jax {jax.__version__}.',
       '',
-      '| tokenizer (vocabulary) | tokens/s with steering / without | '
-      'measured | goal |',
-      '|---|---|---|---|',
-      *ratio_rows,
+      stats.markdown_table(
+          ['tokenizer (vocabulary)', 'tokens/s with steering / without',
+           'measured', 'goal'], ratio_rows, '----'),
       '',
-      '| tokenizer (vocabulary) | variant | tokens/s (median) |',
-      '|---|---|---|',
-      *speed_rows,
+      stats.markdown_table(
+          ['tokenizer (vocabulary)', 'variant', 'tokens/s (median)'],
+          speed_rows, '---'),
       '',
       'Reproduce: `.venv/bin/python -m bench.steering_generation '
       f'--steps={_STEPS.value} --batch={_BATCH.value} '

@@ -42,6 +42,7 @@ from train import host_devices
 from train import input_pipeline
 from train import loop
 from train import resumable
+from train import stats
 from train.vision import datasets
 from train.vision import experiment
 
@@ -172,15 +173,15 @@ def main(argv):
                                                   steps, repeats)
     ratios = [m / t for m, t in zip(minimal, ours)]  # Throughput ratio.
     median = lambda a, b: statistics.median(x / y for x, y in zip(a, b))
-    rows.append(
-        f'| {"on the devices (default)" if on_device else "host pipeline"} | '
-        f'{steps / statistics.median(minimal):.1f} | '
-        f'{steps / statistics.median(ours):.1f} | '
-        f'**{statistics.median(ratios):.3f}x** | '
-        f'{min(minimal) / min(ours):.3f}x | '
-        f'{median(minimal, step_only):.3f}x | '
-        f'{median(step_only, ours):.3f}x | '
-        f'{", ".join(f"{r:.3f}" for r in ratios)} |')
+    rows.append([
+        'on the devices (default)' if on_device else 'host pipeline',
+        f'{steps / statistics.median(minimal):.1f}',
+        f'{steps / statistics.median(ours):.1f}',
+        f'**{statistics.median(ratios):.3f}x**',
+        f'{min(minimal) / min(ours):.3f}x',
+        f'{median(minimal, step_only):.3f}x',
+        f'{median(step_only, ours):.3f}x',
+        ', '.join(f'{r:.3f}' for r in ratios)])
   lines = [
       '## Trainer overhead',
       '',
@@ -197,11 +198,12 @@ def main(argv):
       f'Machine: {platform.machine()}, {os.cpu_count()} CPU cores, '
       f'{jax.device_count()} simulated CPU devices, jax {jax.__version__}.',
       '',
-      '| training data | minimal loop (steps/s, median) | trainer (steps/s, '
-      'median) | trainer / minimal (median) | best / best | the step alone / '
-      'minimal | trainer / the step alone | per-repeat ratios |',
-      '|---|---|---|---|---|---|---|---|',
-      *rows,
+      stats.markdown_table(
+          ['training data', 'minimal loop (steps/s, median)',
+           'trainer (steps/s, median)', 'trainer / minimal (median)',
+           'best / best', 'the step alone / minimal',
+           'trainer / the step alone', 'per-repeat ratios'], rows,
+          '-' * 8),
       '',
       'The two middle ratios split the gap (medians of per-repeat ratios; '
       'their product is near the headline): "the step alone" is the '

@@ -37,6 +37,7 @@ from configs import tta
 from geom import conga
 from train import host_devices
 from train import metrics
+from train import stats
 from train.tta import adapt
 from train.tta import data as tta_data
 from train.tta import methods
@@ -132,13 +133,12 @@ def main(argv):
       f'One process, CPU ({platform.machine()}, {os.cpu_count()} cores), jax '
       f'{jax.__version__}; median over alternating repeats.',
       '',
-      '| ratio | measured | goal |',
-      '|---|---|---|',
-      f'| TENT step with CONGA / with a fixed rate (time) | '
-      f'**{statistics.median(step_ratios):.3f}x** | <= 1.03x |',
-      f'| launch.tta loop / minimal jitted loop (throughput) | '
-      f'**{statistics.median(loop_ratios):.3f}x** ({loop_rate:.0f} '
-      'batches/s) | >= 0.95x |',
+      stats.markdown_table(['ratio', 'measured', 'goal'], [
+          ['TENT step with CONGA / with a fixed rate (time)',
+           f'**{statistics.median(step_ratios):.3f}x**', '<= 1.03x'],
+          ['launch.tta loop / minimal jitted loop (throughput)',
+           f'**{statistics.median(loop_ratios):.3f}x** ({loop_rate:.0f} '
+           'batches/s)', '>= 0.95x']], '---'),
       '',
       f'Per repeat: CONGA {", ".join(f"{r:.3f}" for r in step_ratios)}; '
       f'loop {", ".join(f"{r:.3f}" for r in loop_ratios)}.',

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from geom import hallucination
+from train import stats
 from train.vision.noisy_landscapes import KINDS
 from train.vision.noisy_landscapes import noiseless_stalls
 from train.vision.noisy_landscapes import PREVIOUS
@@ -107,12 +108,12 @@ def summarize(rows, levels, rhos) -> dict:
 
 
 def table(summary, levels) -> str:
-  lines = ['| noise (per coordinate, x stall \\|grad f\\|) | detector | '
-           'runs that stalled | stalls flagged | loss x 1e-4 stalls flagged | warm-start '
-           'runs flagged (false) | convex runs flagged (false) | '
-           'ratio EMA at end, stalls (median [5%, 95%]) | ratio EMA, '
-           'convergent runs (5% quantile) |',
-           '|---|---|---|---|---|---|---|---|---|']
+  head = ['noise (per coordinate, x stall \\|grad f\\|)', 'detector',
+          'runs that stalled', 'stalls flagged', 'loss x 1e-4 stalls flagged',
+          'warm-start runs flagged (false)', 'convex runs flagged (false)',
+          'ratio EMA at end, stalls (median [5%, 95%])',
+          'ratio EMA, convergent runs (5% quantile)']
+  rows = []
 
   def rate(s):
     return f'{s["flagged"]}/{s["runs"]}' if s['runs'] else '-'
@@ -126,14 +127,14 @@ def table(summary, levels) -> str:
       stall_q = quantiles(s['stall']['ratios'], (0.5, 0.05, 0.95))
       convergent = s['warm']['ratios'] + s['quadratic']['ratios']
       conv_q = quantiles(convergent, (0.05,))
-      lines.append(
-          f'| {level:g} | {name} | {s["stall"]["runs"]}/{s["stall"]["total"]} '
-          f'| {rate(s["stall"])} | {rate(s["scaled"])} '
-          f'| {rate(s["warm"])} | {rate(s["quadratic"])} | '
-          + (f'{stall_q[0]:.3f} [{stall_q[1]:.3f}, {stall_q[2]:.3f}]'
-             if stall_q else '-') + ' | '
-          + (f'{conv_q[0]:.3f}' if conv_q else '-') + ' |')
-  return '\n'.join(lines) + '\n'
+      rows.append([
+          f'{level:g}', name, f'{s["stall"]["runs"]}/{s["stall"]["total"]}',
+          rate(s['stall']), rate(s['scaled']), rate(s['warm']),
+          rate(s['quadratic']),
+          (f'{stall_q[0]:.3f} [{stall_q[1]:.3f}, {stall_q[2]:.3f}]'
+           if stall_q else '-'),
+          f'{conv_q[0]:.3f}' if conv_q else '-'])
+  return stats.markdown_table(head, rows, '-' * len(head)) + '\n'
 
 
 def main(argv):

@@ -67,6 +67,7 @@ from geom import curvature
 from launch import entry
 from train import metrics
 from train import plots
+from train import stats
 from train.errors import UsageError
 from train.lm import data as lm_data
 from train.lm import quantization
@@ -282,12 +283,11 @@ def summarize(records: list[dict], paper: dict) -> str:
     return f'{fmt.format(m)} +- {fmt.format(s)}'
 
   base = by['baseline']
-  lines = [
-      '| variant | pretraining CE | after post-training | forgetting (post) '
-      '| reduction vs baseline (post) | after 4-bit | forgetting (4-bit) | '
-      'reduction vs baseline (4-bit) | post-training target CE | '
-      'lambda_max | trace |',
-      '|---|---|---|---|---|---|---|---|---|---|---|']
+  head = ['variant', 'pretraining CE', 'after post-training',
+          'forgetting (post)', 'reduction vs baseline (post)', 'after 4-bit',
+          'forgetting (4-bit)', 'reduction vs baseline (4-bit)',
+          'post-training target CE', 'lambda_max', 'trace']
+  rows = []
   for variant in [v for v in VARIANTS if v in by]:
     runs = by[variant]
     seeds = sorted(runs)
@@ -301,12 +301,13 @@ def summarize(records: list[dict], paper: dict) -> str:
       ratios = [1 - runs[s][key] / base[s][key] for s in seeds if s in base]
       return ms([100 * r for r in ratios], '{:.0f}') + '%'
 
-    lines.append(
-        f'| {variant} | {ms(col("pretrain_ce"))} | {ms(col("post_ce"))} | '
-        f'{ms(col("forgetting_post"))} | {reduction("forgetting_post")} | '
-        f'{ms(col("quant_ce"))} | {ms(col("forgetting_quant"))} | '
-        f'{reduction("forgetting_quant")} | {ms(col("target_ce_after"))} | '
-        f'{ms(col("lambda_max"), "{:.2f}")} | {ms(col("trace"), "{:.1f}")} |')
+    rows.append([
+        variant, ms(col('pretrain_ce')), ms(col('post_ce')),
+        ms(col('forgetting_post')), reduction('forgetting_post'),
+        ms(col('quant_ce')), ms(col('forgetting_quant')),
+        reduction('forgetting_quant'), ms(col('target_ce_after')),
+        ms(col('lambda_max'), '{:.2f}'), ms(col('trace'), '{:.1f}')])
+  lines = [stats.markdown_table(head, rows, '-' * len(head))]
   lines += ['', f'Paper (abstract): SAM mid-training reduced forgetting by '
             f'{paper["post"]}% after fine-tuning and {paper["quant"]}% after '
             '4-bit quantisation.']

@@ -27,6 +27,7 @@ from absl import flags
 from launch import entry
 from train import fileio
 from train import plots
+from train import stats
 from train.errors import UsageError
 
 _METRIC = flags.DEFINE_string('metric', 'test_accuracy',
@@ -97,15 +98,15 @@ def aggregate(runs: list[dict]) -> tuple[list[str], list[dict]]:
 
 def markdown(keys: list[str], groups: list[dict], metrics: list[str]) -> str:
   head = [*keys, 'seeds', *(f'{m} (mean +- std)' for m in metrics)]
-  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  rows = []
   for g in groups:
     cells = [json.dumps(g['setting'][k]) if isinstance(
         g['setting'][k], str) else str(g['setting'][k]) for k in keys]
     cells.append(str(g['n']))
     cells += [f'{g["mean"][m]:.4f} +- {g["std"][m]:.4f}'
               if m in g['mean'] else '-' for m in metrics]
-    lines.append('| ' + ' | '.join(cells) + ' |')
-  return '\n'.join(lines) + '\n'
+    rows.append(cells)
+  return stats.markdown_table(head, rows, '-' * len(head)) + '\n'
 
 
 def csv_text(keys: list[str], groups: list[dict], metrics: list[str]) -> str:

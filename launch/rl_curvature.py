@@ -46,6 +46,7 @@ from geom import curvature
 from geom import gas
 from launch import entry
 from train import metrics
+from train import stats
 from train.rl import grpo
 from train.rl import learner
 from train.rl import rollout
@@ -215,7 +216,7 @@ def table(results: dict[str, Any]) -> str:
           f'lambda_max (power, {st["num_iters"]})', 'rayleigh proxy']
   if check:
     head += [f'signed, {check} products', 'rel. diff']
-  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  rows = []
   for run in results['runs']:
     name = os.path.basename(os.path.normpath(run['sft_workdir']))
     for r in run['rows']:
@@ -223,18 +224,20 @@ def table(results: dict[str, Any]) -> str:
                f'{r["nll"]:.3f}', f'{r["power"]:.4g}', f'{r["rayleigh"]:.4g}']
       if check:
         cells += [f'{r["check_signed"]:.4g}', f'{r["check_rel_diff"]:.1e}']
-      lines.append('| ' + ' | '.join(cells) + ' |')
-  lines += ['', '| warm start | alpha (power) | alpha (rayleigh) | '
-            + ('alpha (check) | ' if check else '')
-            + 'Spearman(power, rayleigh) over d |',
-            '|---|---|---|' + ('---|' if check else '') + '---|']
+      rows.append(cells)
+  lines = [stats.markdown_table(head, rows, '-' * len(head))]
+  fit_head = ['warm start', 'alpha (power)', 'alpha (rayleigh)',
+              *(['alpha (check)'] if check else []),
+              'Spearman(power, rayleigh) over d']
+  fits = []
   for run in results['runs']:
     name = os.path.basename(os.path.normpath(run['sft_workdir']))
     cells = [name, f'{run["alpha_power"]:.3f}', f'{run["alpha_rayleigh"]:.3f}']
     if check:
       cells.append(f'{run["alpha_check"]:.3f}')
     cells.append(f'{run["spearman"]:.2f}')
-    lines.append('| ' + ' | '.join(cells) + ' |')
+    fits.append(cells)
+  lines += ['', stats.markdown_table(fit_head, fits, '-' * len(fit_head))]
   sec = results['seconds_per_estimate']
   lines += ['', f'Seconds per estimate (mean, compiled, {st["backend"]}): '
             f'power {sec["power"]:.3f} s, rayleigh {sec["rayleigh"]:.3f} s '

@@ -26,6 +26,7 @@ import optax
 
 from geom import landscapes
 from geom import sam
+from train import stats
 
 _WORKDIR = flags.DEFINE_string('workdir', 'workdirs/sam_landscape',
                                'Where the table, JSON and PNG go.')
@@ -98,25 +99,26 @@ def sweep(rhos, warmups, *, steps, lr, response='flag'):
 
 
 def table(results, restart) -> str:
-  lines = [
-      '| rho | warm-start | end point | f - f_min | \\|grad f(x)\\| | '
-      '\\|grad f(x+)\\| | flagged steps (first) | outcome |',
-      '|---|---|---|---|---|---|---|---|']
+  head = ['rho', 'warm-start', 'end point', 'f - f_min',
+          '\\|grad f(x)\\|', '\\|grad f(x+)\\|', 'flagged steps (first)',
+          'outcome']
+  rows = []
   for (rho, w), r in sorted(results.items()):
     first = f' ({r["first_flag"]})' if r['first_flag'] >= 0 else ''
-    lines.append(
-        f'| {rho:g} | {w} | ({r["x"][0]:+.3f}, {r["x"][1]:+.3f}) | '
-        f'{r["f_gap"]:.2e} | {r["grad_norm"]:.3g} | '
-        f'{r["perturbed_grad_norm"]:.1e} | {int(r["flagged_steps"])}{first} | '
-        f'{r["outcome"]} |')
-  lines += ['', "With response='warm_restart' (100 plain steps after a flag), "
-            'no warm-start:', '',
-            '| rho | end point | f - f_min | flagged steps | outcome |',
-            '|---|---|---|---|---|']
-  for (rho, _), r in sorted(restart.items()):
-    lines.append(f'| {rho:g} | ({r["x"][0]:+.3f}, {r["x"][1]:+.3f}) | '
-                 f'{r["f_gap"]:.2e} | {int(r["flagged_steps"])} | '
-                 f'{r["outcome"]} |')
+    rows.append([
+        f'{rho:g}', w, f'({r["x"][0]:+.3f}, {r["x"][1]:+.3f})',
+        f'{r["f_gap"]:.2e}', f'{r["grad_norm"]:.3g}',
+        f'{r["perturbed_grad_norm"]:.1e}',
+        f'{int(r["flagged_steps"])}{first}', r['outcome']])
+  restart_head = ['rho', 'end point', 'f - f_min', 'flagged steps', 'outcome']
+  restart_rows = [[f'{rho:g}', f'({r["x"][0]:+.3f}, {r["x"][1]:+.3f})',
+                   f'{r["f_gap"]:.2e}', int(r['flagged_steps']), r['outcome']]
+                  for (rho, _), r in sorted(restart.items())]
+  lines = [stats.markdown_table(head, rows, '-' * len(head)),
+           '', "With response='warm_restart' (100 plain steps after a flag), "
+           'no warm-start:', '',
+           stats.markdown_table(restart_head, restart_rows,
+                                '-' * len(restart_head))]
   return '\n'.join(lines) + '\n'
 
 

@@ -108,3 +108,11 @@ def test_markdown_table_aligns_and_checks_its_columns():
     stats.markdown_table(['a', 'b', 'c'], [[1, 2]])
   with pytest.raises(ValueError, match='align'):
     stats.markdown_table(['a', 'b'], [], align='l')
+
+
+def test_markdown_table_plain_rule_and_bad_align():
+  table = stats.markdown_table(['run', 'acc', 'n'], [['a', 1.5, 3]],
+                               align='-r-')
+  assert table == '| run | acc | n |\n|---|--:|---|\n| a | 1.5 | 3 |'
+  with pytest.raises(ValueError, match="'l', 'r', 'c', '-'"):
+    stats.markdown_table(['a', 'b'], [], align='lx')

@@ -41,6 +41,7 @@ import jax
 
 from train import aot
 from train import hlo_traffic
+from train import stats
 from train import targets
 from train.errors import RunError
 
@@ -342,10 +343,10 @@ def _number(value: float | None) -> str:
 
 def table(rows: Sequence[Row], chip: targets.Chip) -> str:
   """A markdown table, one row per program (GiB per chip)."""
-  head = ('| function | arguments | outputs | temporaries | aliased | total '
-          f'| of {gib(chip.hbm_bytes)} | FLOPs | HBM bytes | roofline ms '
-          '| compile s |')
-  lines = [head, '|' + '---|' * 11]
+  head = ['function', 'arguments', 'outputs', 'temporaries', 'aliased',
+          'total', f'of {gib(chip.hbm_bytes)}', 'FLOPs', 'HBM bytes',
+          'roofline ms', 'compile s']
+  body = []
   for r in rows:
     b = r.bytes
     cells = ([gib(b[f]) for f in ('argument', 'output', 'temp', 'alias')]
@@ -355,9 +356,9 @@ def table(rows: Sequence[Row], chip: targets.Chip) -> str:
     name = r.function + (' [' + ', '.join(
         f'{k}={v}' for k, v in r.compiler_options.items()) + ']'
                          if r.compiler_options else '')
-    lines.append(
-        f'| {name} | ' + ' | '.join(cells)
-        + f' | {gib(r.total_bytes)} | {verdict} {100 * r.total_bytes / r.hbm_bytes:.0f}%'
-        f' | {_number(r.flops)} | {_number(r.hbm_traffic)} '
-        f'| {_ms(r.roofline_seconds)} | {r.compile_seconds:.1f} |')
-  return '\n'.join(lines)
+    body.append([
+        name, *cells, gib(r.total_bytes),
+        f'{verdict} {100 * r.total_bytes / r.hbm_bytes:.0f}%',
+        _number(r.flops), _number(r.hbm_traffic), _ms(r.roofline_seconds),
+        f'{r.compile_seconds:.1f}'])
+  return stats.markdown_table(head, body, '-' * len(head))

@@ -61,13 +61,19 @@ def mean_std(values: Sequence[float], scale: float = 1.0,
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]],
                    align: str | None = None) -> str:
-  """A GitHub markdown table; `align` is one character per column ('l',
-  'r' or 'c'; default: the first column left, the others right)."""
+  """A GitHub markdown table; `align` is one character per column: 'l'
+  (left, ':--'), 'r' (right, '--:'), 'c' (centred, ':-:') or '-' (a plain
+  '---' rule cell: no alignment, the renderer's default); default: the first
+  column left, the others right."""
   align = align or 'l' + 'r' * (len(header) - 1)
   if len(align) != len(header):
     raise ValueError(f'align {align!r} has {len(align)} columns, the '
                      f'header {len(header)}')
-  rule = {'l': ':--', 'r': '--:', 'c': ':-:'}
+  rule = {'l': ':--', 'r': '--:', 'c': ':-:', '-': '---'}
+  bad = sorted(set(align) - set(rule))
+  if bad:
+    raise ValueError(f'align {align!r} has {bad}; each character must be '
+                     f'one of {", ".join(map(repr, rule))}')
   lines = ['| ' + ' | '.join(map(str, header)) + ' |',
            '|' + '|'.join(rule[a] for a in align) + '|']
   for row in rows:

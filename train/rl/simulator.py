@@ -79,6 +79,7 @@ import numpy as np
 
 from geom import gas
 from train import metrics as metrics_lib
+from train import stats
 
 
 def _floats(values: Any) -> tuple[float, ...]:
@@ -673,11 +674,11 @@ def predict(cal: Calibration, chips: Sequence[int],
             seed: int = 0) -> str:
   """The markdown table of predictions at each total chip count."""
   names = '/'.join(f'd{d:g}' for d in cal.difficulties)
-  lines = [
-      '| chips (rollout+learner) | actor groups | rows/slot | policy | '
-      'samples/s | x sync | learner busy | actors idle | mean staleness '
-      f'{names} | trained mix {names} (%) | deferred mean/max |',
-      '|---|---|---|---|---|---|---|---|---|---|---|']
+  head = ['chips (rollout+learner)', 'actor groups', 'rows/slot', 'policy',
+          'samples/s', 'x sync', 'learner busy', 'actors idle',
+          f'mean staleness {names}', f'trained mix {names} (%)',
+          'deferred mean/max']
+  table = []
   for total in chips:
     dep = Deployment.split(total, rollout_fraction, chips_per_actor)
     at = scale(cal, dep, t_comm)
@@ -702,13 +703,13 @@ def predict(cal: Calibration, chips: Sequence[int],
       deferred = (f'{r.deferral_mean:.2f} / {r.deferral_max}'
                   if r.policy.gas_options is not None else '-')
       mix = ' / '.join(f'{100 * x:.0f}' for x in r.trained_mix / r.num_slots)
-      lines.append(
-          f'| {total} ({dep.rollout_chips}+{dep.learner_chips}) | {n} | '
-          f'{at.rows_per_slot} | {name} | {r.samples_per_second:,.0f} | '
-          f'{r.samples_per_second / sync.samples_per_second:.2f}x | '
-          f'{r.learner_busy_fraction:.2f} | {r.actor_idle_fraction:.2f} | '
-          f'{_staleness_cell(r)} | {mix} | {deferred} |')
-  return '\n'.join(lines)
+      table.append([
+          f'{total} ({dep.rollout_chips}+{dep.learner_chips})', n,
+          at.rows_per_slot, name, f'{r.samples_per_second:,.0f}',
+          f'{r.samples_per_second / sync.samples_per_second:.2f}x',
+          f'{r.learner_busy_fraction:.2f}', f'{r.actor_idle_fraction:.2f}',
+          _staleness_cell(r), mix, deferred])
+  return stats.markdown_table(head, table, '-' * len(head))
 
 
 def _histogram_fractions(hist: dict[int, int], size: int) -> np.ndarray:
@@ -732,11 +733,10 @@ def check(cal: Calibration, paths: Sequence[str], bound: int = 0,
   added to the predicted wall time. Its s, num_actors and deterministic
   mode come from its checkpoint meta, else from `bound`, `num_actors`.
   """
-  lines = [
-      '| run | s | actors | measured samples/s | predicted, shared | '
-      'ratio | predicted, dedicated | ratio | staleness measured | '
-      'predicted (shared) | TV distance |',
-      '|---|---|---|---|---|---|---|---|---|---|---|']
+  head = ['run', 's', 'actors', 'measured samples/s', 'predicted, shared',
+          'ratio', 'predicted, dedicated', 'ratio', 'staleness measured',
+          'predicted (shared)', 'TV distance']
+  table = []
   for path in sorted(paths):
     results = metrics_lib.read_json(os.path.join(path, 'results.json'))
     runtime = (_run_config(path) or {}).get('runtime', {})
@@ -761,13 +761,13 @@ def check(cal: Calibration, paths: Sequence[str], bound: int = 0,
     p = _histogram_fractions(measured, size)
     q = _histogram_fractions(dict(enumerate(hist)), size)
     sps = results['samples_per_second']
-    lines.append(
-        f'| {os.path.basename(path)} | {s} | {n} | {sps:,.0f} | '
-        f'{predicted[True][0]:,.0f} | {predicted[True][0] / sps:.2f} | '
-        f'{predicted[False][0]:,.0f} | {predicted[False][0] / sps:.2f} | '
-        f'{_fractions_cell(p)} | {_fractions_cell(q)} | '
-        f'{0.5 * np.abs(p - q).sum():.3f} |')
-  return '\n'.join(lines)
+    table.append([
+        os.path.basename(path), s, n, f'{sps:,.0f}',
+        f'{predicted[True][0]:,.0f}', f'{predicted[True][0] / sps:.2f}',
+        f'{predicted[False][0]:,.0f}', f'{predicted[False][0] / sps:.2f}',
+        _fractions_cell(p), _fractions_cell(q),
+        f'{0.5 * np.abs(p - q).sum():.3f}'])
+  return stats.markdown_table(head, table, '-' * len(head))
 
 
 def summary(cal: Calibration) -> str:

@@ -50,6 +50,7 @@ from geom import steering as steering_lib
 from train import aot
 from train import experiment as experiment_lib
 from train import metrics as metrics_lib
+from train import stats
 from train import workdir_lock
 from train.errors import ConfigError
 from train.lm import corpus as text_corpus
@@ -590,9 +591,8 @@ def markdown_table(rows: list[dict[str, Any]], tasks: list[str]) -> str:
              'norm ratio (at / next / last)', 'trigger rate',
              'positive share', 'distinct-2', 'rep-3',
              'generations CE (unsteered model)'])
-  lines = ['| ' + ' | '.join(head) + ' |',
-           '|' + '---|' * len(head)]
   src = ce_cols[0].removesuffix('_ce')
+  table = []
   for r in rows:
     cells = [r['method'], f'{r["alpha"]:.2f}']
     cells += [f'{r[f"{t}_acc_sum"]:.3f} / {r[f"{t}_acc_mean"]:.3f}'
@@ -604,5 +604,5 @@ def markdown_table(rows: list[dict[str, Any]], tasks: list[str]) -> str:
               f'{r["trigger_rate"]:.3f}', f'{r["positive_share"]:.3f}',
               f'{r["distinct_2"]:.3f}', f'{r["repetition_3"]:.3f}',
               f'{r["gen_ce"]:.3f}']
-    lines.append('| ' + ' | '.join(cells) + ' |')
-  return '\n'.join(lines) + '\n'
+    table.append(cells)
+  return stats.markdown_table(head, table, '-' * len(head)) + '\n'

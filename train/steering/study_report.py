@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from train import stats
 from train.steering import pareto
 from train.steering import study
 
@@ -94,55 +95,57 @@ def _fmt(cell: dict[str, Any], scale: float = 100.0, digits: int = 1,
 def markdown(summary: dict[str, Any]) -> str:
   """The study's tables: mean [95% interval]; accuracies in %."""
   targets = summary['targets']
-  kl_head = ' | '.join(f'KL {t:g}' for t in targets)
-  sep = '|---' * (len(targets) + 1) + '|'
+  kl_head = [f'KL {t:g}' for t in targets]
+
+  def table(first: str, cells_by_name: dict[str, list[dict[str, Any]]],
+            suffix: str = '', fmt: tuple[Any, ...] = ()) -> str:
+    """One row per name: its cells at each target KL, `_fmt(cell, *fmt)`."""
+    return stats.markdown_table(
+        [first, *kl_head],
+        [[f'{name}{suffix}', *(_fmt(c, *fmt) for c in cells)]
+         for name, cells in cells_by_name.items()],
+        '-' * (len(targets) + 1))
+
   lines = [f'{summary["lms"]} LMs x {len(summary["item_sets"])} item sets '
            f'(seeds {", ".join(map(str, summary["item_sets"]))}; items per '
            f'set: {", ".join(f"{t} {n}" for t, n in summary["items"].items())}'
            '). Mean [95% hierarchical bootstrap interval over LMs, item sets '
            'and items]; accuracy (mean log-prob) in %.', '']
-  for task, table in summary['accuracy'].items():
+  for task, accuracy in summary['accuracy'].items():
     base = summary['unsteered'][task]
     lines += [f'**{task}: accuracy at matched KL** (unsteered: '
-              f'{_fmt(base)})', '', f'| method | {kl_head} |', sep]
-    lines += [f'| {m} | ' + ' | '.join(_fmt(c) for c in cells) + ' |'
-              for m, cells in table.items()]
+              f'{_fmt(base)})', '', table('method', accuracy)]
     lines += ['', f'**{task}: gain over the unsteered model (points, items '
-              'paired)**', '', f'| method | {kl_head} |', sep]
-    lines += [f'| {m} - none | ' + ' | '.join(_fmt(c) for c in cells) + ' |'
-              for m, cells in summary['gain'][task].items()]
+              'paired)**', '', table('method', summary['gain'][task],
+                                     ' - none')]
     lines += ['', f'**{task}: paired differences (points)**', '',
-              f'| difference | {kl_head} |', sep]
-    lines += [f'| {name} | ' + ' | '.join(_fmt(c) for c in cells) + ' |'
-              for name, cells in summary['paired'][task].items()]
+              table('difference', summary['paired'][task])]
     if task in summary['ablation']:
       lines += ['', f'**{task}: gate x geometry (points)**: gate = mean over '
                 'geometry of gated - ungated; rotation = mean over gate of '
                 'rotation - addition; interaction = gate\'s effect on the '
-                'rotation - on addition', '', f'| effect | {kl_head} |', sep]
-      lines += [f'| {name} | ' + ' | '.join(_fmt(c) for c in cells) + ' |'
-                for name, cells in summary['ablation'][task].items()]
+                'rotation - on addition', '',
+                table('effect', summary['ablation'][task])]
     lines.append('')
   if summary['gate']:
-    head = ' | '.join(f'{task} KL {t:g}' for task in summary['accuracy']
-                      for t in targets)
+    head = ['beta', 'trigger rate', *(f'{task} KL {t:g}'
+                                      for task in summary['accuracy']
+                                      for t in targets)]
     lines += ['**The gate: trigger rate (held-out tokens) against accuracy '
-              '(spherical_gate)**', '', f'| beta | trigger rate | {head} |',
-              '|---' * (2 + len(targets) * len(summary['accuracy'])) + '|']
-    for g in summary['gate']:
-      cells = [_fmt(c) for task in summary['accuracy']
-               for c in g['accuracy'][task]]
-      lines.append(f'| {g["beta"]:g} | {_fmt(g["trigger_rate"], 100.0)} | '
-                   + ' | '.join(cells) + ' |')
+              '(spherical_gate)**', '', stats.markdown_table(
+                  head, [[f'{g["beta"]:g}', _fmt(g['trigger_rate'], 100.0),
+                          *(_fmt(c) for task in summary['accuracy']
+                            for c in g['accuracy'][task])]
+                         for g in summary['gate']], '-' * len(head))]
     lines.append('')
   for key, title, scale, digits in GENERATION_MEASURES:
     unit = ' (%)' if scale == 100.0 else ''
     lines += [f'**Generations: {title}{unit} at matched KL** (interval over '
               'LMs only; n/a: beyond some LM\'s sweep, or no sentiment word '
-              'to count)', '', f'| method | {kl_head} |', sep]
-    lines += [f'| {m} | ' + ' | '.join(_fmt(c, scale, digits, 'n/a')
-                                       for c in g[key]) + ' |'
-              for m, g in summary['generation'].items()]
+              'to count)', '',
+              table('method', {m: g[key] for m, g
+                               in summary['generation'].items()},
+                    fmt=(scale, digits, 'n/a'))]
     lines.append('')
   lines += ['Largest KL each LM\'s sweep reached: ' + '; '.join(
       f'{m} {", ".join(f"{k:.2f}" for k in v)}'
