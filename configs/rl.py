@@ -52,6 +52,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.cpu_devices = 8
   # Devices that generate; the rest train (disjoint meshes).
   config.rollout_devices = 4
+  # With launch.rl --multihost: how many processes generate (0..R-1, each
+  # on its own devices); the last one trains. Unset: one process.
+  config.rollout_processes = ml_collections.config_dict.placeholder(int)
 
   config.family = 'add'
   config.difficulties = (1, 2, 3, 4, 5)
@@ -72,7 +75,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       deterministic=False, max_actor_restarts=3,
       # Unset: max_staleness + num_actors batches.
       buffer_capacity=ml_collections.config_dict.placeholder(int),
-      shutdown_timeout=60.0))
+      shutdown_timeout=60.0,
+      # Multi-process runs: a transfer or a wait on another process (s),
+      # and how long a process may stay silent before it is declared dead
+      # (keep it below launch.rl's --heartbeat_timeout_seconds).
+      transfer_timeout=300.0, peer_timeout=60.0))
 
   # 'fixed': every batch may lag runtime.max_staleness versions, uniform
   # difficulty. 'gas': geom.gas; gas.s_base is the easiest difficulty's

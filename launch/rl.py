@@ -12,6 +12,16 @@ exit status 2 before any compute. The workdir in use by another run: 75;
 no checkpoint in it that loads and verifies: 4; actors failing beyond
 `runtime.max_actor_restarts`: 1. SIGTERM saves a checkpoint and exits 0,
 SIGINT saves one and exits 130; the same command resumes the run.
+
+Several processes (`--multihost`, flags in `launch.multihost`) with
+`--config.rollout_processes=R`: processes 0..R-1 generate, the last one
+trains and holds the workdir (`train.rl.processes`), e.g. on one machine:
+
+  for i in 0 1 2; do python -m launch.rl --config=configs/rl.py \
+    --config.sft_workdir=workdirs/rl_sft --workdir=workdirs/rl \
+    --config.cpu_devices=4 --config.rollout_processes=2 --multihost \
+    --coordinator_address=127.0.0.1:8476 --num_processes=3 \
+    --process_id=$i & done
 """
 
 from absl import app
@@ -19,6 +29,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from launch import entry
+from launch import multihost
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'RL config file (get_config(arg)).', lock_config=True)
@@ -34,10 +45,17 @@ def main(argv):
 
   def job():
     entry.configure_devices(config)
+    # Each process's programs run on its own devices.
+    multihost.initialize(collectives=False)
     from train.rl import run  # pylint: disable=g-import-not-at-top
     return run.train_and_evaluate(config, _WORKDIR.value)
 
   results = entry.run_job(job)
+  if results.get('role') == 'rollout':
+    print(f'rollout process {results["process"]}: sent '
+          f'{results["batches_sent"]} batches; workdir {_WORKDIR.value} '
+          '(the learner\'s)')
+    return
   scores = ', '.join(f'{d} digits {100 * v:.1f}%'
                      for d, v in results['pass_at_1'].items())
   print(f'pass@1: {scores} (staleness <= '

@@ -1,9 +1,10 @@
 r"""Train a model: `python -m launch.train --config=configs/X.py[:arg] --workdir=DIR`.
 
 Overrides: `--config.a.b=value`. Multi-host (TPU pods, or several processes
-on one machine): `--multihost` calls `jax.distributed.initialize()`, which
-finds the coordinator by itself on Cloud TPU; elsewhere pass
-`--coordinator_address`, `--num_processes` and `--process_id`.
+on one machine): `--multihost` (`launch.multihost`) calls
+`jax.distributed.initialize()`, which finds the coordinator by itself on
+Cloud TPU; elsewhere pass `--coordinator_address`, `--num_processes` and
+`--process_id`.
 
 A mistake in the config or flags ends the run before any compute with one
 line naming the setting, the value and the valid choices (exit status 2).
@@ -19,6 +20,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from launch import entry
+from launch import multihost
 from launch import trainers
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -26,36 +28,14 @@ _CONFIG = config_flags.DEFINE_config_file(
     lock_config=True)
 _WORKDIR = flags.DEFINE_string(
     'workdir', None, 'Directory for checkpoints, metrics and plots.')
-_MULTIHOST = flags.DEFINE_bool(
-    'multihost', False, 'Call jax.distributed.initialize() before training.')
-_COORDINATOR = flags.DEFINE_string(
-    'coordinator_address', None, 'host:port of process 0 (multihost only).')
-_NUM_PROCESSES = flags.DEFINE_integer(
-    'num_processes', None, 'Number of processes (multihost only).')
-_PROCESS_ID = flags.DEFINE_integer(
-    'process_id', None, 'This process (multihost only).')
-_HEARTBEAT = flags.DEFINE_integer(
-    'heartbeat_timeout_seconds', 100,
-    'Multihost: a process silent this long is declared dead and the others '
-    'stop with an error instead of waiting for it.')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
 
 def _init_jax(config) -> None:
   """Device settings that must precede JAX's backend initialisation."""
-  import jax  # pylint: disable=g-import-not-at-top
   entry.configure_devices(config)
-  if _MULTIHOST.value:
-    # CPU processes exchange collectives through gloo (TCP): the default CPU
-    # client has none across processes. Accelerator backends ignore it.
-    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-    kwargs = {k: v for k, v in (
-        ('coordinator_address', _COORDINATOR.value),
-        ('num_processes', _NUM_PROCESSES.value),
-        ('process_id', _PROCESS_ID.value)) if v is not None}
-    jax.distributed.initialize(
-        heartbeat_timeout_seconds=_HEARTBEAT.value, **kwargs)
+  multihost.initialize()
 
 
 def main(argv):

@@ -97,6 +97,13 @@ class StopFlag:
     _STOPPING.set()
     self.event.set()
 
+  def request(self, signal_name: str) -> None:
+    """As if `signal_name` ('SIGTERM' or 'SIGINT') had arrived."""
+    if not self.event.is_set():
+      self.signal_name = signal_name
+    _STOPPING.set()
+    self.event.set()
+
   def installed(self) -> contextlib.AbstractContextManager[None]:
     """Handles SIGTERM and SIGINT inside the block (main thread, one process).
 

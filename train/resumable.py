@@ -192,6 +192,11 @@ class Run:
                  self.total, self.workdir)
     return step, tree, meta
 
+  def request_stop(self, signal_name: str) -> None:
+    """Stops as SIGTERM or SIGINT would (`signal_name`): for a stop that
+    another process of the job received."""
+    self._stop.request(signal_name)
+
   def stopping(self) -> contextlib.AbstractContextManager[None]:
     """Inside the block, SIGTERM and SIGINT request a stop at the end of
     the current step (see `train.preemption`)."""

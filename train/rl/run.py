@@ -51,24 +51,30 @@ import optax
 from train import aot
 from train import checksums
 from train import fileio
+from train import local_checkpoints
 from train import metrics as metrics_lib
 from train import plots
+from train import preemption
+from train import process_group
 from train import resumable
 from train import resume_check
 from train import sharding as sharding_lib
 from train import steps
-from train.errors import ConfigError
+from train.errors import ConfigError, Preempted, RunError
 from train.experiment import check_seed
 from train.experiment import check_workdir
 from train.lm import decoder as decoder_lm
 from train.lm import trainer as lm_trainer
+from train.rl import control
 from train.rl import grpo
 from train.rl import learner as learner_lib
 from train.rl import rollout as rollout_lib
+from train.rl import processes as processes_lib
 from train.rl import runtime as runtime_lib
 from train.rl import scheduler as scheduler_lib
 from train.rl import sft
 from train.rl import tasks
+from train.rl import transport as transport_lib
 
 RESULTS = 'results.json'
 PLOT = 'pass_at_1.png'
@@ -77,9 +83,15 @@ TASK = 'rl'
 PROGRESS_EVERY = 10
 PROGRESS_KEYS = ('reward', 'staleness', 'samples_per_second',
                  'learner_busy_fraction', 'eval/pass_at_1')
+# rollout_processes may change: a run resumes on another process split.
 MAY_CHANGE = ('log_every', 'checkpoint_every', 'keep_checkpoints',
               'cpu_devices', 'runtime.shutdown_timeout',
-              'runtime.max_actor_restarts', 'sft_workdir')
+              'runtime.max_actor_restarts', 'sft_workdir',
+              'rollout_processes', 'runtime.transfer_timeout',
+              'runtime.peer_timeout')
+# Unset in configs older than the multi-process runtime.
+TRANSFER_TIMEOUT = 300.0
+PEER_TIMEOUT = 60.0
 
 
 def loss_settings(config) -> learner_lib.LearnerSettings:
@@ -141,9 +153,27 @@ def learner_layout(config) -> tuple[tuple[str, ...], tuple[int, ...],
           tuple(tuple(r) for r in block.rules))
 
 
+def multi_process(config, devices: list | None = None) -> bool:
+  """Whether this job's processes split into rollout and learner ones."""
+  return (devices is None and jax.process_count() > 1
+          and config.get('rollout_processes') is not None)
+
+
 def meshes(config, devices: list | None = None) -> tuple[Mesh, Mesh]:
-  """(rollout mesh, learner mesh) of `devices` (default: this job's)."""
+  """(rollout mesh, learner mesh) of `devices` (default: this job's).
+
+  With several processes (`rollout_processes`), each is over this
+  process's own devices: a rollout process uses the first, the learner
+  the second.
+  """
   axes, shape, rules = learner_layout(config)
+  if multi_process(config, devices):
+    local = jax.local_devices()
+    rollout_mesh = Mesh(np.array(local), ('data',))
+    learner_mesh = sharding_lib.make_mesh(shape, axes, local,
+                                          field='learner_mesh')
+    sharding_lib.check_rules(rules, axes, field='learner_mesh.rules')
+    return rollout_mesh, learner_mesh
   rollout_mesh, learner_mesh = runtime_lib.split_devices(
       config.rollout_devices, devices, axes, shape)
   sharding_lib.check_rules(rules, axes, field='learner_mesh.rules')
@@ -205,9 +235,14 @@ def check_config(config: ml_collections.ConfigDict,
     raise ConfigError('eval_examples', config.eval_examples,
                       f'must be at most {MAX_EVAL_EXAMPLES} per difficulty')
   scheduler_lib.check_config(config)
-  if not config.runtime.shutdown_timeout > 0:
-    raise ConfigError('runtime.shutdown_timeout',
-                      config.runtime.shutdown_timeout, 'must be > 0')
+  for field in ('shutdown_timeout', 'transfer_timeout', 'peer_timeout'):
+    value = config.runtime.get(field, 1.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        0 < value < math.inf):
+      raise ConfigError(f'runtime.{field}', value,
+                        'must be a finite number of seconds > 0')
+  if devices is None:
+    processes_lib.roles(config)
   for field in ('learning_rate', 'grad_clip_norm'):
     value = config.optimizer[field]
     if not (isinstance(value, (int, float)) and 0 < value < math.inf):
@@ -338,11 +373,90 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     Preempted: SIGTERM or SIGINT arrived; a checkpoint was saved first.
   """
   check_config(config)
-  workdir = check_workdir(workdir)
-  with resumable.open_run(
-      config, workdir, check_config=functools.partial(
-          _check_resume, config, workdir), results_name=RESULTS) as run:
-    return _train(config, run)
+  roles = processes_lib.roles(config)
+  if roles is None:
+    workdir = check_workdir(workdir)
+    with resumable.open_run(
+        config, workdir, check_config=functools.partial(
+            _check_resume, config, workdir), results_name=RESULTS) as run:
+      return _train(config, run)
+  job = _Job(config, roles)
+  try:
+    if not roles.is_learner:
+      return _rollout(config, job)
+    # The learner holds the workdir alone; the rollout processes never
+    # touch it.
+    with process_group.alone():
+      workdir = check_workdir(workdir)
+      with resumable.open_run(
+          config, workdir, check_config=functools.partial(
+              _check_resume, config, workdir), results_name=RESULTS,
+          checkpoints=local_checkpoints.LocalCheckpoints) as run:
+        results = _train(config, run, job)
+    job.tell('done', {'ok': True})
+    return results
+  except Preempted as e:
+    if roles.is_learner:
+      job.tell('done', {'stop': e.signal_name, 'step': e.step})
+    raise
+  except BaseException as e:
+    line = str(e) if isinstance(e, RunError) else f'{type(e).__name__}: {e}'
+    if roles.is_learner:
+      job.tell('done', {'error': line})
+    else:
+      job.tell(f'failed/{roles.process}', line)
+    job.close(error=True, dead=getattr(e, 'process', None))
+    raise
+  finally:
+    job.close()
+
+
+class _Job:
+  """A multi-process run's control plane: channel, liveness, transport."""
+
+  def __init__(self, config, roles: processes_lib.Roles):
+    self.roles = roles
+    self.halt = threading.Event()
+    timeout = config.runtime.get('transfer_timeout', TRANSFER_TIMEOUT)
+    self.channel = processes_lib.channel(timeout, self.halt.is_set)
+    self.peer_timeout = config.runtime.get('peer_timeout', PEER_TIMEOUT)
+    self._closed = False
+    self.liveness = control.Liveness(
+        self.channel, roles.process, roles.names,
+        dead_after=self.peer_timeout)
+    self.liveness.start()
+    self.transport = transport_lib.DevicePutTransport(
+        self.channel, roles.process, timeout)
+
+  def tell(self, key: str, value: Any) -> None:
+    """Sets `key` if the control plane is still there (a failure to tell
+    must not hide the error that ends the run)."""
+    try:
+      self.channel.set(key, value)
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning('could not tell the other processes %s: %s', key, e)
+
+  def close(self, error: bool = False, dead: int | None = None) -> None:
+    """Stops this process's side. Process 0 hosts jax.distributed's
+    service, whose end aborts every other process: after an error it waits
+    (up to `peer_timeout`) for the others, except a `dead` one, to end
+    theirs, so that each reports its own one line."""
+    if self._closed:
+      return
+    self._closed = True
+    self.halt.set()
+    self.transport.stop()
+    self.liveness.stop()
+    self.tell(f'exited/{self.roles.process}', 1)
+    if self.roles.process != 0 or not error:
+      return
+    others = [p for p in range(self.roles.num_processes)
+              if p not in (0, dead)]
+    deadline = time.monotonic() + self.peer_timeout
+    while time.monotonic() < deadline and any(
+        self.channel.try_get(f'exited/{p}') is None for p in others):
+      time.sleep(0.05)
+    time.sleep(0.5)  # Their last line is being printed.
 
 
 def _counters(bound: int, saved: dict | None = None
@@ -392,12 +506,19 @@ def _layout(config, model, tx, params) -> _Layout:
   # `launch.compile` compiles it.
   update = _update_program(config, model, tx, loss_settings(config), params,
                            learner_mesh).lower().compile()
+  if multi_process(config):
+    # The learner process has no rollout mesh: its published versions stay
+    # on its devices (the transport sends them), and a batch generated
+    # again after admission refused it is generated on the learner mesh.
+    return _Layout(NamedSharding(learner_mesh, P()), learner_rows,
+                   learner_mesh, learner_rows, param_shardings, update)
   return _Layout(NamedSharding(rollout_mesh, P()),
                  NamedSharding(rollout_mesh, P('data')), learner_mesh,
                  learner_rows, param_shardings, update)
 
 
-def _train(config, run: resumable.Run) -> dict[str, Any]:
+def _train(config, run: resumable.Run, job: '_Job | None' = None
+           ) -> dict[str, Any]:
   sft_config, model, sft_params = sft.load_policy(config.sft_workdir)
   check_policy(config, sft_config, model.max_len)
   # The warm start (the first policy and GRPO's reference) is pinned by
@@ -424,7 +545,7 @@ def _train(config, run: resumable.Run) -> dict[str, Any]:
   run.finite = resumable.Finite(_policy_finite, 'policy state',
                                 can_skip=False)
   learner = _Learner(config, model, run, layout, reference=params,
-                     restored=found or (0, fresh, {}))
+                     restored=found or (0, fresh, {}), job=job)
   if learner.version == 0 and not learner.curve:
     run.writer.write(0, learner.evaluate(0))
   learner.start()
@@ -449,7 +570,8 @@ class _Learner:
   scheduler, and the actors generating from the published versions."""
 
   def __init__(self, config, model, run: resumable.Run, layout: _Layout,
-               reference, restored: tuple[int, dict, dict]):
+               reference, restored: tuple[int, dict, dict],
+               job: '_Job | None' = None):
     self.config, self.model, self.run, self.layout = config, model, run, layout
     self.reference = reference
     self.version, self.state, meta = restored
@@ -480,17 +602,37 @@ class _Learner:
     self.buffer = runtime_lib.Buffer(rsettings.capacity,
                                      next_needed=self.version)
     self.base_key = jax.random.key(config.seed)
-    self.actors = runtime_lib.Actors(
-        self.generate, self.snapshots, self.buffer, rsettings,
-        start=self.version,
-        plan=lambda k, latest: self.scheduler.plan(k, latest).min_version)
+    self.job = job
+    if job is None:
+      self.actors = runtime_lib.Actors(
+          self.generate, self.snapshots, self.buffer, rsettings,
+          start=self.version,
+          plan=lambda k, latest: self.scheduler.plan(k, latest).min_version)
+    else:
+      self.actors = processes_lib.LearnerServices(
+          roles_=job.roles, channel_=job.channel, transport=job.transport,
+          liveness=job.liveness, snapshots=self.snapshots,
+          plan=self.scheduler.plan, window=rsettings.capacity,
+          leaves=jax.tree.leaves, deliver=self._deliver,
+          request_stop=run.request_stop)
     self.progress = metrics_lib.Progress(self.version, config.num_versions)
     self.started = self.published = time.perf_counter()
 
   def start(self) -> None:
     """Starts the actors; the first step's time counts from here."""
-    self.actors.start()
+    if self.job is None:
+      self.actors.start()
+    else:
+      self.actors.start(self.version)
     self.published = time.perf_counter()
+
+  def _deliver(self, meta: dict, arrays: list[jax.Array]) -> None:
+    """A batch a rollout process generated (the transport's thread)."""
+    k, difficulty = meta['k'], meta['difficulty']
+    host = [np.asarray(a) for a in arrays]
+    _, problems = batch_problems(self.config, k, difficulty)
+    out = rollout_lib.Rollout(tuple(problems), *host, version=meta['version'])
+    self.buffer.deliver(k, Item(out, difficulty, meta['seconds']))
 
   def stop(self, timeout: float) -> None:
     """Stops the scheduler's waits and the actors; waits `timeout` s."""
@@ -540,6 +682,8 @@ class _Learner:
   def train_batch(self, k: int) -> dict[str, float]:
     """Trains batch k (version k -> k + 1), publishes the new version;
     returns its metrics."""
+    if self.job is not None:
+      self.actors.advance(k)
     item = self.buffer.take(k, self.actors.check)
     clock = time.perf_counter()
     admitted = self.scheduler.admit(k, item.difficulty,
@@ -628,6 +772,102 @@ class _Learner:
           version, config.num_versions,
           {k: scalars[k] for k in PROGRESS_KEYS if k in scalars},
           rate, eta, console=('eval/pass_at_1',))
+
+
+def _rollout(config, job: _Job) -> dict[str, Any]:
+  """A rollout process: generates batches for the learner until it ends.
+
+  Returns what it generated; raises `Preempted` when the learner stopped
+  for a signal (the launcher exits as the learner did), `RunError` when
+  the learner failed.
+  """
+  roles, ch = job.roles, job.channel
+  with process_group.alone():  # Read with this process's devices only.
+    sft_config, model, sft_params = sft.load_policy(config.sft_workdir)
+  check_policy(config, sft_config, model.max_len)
+  treedef = jax.tree.structure(sft_params)
+  del sft_params
+  rollout_mesh, _ = meshes(config)
+  replicated = NamedSharding(rollout_mesh, P())
+  rows = NamedSharding(rollout_mesh, P('data'))
+  settings = runtime_settings(config)
+  window = settings.capacity
+  timeout = config.runtime.get('transfer_timeout', TRANSFER_TIMEOUT)
+  snapshots = processes_lib.RemoteSnapshots(
+      ch, roles.process, keep=window + settings.max_staleness + 2,
+      timeout=timeout)
+
+  def receive(kind, meta, src, arrays):
+    if kind != 'weights' or src != roles.learner:
+      raise ValueError(f'a rollout process received {kind!r} from {src}')
+    snapshots.versions.add(meta['version'], jax.tree.unflatten(
+        treedef, [jax.device_put(a, replicated) for a in arrays]))
+
+  job.transport.start(receive)
+  while (start := ch.try_get('start')) is None:  # The learner restores.
+    job.liveness.check()
+    if job.halt.wait(0.05):
+      raise runtime_lib.Stopped()
+  base_key = jax.random.key(config.seed)
+  plans: dict[int, tuple[int, int]] = {}
+
+  def plan(k: int, latest: int) -> int:
+    del latest  # The learner's scheduler decides, with its own latest.
+    plans[k] = tuple(ch.get(f'plan/{k}', timeout=math.inf))
+    return plans[k][1]
+
+  def generate(k: int, v: int, params) -> Item:
+    difficulty = plans[k][0]
+    _, problems = batch_problems(config, k, difficulty)
+    begin = time.perf_counter()
+    out = rollout_lib.sample(
+        model, params, problems, jax.random.fold_in(base_key, k),
+        temperature=config.temperature,
+        num_steps=tasks.max_answer_tokens(config.family, difficulty),
+        version=v, sharding=rows)
+    return Item(out, difficulty, time.perf_counter() - begin)
+
+  def send(k: int, item: Item) -> None:
+    out = item.rollout
+    job.transport.send(
+        'batch', {'k': k, 'version': out.version,
+                  'difficulty': item.difficulty, 'seconds': item.seconds},
+        [out.prompt, out.prompt_valid, out.completion, out.completion_mask,
+         out.behaviour_logps, out.rewards], roles.learner)
+
+  claim = processes_lib.remote_claim(ch, start, window, job.halt.is_set,
+                                     total=config.num_versions)
+  actors = runtime_lib.Actors(generate, snapshots,
+                              processes_lib.RemoteBuffer(send), settings,
+                              start=start, plan=plan, claim=claim)
+  stop = preemption.StopFlag()
+  forwarded = False
+  with process_group.alone(), stop.installed():
+    actors.start()
+    try:
+      while (done := ch.try_get('done')) is None:
+        actors.check()
+        job.transport.check()
+        job.liveness.check()
+        if stop.event.is_set() and not forwarded:
+          ch.set('stop', stop.signal_name)
+          forwarded = True
+        time.sleep(0.05)
+    finally:
+      job.halt.set()
+      actors.stop()
+      snapshots.stop()
+      try:
+        actors.join(config.runtime.shutdown_timeout)
+      except RuntimeError as e:
+        logging.warning('%s', e)
+  if 'stop' in done:
+    raise Preempted(done['step'], done['stop'])
+  if 'error' in done:
+    raise RunError(f'the learner (process {roles.learner}) stopped: '
+                   f'{done["error"]}')
+  return {'role': 'rollout', 'process': roles.process,
+          'batches_sent': job.transport.sent}
 
 
 def _results(config, counters, curve, seconds: float) -> dict[str, Any]:

@@ -186,6 +186,14 @@ class Buffer:
       self.peak = max(self.peak, len(self._items))
       self._cond.notify_all()
 
+  def deliver(self, k: int, item: Any) -> None:
+    """Adds batch k without waiting: for batches that other processes
+    generated, which bound how far ahead they run themselves."""
+    with self._cond:
+      self._items[k] = item
+      self.peak = max(self.peak, len(self._items))
+      self._cond.notify_all()
+
   def take(self, k: int, poll: Callable[[], None] = lambda: None) -> Any:
     """Batch k, waiting for it; `poll` runs between waits (and may raise)."""
     with self._cond:
@@ -226,9 +234,13 @@ class Actors:
 
   def __init__(self, generate: Generate, snapshots: Snapshots,
                buffer: Buffer, settings: RuntimeSettings, start: int = 0,
-               plan: Plan | None = None):
+               plan: Plan | None = None,
+               claim: Callable[[], int] | None = None):
     """`plan` (a scheduler's dispatch; called once per batch claimed, in
-    claim order) defaults to the global bound: max(0, k - s)."""
+    claim order) defaults to the global bound: max(0, k - s). `claim`
+    gives the next new batch number (default: start, start + 1, ... in
+    this process; another process's counter when several generate)."""
+    self._claim_new = claim
     self._generate = generate
     self._plan = plan or (
         lambda k, latest: max(0, k - settings.max_staleness))
@@ -259,9 +271,11 @@ class Actors:
     with self._lock:
       if self._returned:
         return heapq.heappop(self._returned)
-      k = self._next
-      self._next += 1
-      return k
+      if self._claim_new is None:
+        k = self._next
+        self._next += 1
+        return k
+    return self._claim_new()  # It may wait: outside the lock.
 
   def _run(self, actor: int) -> None:
     k = None

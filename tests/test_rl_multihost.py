@@ -1,0 +1,188 @@
+"""`launch.rl --multihost` on loopback: rollout and learner processes of one job.
+
+Each job is 2 or 3 real `python -m launch.rl` processes (4 CPU devices
+each) meeting through jax.distributed on 127.0.0.1: processes 0..R-1
+generate, the last one trains; weights and batches cross by
+`jax.device_put` (train.rl.transport). The one-process runs they are
+compared with use 8 devices, 4 of them generating, so that every program
+runs on a mesh of the same size either way.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests import launch_runs
+
+REPO_ROOT = launch_runs.REPO_ROOT
+GAS = ('--config.scheduler=gas', '--config.gas.latency_source=model',
+       '--config.gas.curvature_every=3', '--config.gas.curvature_iters=3')
+VERSIONS = 8
+
+
+@pytest.fixture(scope='module')
+def sft_workdir(sft_policy_run):
+  return sft_policy_run[0]
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _args(workdir, sft_workdir, staleness, *overrides):
+  return ['-m', 'launch.rl',
+          f'--config=configs/rl.py:runlocal,staleness={staleness}',
+          f'--config.sft_workdir={sft_workdir}', f'--workdir={workdir}',
+          '--config.difficulties=(1,2)',
+          f'--config.num_versions={VERSIONS}', *overrides]
+
+
+def _env():
+  env = dict(os.environ)
+  env['XLA_FLAGS'] = ' '.join(
+      f for f in env.get('XLA_FLAGS', '').split()
+      if not f.startswith('--xla_force_host_platform_device_count'))
+  return env
+
+
+def _start(workdir, sft_workdir, processes, staleness, *overrides):
+  """The job's processes, started (stdout and stderr piped)."""
+  ports = [_free_port() for _ in range(processes + 1)]
+  procs = []
+  for i in range(processes):
+    cmd = [sys.executable, *_args(
+        workdir, sft_workdir, staleness, '--config.cpu_devices=4',
+        f'--config.rollout_processes={processes - 1}', '--multihost',
+        f'--coordinator_address=127.0.0.1:{ports[0]}',
+        f'--num_processes={processes}', f'--process_id={i}',
+        f'--transfer_address=127.0.0.1:{ports[i + 1]}',
+        '--heartbeat_timeout_seconds=60',
+        '--config.runtime.peer_timeout=5', *overrides)]
+    procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=_env(),
+                                  stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True))
+  return procs
+
+
+def _finish(procs, timeout=300):
+  outs = []
+  try:
+    for p in procs:
+      outs.append(p.communicate(timeout=timeout))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.communicate()
+  return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+def _results(workdir):
+  with open(os.path.join(workdir, 'results.json')) as f:
+    return json.load(f)
+
+
+def _multi(workdir, sft_workdir, processes, staleness, *overrides):
+  ends = _finish(_start(workdir, sft_workdir, processes, staleness,
+                        *overrides))
+  for code, _, err in ends:
+    assert code == 0, err[-3000:]
+  return _results(workdir), ends
+
+
+_SINGLE = {}
+
+
+def _single(tmp_path_factory, sft_workdir, staleness, *overrides):
+  """The one-process deterministic run of the same config (once each)."""
+  key = (staleness, overrides)
+  if key not in _SINGLE:
+    workdir = tmp_path_factory.mktemp('single')
+    proc = subprocess.run(
+        [sys.executable, *_args(workdir, sft_workdir, staleness, *overrides)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _SINGLE[key] = _results(workdir)
+  return _SINGLE[key]
+
+
+DETERMINISTIC = ('--config.runtime.deterministic=True',)
+
+
+@pytest.mark.parametrize('processes,staleness,scheduler', [
+    (2, 2, 'fixed'), (3, 0, 'gas'),
+    pytest.param(3, 2, 'fixed', marks=pytest.mark.slow),
+    pytest.param(2, 0, 'gas', marks=pytest.mark.slow)])
+def test_a_deterministic_run_equals_one_process_bit_for_bit(
+    sft_workdir, tmp_path, tmp_path_factory, processes, staleness,
+    scheduler):
+  extra = DETERMINISTIC + (GAS if scheduler == 'gas' else ())
+  multi, ends = _multi(tmp_path / 'multi', sft_workdir, processes,
+                       staleness, *extra)
+  single = _single(tmp_path_factory, sft_workdir, staleness, *extra)
+  assert multi['params_sha256'] == single['params_sha256']
+  assert multi['curve'][-1] == {**single['curve'][-1],
+                                'wall': multi['curve'][-1]['wall']}
+  assert multi['staleness_histogram'] == single['staleness_histogram']
+  # Every batch came from a rollout process, none from the learner.
+  sent = [int(out.split('sent ')[1].split()[0]) for _, out, _ in ends[:-1]]
+  assert sum(sent) >= VERSIONS
+  # Nothing of the run in the rollout processes' output but their line.
+  assert all(out.startswith('rollout process') for _, out, _ in ends[:-1])
+
+
+def test_a_free_run_keeps_its_staleness_bound_on_three_processes(
+    sft_workdir, tmp_path):
+  results, _ = _multi(tmp_path, sft_workdir, 3, 1)
+  histogram = {int(k): n for k, n in results['staleness_histogram'].items()}
+  assert max(histogram) <= 1 and sum(histogram.values()) == VERSIONS
+
+
+def _latest_checkpoint(workdir) -> int:
+  path = os.path.join(workdir, 'checkpoints')
+  return max((int(d) for d in (os.listdir(path) if os.path.isdir(path)
+                               else ()) if d.isdigit()), default=-1)
+
+
+# Process 0 is excluded: jax.distributed's coordination service runs in it,
+# and its death ends every other process at once with JAX's own message
+# (test_multihost checks that one for launch.train).
+@pytest.mark.parametrize('processes,victim', [(3, 1), (2, 1)],
+                         ids=['rollout', 'learner'])
+def test_kill_9_of_a_process_stops_the_job_in_one_line_and_it_resumes(
+    sft_workdir, tmp_path, tmp_path_factory, processes, victim):
+  extra = DETERMINISTIC + ('--config.checkpoint_every=2',)
+  workdir = tmp_path / 'run'
+  procs = _start(workdir, sft_workdir, processes, 2, *extra)
+  deadline = time.monotonic() + 240
+  while _latest_checkpoint(workdir) < 2:
+    assert time.monotonic() < deadline, 'no checkpoint'
+    assert all(p.poll() is None for p in procs), _finish(procs)
+    time.sleep(0.05)
+  procs[victim].send_signal(signal.SIGKILL)
+  ends = _finish([p for i, p in enumerate(procs) if i != victim])
+  role = 'learner' if victim == processes - 1 else 'rollout'
+  reported = [line for code, _, err in ends for line in err.splitlines()
+              if line.startswith(f'error: process {victim} ({role}) stopped '
+                                 'responding')]
+  # The process that found it first says so in one line and exits 1; any
+  # other ends as soon as it learns the job stopped.
+  assert reported, ends[0][2][-3000:]
+  assert reported[0].endswith(
+      's ago; stopping the job. The checkpoints written so far are intact: '
+      'run the same command on every process to resume.')
+  assert all(code == 1 for code, _, _ in ends), [
+      (code, [l[:100] for l in err.splitlines() if "rror" in l][-3:])
+      for code, _, err in ends]
+  assert _latest_checkpoint(workdir) >= 2
+  resumed, _ = _multi(workdir, sft_workdir, processes, 2, *extra)
+  single = _single(tmp_path_factory, sft_workdir, 2, *extra)
+  assert resumed['params_sha256'] == single['params_sha256']
