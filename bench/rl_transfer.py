@@ -2,6 +2,10 @@ r"""What a weight version costs to cross processes (`train.rl.transport`).
 
   python -m bench.rl_transfer            # writes its BENCHMARKS.md section
 
+and the line fitted to its medians (`train.rl.simulator.Transfer`:
+latency + MB / bandwidth) to `--fit_to`, which `bench.rl_simulator
+--transfer_json` prices multi-process runs with.
+
 Starts a 2-process loopback JAX job (jax.distributed on 127.0.0.1, 2 CPU
 devices each). Process 1 (the learner's side) sends `--repeats` versions
 of a tree of float32 arrays of each size to process 0 through
@@ -30,7 +34,10 @@ SECTION = 'rl_transfer'
 _SIZES = flags.DEFINE_list('sizes_mb', ['1', '16', '64'],
                            'Tree sizes (MB of float32, in 8 arrays).')
 _REPEATS = flags.DEFINE_integer('repeats', 9, 'Versions sent per size.')
-_WRITE = flags.DEFINE_bool('write', True, 'Update BENCHMARKS.md.')
+_WRITE = flags.DEFINE_bool('write', True, 'Update BENCHMARKS.md and '
+                           '--fit_to.')
+_FIT_TO = flags.DEFINE_string('fit_to', 'results/rl_transfer.json',
+                              'Where the fitted transfer cost goes.')
 _ROLE = flags.DEFINE_integer('process', None, 'Internal: this process.')
 _PORTS = flags.DEFINE_list('ports', None, 'Internal: coordinator, 2 servers.')
 
@@ -102,6 +109,7 @@ def main(argv):
   # pylint: disable=g-import-not-at-top
   from bench import report
   from train import stats
+  from train.rl import simulator
   # pylint: enable=g-import-not-at-top
   ports = ','.join(str(_free_port()) for _ in range(3))
   env = dict(os.environ, XLA_FLAGS='')
@@ -115,12 +123,13 @@ def main(argv):
     if p.returncode:
       raise RuntimeError(err[-3000:])
   rows = json.loads(outs[1][0].strip().splitlines()[-1])
-  table = []
+  table, medians = [], []
   for mb in (int(s) for s in _SIZES.value):
     mine = [r for r in rows if r[0] == mb]
     total = statistics.median(r[1] for r in mine)
     sent = statistics.median(r[2] for r in mine)
     local = statistics.median(r[3] for r in mine)
+    medians.append((mb, total))
     low, high = (1e3 * f(r[1] for r in mine) for f in (min, max))
     spread = f'{low:.0f}-{high:.0f}'
     table.append([mb, f'{1e3 * total:.1f}', spread, f'{1e3 * sent:.2f}',
@@ -141,7 +150,16 @@ def main(argv):
       stats.markdown_table(
           ['MB', 'send to ack (ms)', 'range (ms)', 'sender waits (ms)',
            'in-process copy (ms)', 'ratio', 'GB/s'], table)]
+  fit = simulator.Transfer.fit(
+      *zip(*medians), source=f'bench.rl_transfer, medians of '
+      f'{_REPEATS.value} at {",".join(_SIZES.value)} MB, loopback CPU')
+  lines += ['', f'Fitted line (send to ack): {1e3 * fit.latency_seconds:.1f}'
+            f' ms + MB x {1e3 * fit.seconds_per_mb:.2f} ms '
+            f'({1 / 2**10 / max(fit.seconds_per_mb, 1e-12):.2f} GB/s), '
+            f'in `{_FIT_TO.value}` for `bench.rl_simulator`.']
   report.publish(SECTION, lines, _WRITE.value)
+  if _WRITE.value:
+    fit.to_json(_FIT_TO.value)
 
 
 if __name__ == '__main__':

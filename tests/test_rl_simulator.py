@@ -307,3 +307,88 @@ def test_check_compares_a_real_run(tmp_path):
   row = table.splitlines()[2]
   assert row.startswith('| run | 0 | 1 |')  # From the checkpoint's meta.
   assert '| 1.000 | 1.000 | 0.000 |' in row
+
+
+# Across processes: weight and batch transfers (launch.rl --multihost).
+
+
+@pytest.mark.parametrize('weights,batch', [(0.5, 0.0), (2.0, 0.25)])
+def test_sync_across_processes_adds_both_transfers_to_every_slot(
+    weights, batch):
+  # s = 0: every slot needs the version just published, which the actor's
+  # process does not hold, and nothing overlaps.
+  r = sim.simulate(_cal(overhead=0.5), sim.Policy('sync'), 1, K,
+                   weights_seconds=weights, batch_seconds=batch)
+  assert r.makespan == pytest.approx(
+      K * (weights + 3.0 + batch + 0.5 + 1.0), rel=1e-12)
+
+
+def test_a_version_the_process_holds_is_not_transferred_again():
+  # Deterministic s = 3: slots 0-3 all come from version 0.
+  r = sim.simulate(_cal((1.0,), step=0.5), sim.Policy(
+      'd3', bound=3, deterministic=True), 1, 12, weights_seconds=5.0)
+  np.testing.assert_array_equal(r.trace.version[:4], 0)
+  np.testing.assert_allclose(r.trace.finish[:4], 5.0 + np.arange(1, 5))
+  # Slot 4 needs version 1: one transfer more.
+  assert r.trace.finish[4] - r.trace.start[4] == pytest.approx(6.0)
+
+
+@pytest.mark.parametrize('weights,expected', [(0.0, 1.0), (2.0, 1.0),
+                                              (6.0, 2.0)])
+def test_actors_keep_the_learner_fed_up_to_the_transfer_budget(
+    weights, expected):
+  # 4 actor groups, L = 2, T = 1, a loose bound: a slot per
+  # max(T, (x + L) / n); the budget n T - L is 2 s.
+  cal = _cal((2.0,))
+  r = sim.simulate(cal, sim.Policy('s16', bound=16), 4, 400,
+                   weights_seconds=weights)
+  assert _period(r) == pytest.approx(expected, rel=1e-9)
+  assert sim._feed_limit(cal, 4, np.ones(1)) == pytest.approx(2.0)
+
+
+def test_gas_sees_generation_alone_not_the_transfer():
+  cal = _cal((1.0, 3.0), step=0.5)
+  r = sim.simulate(cal, sim.Policy('gas', gas_options=sim.gas_options(cal)),
+                   3, 200, weights_seconds=4.0, batch_seconds=0.5)
+  np.testing.assert_allclose(r.gas_state.latency, [1.0, 3.0])
+  assert r.gas_state.step_time == pytest.approx(0.5)
+
+
+def test_transfer_fit_recovers_a_line_and_refuses_one_size():
+  rng = np.random.default_rng(0)
+  mb = np.repeat([1.0, 16.0, 64.0], 5)
+  seconds = 0.012 + mb / 900 + rng.normal(0, 1e-4, mb.shape)
+  t = sim.Transfer.fit(mb, seconds, 'test')
+  assert t.latency_seconds == pytest.approx(0.012, abs=3e-4)
+  assert 1 / t.seconds_per_mb == pytest.approx(900, rel=0.01)
+  assert t.seconds(100) == pytest.approx(0.012 + 100 / 900, rel=0.01)
+  with pytest.raises(ValueError, match='>= 2 sizes'):
+    sim.Transfer.fit([4.0, 4.0], [0.1, 0.2])
+  with pytest.raises(ValueError, match='>= 0'):
+    sim.Transfer(-1.0, 0.0)
+  with pytest.raises(ValueError, match='>= 0'):
+    sim.simulate(_cal(), sim.Policy('sync'), 1, 5, weights_seconds=-1.0)
+
+
+def test_transfer_json_round_trips(tmp_path):
+  t = sim.Transfer(0.013, 0.0011, 'bench.rl_transfer')
+  t.to_json(str(tmp_path / 't.json'))
+  assert sim.Transfer.from_json(str(tmp_path / 't.json')) == t
+
+
+def test_across_processes_prices_the_transfers_against_one_process():
+  cal = dataclasses.replace(_cal((0.01, 0.02), step=0.02, sigma=0.2),
+                            rows_per_slot=64)
+  opts = sim.gas_options(cal)
+
+  def rows(transfer):
+    table = sim.across_processes(cal, [8, 32], opts, transfer, 0.5, 0.05,
+                                 bounds=(1, 2), num_slots=60)
+    return [line.split(' | ') for line in table.splitlines()[2:]]
+
+  free = rows(sim.Transfer())
+  assert len(free) == 2 * 3  # sync split, best fixed, GAS per scale.
+  assert all(r[-2] == '1.00x' for r in free)  # Same seeds, no cost.
+  costly = rows(sim.Transfer(0.05, 0.01))
+  assert all(float(r[-2].rstrip('x')) < 1 for r in costly)
+  assert all(r[4] == '55.0' for r in costly)  # 50 ms + 0.5 MB x 10 ms.

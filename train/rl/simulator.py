@@ -34,8 +34,15 @@ Assumptions (the lead states them with any figure taken from here):
    verify, each lognormal with a per-bucket mean and log-std, independent
    over slots. A learner step takes T (lognormal, mean T), preceded by a
    host overhead o per version (assembly, transfers, publication,
-   logging; constant), all serial on the learner. Publishing weights to
-   the actors costs nothing beyond o.
+   logging; constant), all serial on the learner. In one process,
+   publishing weights to the actors costs nothing beyond o.
+   Across processes (`launch.rl --multihost`, `weights_seconds` and
+   `batch_seconds` of `simulate`): an actor group is a process of its
+   own; when it starts a slot from a version it does not hold, it waits
+   `weights_seconds` for the transfer (the learner does not: its weight
+   server sends while it trains), and a finished slot reaches the
+   learner's buffer `batch_seconds` later. Both are constants, from a
+   line fitted to `bench.rl_transfer`'s measurements (`Transfer`).
 2. Dedicated compute (a pod): every actor group and the learner run at
    full speed at once. `shared_compute=True` models this machine
    instead: all jobs share one processor equally (processor sharing: k
@@ -258,6 +265,46 @@ def calibrate(paths: Sequence[str], learner_chips: int = 4,
 
 
 @dataclasses.dataclass(frozen=True)
+class Transfer:
+  """Seconds to move data between processes: a + megabytes * b.
+
+  Attributes:
+    latency_seconds: a, the cost of a transfer of nothing.
+    seconds_per_mb: b, the inverse of the bandwidth.
+    source: where the figures were measured.
+  """
+  latency_seconds: float = 0.0
+  seconds_per_mb: float = 0.0
+  source: str = ''
+
+  def __post_init__(self):
+    if not (self.latency_seconds >= 0 and self.seconds_per_mb >= 0):
+      raise ValueError(f'Transfer needs costs >= 0: {self}')
+
+  def seconds(self, megabytes: float) -> float:
+    return self.latency_seconds + megabytes * self.seconds_per_mb
+
+  @classmethod
+  def fit(cls, megabytes: Sequence[float], seconds: Sequence[float],
+          source: str = '') -> 'Transfer':
+    """The least-squares line through (megabytes, seconds), clipped at 0."""
+    x = np.asarray(megabytes, np.float64)
+    y = np.asarray(seconds, np.float64)
+    if x.shape != y.shape or len(set(x.tolist())) < 2:
+      raise ValueError(f'Transfer.fit needs seconds at >= 2 sizes: {x}, {y}')
+    slope = max(float(np.polyfit(x, y, 1)[0]), 0.0)
+    intercept = max(float(np.mean(y - slope * x)), 0.0)
+    return cls(intercept, slope, source)
+
+  def to_json(self, path: str) -> None:
+    metrics_lib.write_json_atomic(path, dataclasses.asdict(self))
+
+  @classmethod
+  def from_json(cls, path: str) -> 'Transfer':
+    return cls(**metrics_lib.read_json(path))
+
+
+@dataclasses.dataclass(frozen=True)
 class Deployment:
   """N rollout chips and M learner chips, c chips per actor group."""
   rollout_chips: int
@@ -418,8 +465,11 @@ class _Simulation:
 
   def __init__(self, cal: Calibration, policy: Policy, num_actors: int,
                num_slots: int, seed: int, mix: Any, shared_compute: bool,
-               capacity: int | None):
+               capacity: int | None, weights_seconds: float = 0.0,
+               batch_seconds: float = 0.0):
     self.cal, self.policy, self.k_total = cal, policy, num_slots
+    self.weights_seconds, self.batch_seconds = weights_seconds, batch_seconds
+    self.waits: dict[int, float] = {}  # Slot -> its transfer seconds.
     self.groups = num_actors  # Actor groups sharing a split slot.
     self.n = 1 if policy.split else num_actors
     self.shared = shared_compute
@@ -443,7 +493,9 @@ class _Simulation:
     self.next_claim, self.next_needed = 0, 0
     self.buffer: set[int] = set()
     self.learner_job: int | None = None  # The slot in training.
-    self.actors = [{'state': 'free', 'k': -1} for _ in range(self.n)]
+    # 'held': the version the actor's process has (none at first).
+    self.actors = [{'state': 'free', 'k': -1, 'held': -1}
+                   for _ in range(self.n)]
     self.jobs: dict[Any, list[float]] = {}  # id -> [remaining, work].
     self.trace = {f.name: np.full(num_slots, np.nan) for f in
                   dataclasses.fields(Trace)}
@@ -522,7 +574,10 @@ class _Simulation:
       v = max(0, k - budget) if self.policy.deterministic else self.version
       b = int(self.trace['bucket'][k])
       self.trace['version'][k], self.trace['start'][k] = v, self.now
-      work = self._slot_seconds(b)
+      fetch = self.weights_seconds if v != actor['held'] else 0.0
+      actor['held'] = v
+      self.waits[k] = fetch + self.batch_seconds
+      work = fetch + self._slot_seconds(b) + self.batch_seconds
       self.jobs[('actor', a)] = [work, work]
       actor['state'] = 'generating'
     return changed
@@ -600,7 +655,8 @@ class _Simulation:
     if self.opts is not None:
       self.gas_state = gas.observe_latency(
           self.gas_state, self.opts, bucket=int(self.trace['bucket'][k]),
-          seconds=self.now - self.trace['start'][k])
+          # Generation alone, as the runtime's actors time it.
+          seconds=self.now - self.trace['start'][k] - self.waits[k])
     actor['state'] = 'blocked'
 
   def run(self) -> SimResult:
@@ -628,7 +684,8 @@ class _Simulation:
 def simulate(cal: Calibration, policy: Policy, num_actors: int,
              num_slots: int, seed: int = 0, mix: Any = None,
              shared_compute: bool = False,
-             capacity: int | None = None) -> SimResult:
+             capacity: int | None = None, weights_seconds: float = 0.0,
+             batch_seconds: float = 0.0) -> SimResult:
   """Runs the runtime's rules over `num_slots` slots.
 
   Args:
@@ -641,14 +698,21 @@ def simulate(cal: Calibration, policy: Policy, num_actors: int,
     shared_compute: all jobs share one processor (this machine) instead
       of each running on its own chips (assumption 2).
     capacity: the buffer's (default: max bound + num_actors).
+    weights_seconds: an actor group's wait for a version it does not
+      hold (a process of its own; assumption 1).
+    batch_seconds: a finished slot's way to the learner's buffer.
 
   Returns:
     The run's figures and its per-slot trace.
   """
   if num_actors < 1 or num_slots < 1:
     raise ValueError(f'need actors and slots: {num_actors}, {num_slots}')
+  if not (weights_seconds >= 0 and batch_seconds >= 0):
+    raise ValueError(f'transfer seconds must be >= 0: {weights_seconds}, '
+                     f'{batch_seconds}')
   return _Simulation(cal, policy, num_actors, num_slots, seed, mix,
-                     shared_compute, capacity).run()
+                     shared_compute, capacity, weights_seconds,
+                     batch_seconds).run()
 
 
 def gas_options(cal: Calibration, s_base: int = 4, alpha: float = 0.5,
@@ -780,3 +844,80 @@ def summary(cal: Calibration) -> str:
           f'{cal.step_sigma:.2f}); host overhead '
           f'{cal.overhead_seconds * 1e3:.1f} ms per version; fixed '
           f'{cal.fixed_seconds:.1f} s per run.')
+
+
+def _feed_limit(at: Calibration, num_actors: int, mix: np.ndarray) -> float:
+  """The longest weight transfer at which the actor groups still produce a
+  slot per learner step: n (o + T) - (L + V), L + V averaged over `mix`."""
+  generate = float(mix @ (np.add(at.latency_mean, at.verifier_mean)))
+  return num_actors * (at.overhead_seconds + at.step_seconds) - generate
+
+
+def across_processes(cal: Calibration, chips: Sequence[int],
+                     options: gas.GasOptions, transfer: Transfer,
+                     version_mb: float, batch_mb: float,
+                     bounds: Sequence[int] = (1, 2, 4, 8),
+                     rollout_fractions: Sequence[float] = (0.25, 0.5, 0.75),
+                     chips_per_actor: int = 4, t_comm: float = 0.0,
+                     num_slots: int = 2000, seed: int = 0) -> str:
+  """Predictions with every actor group a process of its own (markdown).
+
+  For each total chip count, policy (sync split, the best fixed bound,
+  GAS) and rollout share of the chips, the run is simulated with the
+  weight and batch transfers of `transfer` and without them (one
+  process); the row is the share with the most samples/s across
+  processes. "Transfer budget" is `_feed_limit`: the weight transfer at
+  which the actor groups stop keeping the learner busy ("none": they do
+  not even without transfers; generation bounds the run), and the
+  bandwidth a version of `version_mb` needs to arrive within it at the
+  measured latency.
+  """
+  head = ['chips', 'rollout+learner', 'policy', 'learner step (ms)',
+          'weights (ms)', 'weights / step', 'transfer budget (ms)',
+          'GB/s to fit it', 'samples/s, one process',
+          'across processes', 'ratio', 'mean staleness, one / across']
+  table = []
+  weights = transfer.seconds(version_mb)
+  batch = transfer.seconds(batch_mb)
+  for total in chips:
+    best: dict[str, tuple] = {}
+    for fraction in rollout_fractions:
+      try:
+        dep = Deployment.split(total, fraction, chips_per_actor)
+      except ValueError:
+        continue
+      at = scale(cal, dep, t_comm)
+      n = dep.num_actors
+
+      def run(policy, cost, at=at, n=n):
+        return simulate(at, policy, n, num_slots, seed,
+                        weights_seconds=cost * weights,
+                        batch_seconds=cost * batch)
+
+      candidates = {'sync, split': [Policy('split', split=True)],
+                    'best fixed': [Policy(f's={s}', bound=s) for s in bounds],
+                    'GAS': [Policy('gas', gas_options=options)]}
+      mix = np.full(cal.num_buckets, 1.0 / cal.num_buckets)
+      for name, policies in candidates.items():
+        across = max((run(p, 1.0) for p in policies),
+                     key=lambda r: r.samples_per_second)
+        if (name not in best or across.samples_per_second >
+            best[name][1].samples_per_second):
+          one = run(across.policy, 0.0)
+          best[name] = (dep, across, one, at, _feed_limit(at, n, mix))
+    for name, (dep, across, one, at, limit) in best.items():
+      label = name if name != 'best fixed' else (
+          f'best fixed ({across.policy.name})')
+      stale = [float(r.trace.staleness.mean()) for r in (one, across)]
+      table.append([
+          total, f'{dep.rollout_chips}+{dep.learner_chips}', label,
+          f'{1e3 * at.step_seconds:.1f}', f'{1e3 * weights:.1f}',
+          f'{weights / at.step_seconds:.2f}',
+          f'{1e3 * limit:.0f}' if limit > 0 else 'none',
+          (f'{version_mb / 2**10 / (limit - transfer.latency_seconds):.3f}'
+           if limit > transfer.latency_seconds else '-'),
+          f'{one.samples_per_second:,.0f}',
+          f'{across.samples_per_second:,.0f}',
+          f'{across.samples_per_second / one.samples_per_second:.2f}x',
+          f'{stale[0]:.2f} / {stale[1]:.2f}'])
+  return stats.markdown_table(head, table, '-' * len(head))
