@@ -46,7 +46,7 @@ def _args(workdir, sft_workdir, staleness, *overrides):
 
 
 def _env():
-  env = dict(os.environ)
+  env = dict(os.environ, PYTHONFAULTHANDLER='1')
   env['XLA_FLAGS'] = ' '.join(
       f for f in env.get('XLA_FLAGS', '').split()
       if not f.startswith('--xla_force_host_platform_device_count'))
@@ -101,17 +101,19 @@ def _multi(workdir, sft_workdir, processes, staleness, *overrides):
 _SINGLE = {}
 
 
-def _single(tmp_path_factory, sft_workdir, staleness, *overrides):
-  """The one-process deterministic run of the same config (once each)."""
+def _single(tmp_path_factory, sft_workdir, staleness, *overrides,
+            workdir=False):
+  """The one-process deterministic run of the same config (once each):
+  its results (and its workdir, with `workdir`)."""
   key = (staleness, overrides)
   if key not in _SINGLE:
-    workdir = tmp_path_factory.mktemp('single')
+    path = tmp_path_factory.mktemp('single')
     proc = subprocess.run(
-        [sys.executable, *_args(workdir, sft_workdir, staleness, *overrides)],
+        [sys.executable, *_args(path, sft_workdir, staleness, *overrides)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _SINGLE[key] = _results(workdir)
-  return _SINGLE[key]
+    _SINGLE[key] = (_results(path), path)
+  return _SINGLE[key] if workdir else _SINGLE[key][0]
 
 
 DETERMINISTIC = ('--config.runtime.deterministic=True',)
@@ -132,6 +134,18 @@ def test_a_deterministic_run_equals_one_process_bit_for_bit(
   assert multi['curve'][-1] == {**single['curve'][-1],
                                 'wall': multi['curve'][-1]['wall']}
   assert multi['staleness_histogram'] == single['staleness_histogram']
+  if (processes, staleness) == (2, 2):
+    # The one-process run's workdir is not resumed by a multi-process job.
+    _, path = _single(tmp_path_factory, sft_workdir, staleness, *extra,
+                      workdir=True)
+    refused = _finish(_start(path, sft_workdir, 2, staleness, *extra))
+    learner_err = refused[-1][2]
+    assert refused[-1][0] == 2, learner_err[-2000:]
+    assert learner_err.strip().splitlines()[-1].startswith(
+        'error: config.rollout_processes=1: ') and 'one-process run' in (
+            learner_err), learner_err[-2000:]
+    assert all(code != 0 for code, _, _ in refused)
+    assert _results(path) == single
   # Every batch came from a rollout process, none from the learner.
   sent = [int(out.split('sent ')[1].split()[0]) for _, out, _ in ends[:-1]]
   assert sum(sent) >= VERSIONS
@@ -164,8 +178,16 @@ def test_kill_9_of_a_process_stops_the_job_in_one_line_and_it_resumes(
   procs = _start(workdir, sft_workdir, processes, 2, *extra)
   deadline = time.monotonic() + 240
   while _latest_checkpoint(workdir) < 2:
-    assert time.monotonic() < deadline, 'no checkpoint'
-    assert all(p.poll() is None for p in procs), _finish(procs)
+    if time.monotonic() > deadline or any(p.poll() is not None
+                                          for p in procs):
+      for p in procs:
+        if p.poll() is None:
+          p.send_signal(signal.SIGABRT)  # faulthandler prints the stacks.
+      time.sleep(2)
+      ends = _finish(procs, timeout=30)
+      pytest.fail('no checkpoint: ' + '\n'.join(
+          f'--- process {i} exit {code}:\n{err[-6000:]}'
+          for i, (code, _, err) in enumerate(ends)))
     time.sleep(0.05)
   procs[victim].send_signal(signal.SIGKILL)
   ends = _finish([p for i, p in enumerate(procs) if i != victim])
@@ -183,6 +205,20 @@ def test_kill_9_of_a_process_stops_the_job_in_one_line_and_it_resumes(
       (code, [l[:100] for l in err.splitlines() if "rror" in l][-3:])
       for code, _, err in ends]
   assert _latest_checkpoint(workdir) >= 2
-  resumed, _ = _multi(workdir, sft_workdir, processes, 2, *extra)
+  # Resumed on the other split (3 -> 2 processes, 2 -> 3): the learner's
+  # checkpoint holds whole arrays and no rollout process keeps state.
+  resumed, _ = _multi(workdir, sft_workdir, 5 - processes, 2, *extra)
   single = _single(tmp_path_factory, sft_workdir, 2, *extra)
   assert resumed['params_sha256'] == single['params_sha256']
+  assert resumed['versions'] == VERSIONS
+  # One process does not read a multi-process run's checkpoints, nor the
+  # other way round: one line each, nothing changed.
+  before = sorted(os.listdir(workdir / 'checkpoints'))
+  proc = subprocess.run(
+      [sys.executable, *_args(workdir, sft_workdir, 2, *extra)],
+      cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+      'error: config.rollout_processes=None: ') and 'multi-process run' in (
+          proc.stderr), proc.stderr[-2000:]
+  assert sorted(os.listdir(workdir / 'checkpoints')) == before

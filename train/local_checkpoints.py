@@ -199,6 +199,18 @@ class LocalCheckpoints(checkpointing.Checkpoints):
     pass
 
 
+def newest_is_local(workdir: str) -> bool | None:
+  """Whether the newest checkpoint step in `workdir` is of this format
+  (True) or Orbax's (False); None where there is none."""
+  directory = fileio.join(fileio.absolute(workdir), checkpointing.CHECKPOINTS)
+  if fileio.is_remote(directory) or not os.path.isdir(directory):
+    return None
+  steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit())
+  if not steps:
+    return None
+  return os.path.exists(os.path.join(directory, str(steps[-1]), META))
+
+
 def opener(local: bool) -> Callable[..., checkpointing.Checkpoints]:
   """The checkpoint class a run uses: local (this process alone) or Orbax."""
   return LocalCheckpoints if local else checkpointing.Checkpoints

@@ -60,7 +60,7 @@ from train import resumable
 from train import resume_check
 from train import sharding as sharding_lib
 from train import steps
-from train.errors import ConfigError, Preempted, RunError
+from train.errors import ConfigError, Preempted, RunError, UsageError
 from train.experiment import check_seed
 from train.experiment import check_workdir
 from train.lm import decoder as decoder_lm
@@ -376,6 +376,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   roles = processes_lib.roles(config)
   if roles is None:
     workdir = check_workdir(workdir)
+    _check_checkpoint_format(config, workdir, multi=False)
     with resumable.open_run(
         config, workdir, check_config=functools.partial(
             _check_resume, config, workdir), results_name=RESULTS) as run:
@@ -388,6 +389,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     # touch it.
     with process_group.alone():
       workdir = check_workdir(workdir)
+      _check_checkpoint_format(config, workdir, multi=True)
       with resumable.open_run(
           config, workdir, check_config=functools.partial(
               _check_resume, config, workdir), results_name=RESULTS,
@@ -409,6 +411,30 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     raise
   finally:
     job.close()
+
+
+def _check_checkpoint_format(config, workdir: str, multi: bool) -> None:
+  """A one-process run checkpoints through Orbax, the learner of a
+  multi-process one alone (train.local_checkpoints, which any number of
+  rollout processes resumes); neither reads the other's."""
+  if multi and fileio.is_remote(workdir):
+    raise UsageError(
+        '--workdir', workdir, 'the learner of a multi-process run writes '
+        'its checkpoints alone, to a file system (local, or a bucket '
+        'mounted, e.g. by Cloud Storage FUSE), not to a bucket URL')
+  local = local_checkpoints.newest_is_local(workdir)
+  if local is None or local == multi:
+    return
+  if multi:
+    raise ConfigError(
+        'rollout_processes', config.get('rollout_processes'),
+        f'{workdir} holds the checkpoints of a one-process run; resume it '
+        'with one process (no --multihost), or give a new workdir')
+  raise ConfigError(
+      'rollout_processes', None,
+      f'{workdir} holds the checkpoints of a multi-process run (launch.rl '
+      '--multihost); resume it with --multihost and rollout_processes set '
+      '(any number of rollout processes), or give a new workdir')
 
 
 class _Job:
