@@ -35,6 +35,7 @@ import ml_collections
 
 from configs import config_args
 from configs import decoder_blocks
+from configs import sweeps
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -142,3 +143,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.checkpoint_every = 2
     config.optimizer.learning_rate = 1e-3
   return config
+
+
+def get_sweep(name: str) -> list[dict]:
+  """Named lists of overrides for `python -m launch.sweep` (runs launch.rl;
+  give the warm start with `--set=sft_workdir=...`)."""
+  seeds = {'seed': [0, 1, 2]}
+  return sweeps.select(name, {
+      # The staleness bound over seeds: synchronous, then asynchronous.
+      'staleness': lambda: sweeps.product(
+          {'runtime.max_staleness': [0, 1, 2, 4], **seeds}),
+      'correction': lambda: sweeps.product(
+          {'grpo.correction': ['none', 'tis', 'decoupled'], **seeds}),
+      # Two bounds, one seed: for tests and a quick try.
+      'smoke': lambda: [{'runtime.max_staleness': s} for s in (0, 1)],
+  })

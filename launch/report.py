@@ -4,7 +4,8 @@ r"""Tables and a plot of a sweep's final metrics: mean +- std over seeds.
     [--metric=test_accuracy] [--out=DIR]
 
 Reads each sweep root's `sweep.json` (written by `launch.sweep`) and each
-run's `final_metrics.json`; a directory without `sweep.json` counts as one
+run's `final_metrics.json` (`results.json` for RL runs, as the manifest
+says); a directory without `sweep.json` counts as one
 run. Runs are grouped by their overrides other than `seed`; every numeric
 final metric gets mean and standard deviation (ddof 1) over a group's
 seeds. Writes `report.md`, `report.csv` and `report.png` (`--metric`
@@ -49,7 +50,8 @@ def collect(dirs: list[str]) -> tuple[list[dict], list[str]]:
       entries = [{'name': os.path.basename(os.path.abspath(d)),
                   'overrides': {}, 'workdir': d}]
     for e in entries:
-      path = os.path.join(e['workdir'], 'final_metrics.json')
+      path = os.path.join(e['workdir'],
+                          e.get('results', 'final_metrics.json'))
       if not os.path.exists(path):
         unfinished.append(e['name'])
         continue

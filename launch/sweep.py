@@ -1,4 +1,5 @@
-r"""Expand a config's sweep into `launch.train` runs: run them here, or on TPU pods.
+r"""Expand a config's sweep into runs (`launch.train`, or `launch.rl` for
+RL configs): run them here, or on TPU pods.
 
   python -m launch.sweep --config=configs/digits.py:runlocal --sweep=smoke \
     --workdir=workdirs/smoke --parallel=2
@@ -7,9 +8,17 @@ r"""Expand a config's sweep into `launch.train` runs: run them here, or on TPU p
   python -m launch.sweep --config=configs/digits.py --sweep=sam_rho \
     --workdir=gs://BUCKET/sam_rho --target=xpk --xpk_cluster=c1 \
     --xpk_tpu_type=v5litepod-16
+  python -m launch.sweep --config=configs/rl.py:size=1b --sweep=staleness \
+    --set=sft_workdir=/gcs/BUCKET/rl_sft_1b --set=rollout_processes=3 \
+    --workdir=/gcs/BUCKET/rl_staleness --target=xpk --xpk_cluster=c1 \
+    --xpk_tpu_type=v5litepod-16
 
+`--set=field=value` (repeatable) sets a field of every run (an RL run's
+warm start, its process split; a multi-process RL run's learner writes
+its checkpoints to a file system, hence the bucket's FUSE mount, /gcs).
 Each run gets `--workdir/<its overrides>`. `--target=local` runs
-`--parallel` at a time: a finished run (final_metrics.json present) is
+`--parallel` at a time: a finished run (final_metrics.json present;
+results.json for RL) is
 skipped, an interrupted one resumes from its checkpoint, so relaunching the
 same command finishes a sweep. Runs die with the sweep (they get SIGTERM
 and save a checkpoint), and a run whose workdir is still held by another
@@ -49,6 +58,9 @@ _WORKDIR = flags.DEFINE_string('workdir', None,
 _TARGET = flags.DEFINE_enum('target', 'local', sweep_plan.TARGETS,
                             'Where the runs go.')
 _PARALLEL = flags.DEFINE_integer('parallel', 1, 'local: runs at a time.')
+_SET = flags.DEFINE_multi_string(
+    'set', [], 'field=value for every run (repeatable), e.g. '
+    'sft_workdir=workdirs/rl_sft.')
 _EXECUTE = flags.DEFINE_bool('execute', False,
                              'tpu/xpk: run the commands (default: print).')
 _TPU = flags.DEFINE_string('tpu', None, 'tpu: the TPU VM (pod) name.')
@@ -131,7 +143,7 @@ def run_local(runs: list[sweep_plan.Run], root: str, parallel: int) -> int:
                   f'{holder.get("pid", "?")} on {holder.get("host", "?")}')
           continue
         pending.remove(run)
-        if os.path.exists(os.path.join(run.workdir, 'final_metrics.json')):
+        if os.path.exists(os.path.join(run.workdir, run.finished)):
           print(f'[skip] {run.name}: finished')
           done += 1
           continue
@@ -185,7 +197,8 @@ def main(argv):
   root = os.path.abspath(_WORKDIR.value) if local else _WORKDIR.value
   try:
     _check_target_flags()
-    runs = sweep_plan.plan(_CONFIG.value, _SWEEP.value, root)
+    runs = sweep_plan.plan(_CONFIG.value, _SWEEP.value, root,
+                           sweep_plan.parse_settings(_SET.value))
   except UsageError as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(entry.EXIT_USAGE)
@@ -196,7 +209,8 @@ def main(argv):
     metrics.write_json_atomic(os.path.join(root, sweep_plan.MANIFEST), {
         'config': _CONFIG.value, 'sweep': _SWEEP.value,
         'runs': [{'name': r.name, 'overrides': r.overrides,
-                  'workdir': r.workdir} for r in runs]})
+                  'workdir': r.workdir, 'results': r.finished}
+                 for r in runs]})
     sys.exit(1 if run_local(runs, root, _PARALLEL.value) else 0)
 
   if _TARGET.value == 'tpu':

@@ -3,8 +3,9 @@
 `plan(config_arg, sweep, root)` loads `configs/X.py`, expands
 `get_sweep(sweep)` and checks every override against `get_config(arg)`
 (the field exists, the value has its type) before anything runs. Each run
-gets a workdir below `root` named after its overrides and one
-`python -m launch.train` argv. Targets turn the argv into what runs it:
+gets a workdir below `root` named after its overrides and one argv of its
+job's launcher (`ENTRIES`: `python -m launch.rl` for `config.task='rl'`,
+else `python -m launch.train`). Targets turn the argv into what runs it:
 
 - local: the argv itself (run by `launch.sweep` without a shell);
 - tpu: `gcloud compute tpus tpu-vm ssh NAME --zone ZONE --worker=all
@@ -19,6 +20,7 @@ arrives on the remote side as one argument (tested by parsing both levels
 back with `shlex.split`).
 """
 
+import ast
 import copy
 import dataclasses
 import hashlib
@@ -35,15 +37,20 @@ from train.errors import UsageError
 
 TARGETS = ('local', 'tpu', 'xpk')
 MANIFEST = 'sweep.json'
+# config.task -> (launcher module, the file a finished run has written).
+ENTRIES = {'rl': ('launch.rl', 'results.json')}
+DEFAULT_ENTRY = ('launch.train', 'final_metrics.json')
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-  """One run of a sweep: its name, overrides, workdir and train argv."""
+  """One run of a sweep: its name, overrides, workdir, launcher argv and
+  the file in its workdir that says it finished."""
   name: str
   overrides: dict[str, Any]
   workdir: str
   argv: tuple[str, ...]
+  finished: str = DEFAULT_ENTRY[1]
 
 
 def _split_config(config_arg: str) -> tuple[str, str | None]:
@@ -105,9 +112,30 @@ def run_name(overrides: dict[str, Any]) -> str:
   return re.sub(r'[^A-Za-z0-9.,=_+-]', '_', text)
 
 
+def parse_settings(items: list[str]) -> dict[str, Any]:
+  """`field=value` items (launch.sweep --set) as overrides; a value is a
+  Python literal where it parses as one, else the string itself."""
+  out = {}
+  for item in items:
+    field, sep, text = item.partition('=')
+    if not sep or not field:
+      raise UsageError('--set', item, 'must be field=value, e.g. '
+                       'sft_workdir=gs://bucket/sft')
+    try:
+      out[field] = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      out[field] = text
+  return out
+
+
 def plan(config_arg: str, sweep: str, root: str,
-         extra: tuple[str, ...] = ()) -> list[Run]:
-  """The sweep's runs, validated; raises UsageError before anything runs."""
+         settings: dict[str, Any] | None = None) -> list[Run]:
+  """The sweep's runs, validated; raises UsageError before anything runs.
+
+  `settings` (launch.sweep --set) apply to every run, before its overrides,
+  and travel in its argv as `--config.field=value`; they do not name it.
+  """
+  settings = dict(settings or {})
   module = load_config_module(config_arg)
   _, arg = _split_config(config_arg)
   try:
@@ -117,6 +145,8 @@ def plan(config_arg: str, sweep: str, root: str,
   if not runs:
     raise UsageError('--sweep', sweep, 'is empty')
   base = module.get_config(arg)
+  apply_overrides(base, settings, '--set')
+  launcher, finished = ENTRIES.get(base.get('task'), DEFAULT_ENTRY)
   out, seen = [], {}
   for i, overrides in enumerate(runs):
     apply_overrides(copy.deepcopy(base), overrides,
@@ -127,11 +157,11 @@ def plan(config_arg: str, sweep: str, root: str,
                        f'same overrides ({name})')
     seen[name] = i
     workdir = root.rstrip('/') + '/' + name
-    argv = ('python3', '-m', 'launch.train', f'--config={config_arg}',
+    argv = ('python3', '-m', launcher, f'--config={config_arg}',
             f'--workdir={workdir}',
-            *(f'--config.{k}={flag_value(v)}' for k, v in overrides.items()),
-            *extra)
-    out.append(Run(name, dict(overrides), workdir, argv))
+            *(f'--config.{k}={flag_value(v)}'
+              for k, v in {**settings, **overrides}.items()))
+    out.append(Run(name, dict(overrides), workdir, argv, finished))
   return out
 
 

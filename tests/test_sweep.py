@@ -214,3 +214,80 @@ def test_local_sweep_resumes_and_reports(tmp_path):
   assert os.path.getsize(os.path.join(root, 'report.png')) > 1000
   with pytest.raises(UsageError, match="--metric='bleu': not among"):
     report.write_report([root], 'bleu', root)
+
+
+def test_an_rl_sweep_runs_launch_rl_with_its_settings():
+  settings = sweep_plan.parse_settings(
+      ['sft_workdir=gs://bucket/sft 1b', 'rollout_processes=3'])
+  assert settings == {'sft_workdir': 'gs://bucket/sft 1b',
+                      'rollout_processes': 3}
+  runs = sweep_plan.plan('configs/rl.py:size=1b', 'staleness',
+                         'gs://bucket/rl', settings)
+  assert len(runs) == 12
+  first = runs[0]
+  assert first.name == 'max_staleness=0,seed=0'  # Settings do not name it.
+  assert first.finished == 'results.json'
+  assert first.argv == (
+      'python3', '-m', 'launch.rl', '--config=configs/rl.py:size=1b',
+      '--workdir=gs://bucket/rl/max_staleness=0,seed=0',
+      '--config.sft_workdir=gs://bucket/sft 1b',
+      '--config.rollout_processes=3', '--config.runtime.max_staleness=0',
+      '--config.seed=0')
+  # Every worker of the slice runs the same argv with --multihost.
+  xpk = sweep_plan.xpk_argv(first, 'c1', 'v5litepod-16', 1, 'geom', None,
+                            'python3')
+  assert shlex.split(xpk[xpk.index('--command') + 1]) == [
+      *first.argv, '--multihost']
+  # Training configs keep launch.train and final_metrics.json.
+  (digits,) = sweep_plan.plan('configs/digits.py', 'sam_rho', '/r')[:1]
+  assert digits.argv[2] == 'launch.train'
+  assert digits.finished == 'final_metrics.json'
+
+
+@pytest.mark.parametrize('item,message', [
+    ('rollout_process=3', "error: --set='rollout_process': config has no "
+     "field 'rollout_process'"),
+    ('seed', "error: --set='seed': must be field=value"),
+])
+def test_a_bad_setting_is_one_line_before_anything_runs(tmp_path, item,
+                                                        message):
+  proc = _sweep('--config=configs/rl.py', '--sweep=smoke', f'--set={item}',
+                f'--workdir={tmp_path}/r')
+  assert proc.returncode == 2
+  assert proc.stderr.strip().startswith(message), proc.stderr
+  assert not os.path.exists(tmp_path / 'r')
+
+
+def test_a_local_rl_sweep_finishes_skips_and_reports(tmp_path,
+                                                     sft_policy_run):
+  # One RL run (a config module of one sweep run) through launch.sweep.
+  sft_workdir = sft_policy_run[0]
+  cfg = tmp_path / 'rl_cfg.py'
+  cfg.write_text(textwrap.dedent('''
+      from configs import rl
+
+      def get_config(arg=None):
+        config = rl.get_config(arg)
+        config.difficulties = (1, 2)  # What the warm start learnt.
+        return config
+
+      def get_sweep(name):
+        return [{'runtime.max_staleness': 1}]
+      '''))
+  root = str(tmp_path / 'rl')
+  args = [f'--config={cfg}:runlocal', '--sweep=one', f'--workdir={root}',
+          f'--set=sft_workdir={sft_workdir}']
+  proc = _sweep(*args, timeout=600)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  (run,) = sweep_plan.plan(f'{cfg}:runlocal', 'one', root,
+                           {'sft_workdir': sft_workdir})
+  with open(os.path.join(run.workdir, 'results.json')) as f:
+    results = json.load(f)
+  assert results['versions'] > 0
+  proc = _sweep(*args)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert f'[skip] {run.name}: finished' in proc.stdout
+  found = report.write_report([root], 'samples_per_second', root)
+  assert found['unfinished'] == []
+  (group,) = found['groups']
+  assert group['mean']['samples_per_second'] == results['samples_per_second']
