@@ -222,3 +222,14 @@ def test_kill_9_of_a_process_stops_the_job_in_one_line_and_it_resumes(
       'error: config.rollout_processes=None: ') and 'multi-process run' in (
           proc.stderr), proc.stderr[-2000:]
   assert sorted(os.listdir(workdir / 'checkpoints')) == before
+
+
+def test_a_bucket_url_workdir_is_refused_before_anything_is_written():
+  # pylint: disable=g-import-not-at-top
+  from train.errors import UsageError
+  from train.rl import run
+  with pytest.raises(UsageError, match=r"^--workdir='gs://b/rl': the "
+                     'learner of a multi-process run writes its '
+                     'checkpoints alone'):
+    run._check_local_workdir('gs://b/rl')  # pylint: disable=protected-access
+  run._check_local_workdir('/tmp/rl')  # pylint: disable=protected-access

@@ -388,6 +388,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     # The learner holds the workdir alone; the rollout processes never
     # touch it.
     with process_group.alone():
+      _check_local_workdir(workdir)
       workdir = check_workdir(workdir)
       _check_checkpoint_format(config, workdir, multi=True)
       with resumable.open_run(
@@ -413,15 +414,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     job.close()
 
 
-def _check_checkpoint_format(config, workdir: str, multi: bool) -> None:
-  """A one-process run checkpoints through Orbax, the learner of a
-  multi-process one alone (train.local_checkpoints, which any number of
-  rollout processes resumes); neither reads the other's."""
-  if multi and fileio.is_remote(workdir):
+def _check_local_workdir(workdir: str) -> None:
+  if fileio.is_remote(workdir):
     raise UsageError(
         '--workdir', workdir, 'the learner of a multi-process run writes '
         'its checkpoints alone, to a file system (local, or a bucket '
         'mounted, e.g. by Cloud Storage FUSE), not to a bucket URL')
+
+
+def _check_checkpoint_format(config, workdir: str, multi: bool) -> None:
+  """A one-process run checkpoints through Orbax, the learner of a
+  multi-process one alone (train.local_checkpoints, which any number of
+  rollout processes resumes); neither reads the other's."""
   local = local_checkpoints.newest_is_local(workdir)
   if local is None or local == multi:
     return
