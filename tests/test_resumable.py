@@ -212,7 +212,7 @@ def test_a_stop_signal_saves_at_that_step_and_resumes_bit_exactly(
     reference, tmp_path, signum, backend):
   def stop(step):
     if step == 4:
-      os.kill(os.getpid(), signum)
+      signal.raise_signal(signum)  # To this thread: handled before step 5.
   with pytest.raises(Preempted) as e:
     toy_run(tmp_path, _config(), after_step=stop)
   assert e.value.step == 4
