@@ -10,9 +10,9 @@ Starts a 2-process loopback JAX job (jax.distributed on 127.0.0.1, 2 CPU
 devices each). Process 1 (the learner's side) sends `--repeats` versions
 of a tree of float32 arrays of each size to process 0 through
 `DevicePutTransport`, one at a time; the time of one is from `send` to the
-receiver's acknowledgement key, polled here every millisecond (the
-receiver's transport thread finds a new log entry within its 10 ms poll,
-so that is part of it). The baseline, in the same
+receiver's word that it has the arrays (set where its acknowledgement
+is), polled here every millisecond (the receiver's transport thread finds
+a new log entry within its 10 ms poll, so that is part of it). The baseline, in the same
 process and on the same arrays: `jax.device_put` from one local device to
 another, which is what the one-process runtime does to publish a version.
 Medians over the repeats; the sender's own time in `send` (what the
@@ -61,7 +61,12 @@ def _peer() -> None:
   xport = transport.DevicePutTransport(ch, me, timeout=300)
   jax.devices()
   got = []
-  xport.start(lambda kind, meta, src, arrays: got.append(meta))
+  def receive(kind, meta, src, arrays):
+    del kind, src, arrays
+    got.append(meta)
+    ch.set(f'got/{meta["n"]}', 1)  # The sender deletes the ack it sees.
+
+  xport.start(receive)
   rows = []
   n = 0
   for mb in (int(s) for s in _SIZES.value):
@@ -75,7 +80,7 @@ def _peer() -> None:
         begin = time.perf_counter()
         xport.send('weights', {'n': n}, arrays, 0)
         sent = time.perf_counter() - begin
-        while ch.try_get(f'xfer/ack/{n}') is None:
+        while ch.try_get(f'got/{n}') is None:
           time.sleep(0.001)
         total = time.perf_counter() - begin
         begin = time.perf_counter()

@@ -67,6 +67,7 @@ def test_weights_and_batches_arrive_whole_and_in_version_order(
   learner = num_processes - 1
   for r in reports:
     assert r['bad'] == [], r  # Every array equals its entry's stamp.
+    assert r['keys_left'] == [], r  # Walked and acknowledged: removed.
   for p in range(learner):
     # Each rollout process received every version, oldest first.
     assert reports[p]['received'] == [['weights', v, learner]

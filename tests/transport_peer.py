@@ -115,6 +115,12 @@ except transport.TransferTimeout as e:
   sys.stdout.flush()
   import os  # pylint: disable=g-import-not-at-top
   os._exit(1)  # pylint: disable=protected-access
+# Every process walked every entry and every ack was seen: the store
+# keeps no transfer's keys (the counter aside).
+deadline = time.monotonic() + 30
+while (left := [k for k in channel.keys('xfer/') if k != 'xfer/seq']
+       ) and time.monotonic() < deadline:
+  time.sleep(0.05)
 print(json.dumps({'process': me, 'received': sorted(got), 'bad': bad,
-                  'sent': xport.sent}), flush=True)
+                  'sent': xport.sent, 'keys_left': left}), flush=True)
 xport.stop()

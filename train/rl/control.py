@@ -108,6 +108,14 @@ class Channel:
     """Atomically adds `by` to the counter `key`; returns the new value."""
     return int(self._kv.key_value_increment(self._key(key), by))
 
+  def keys(self, prefix: str = '') -> list[str]:
+    """The keys under `prefix` (relative to the channel's)."""
+    try:
+      entries = self._kv.key_value_dir_get(self._key(prefix))
+    except Exception:  # pylint: disable=broad-except
+      return []
+    return sorted(k[len(self._prefix):] for k, _ in entries)
+
   def delete(self, key: str) -> None:
     try:
       self._kv.key_value_delete(self._key(key))

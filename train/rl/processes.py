@@ -168,6 +168,9 @@ class RemoteSnapshots:
     # The learner answers once it has the version: no bound on this wait
     # but the stop (a slow learner is not an error).
     v = self._channel.get(f'resp/{self._process}/{i}', timeout=float('inf'))
+    # Answered: the learner reads neither again.
+    self._channel.delete(f'req/{self._process}/{i}')
+    self._channel.delete(f'resp/{self._process}/{i}')
     return v, self.versions.wait(v, self._timeout)
 
   def stop(self) -> None:

@@ -843,7 +843,9 @@ def _rollout(config, job: _Job) -> dict[str, Any]:
 
   def plan(k: int, latest: int) -> int:
     del latest  # The learner's scheduler decides, with its own latest.
-    plans[k] = tuple(ch.get(f'plan/{k}', timeout=math.inf))
+    if k not in plans:  # A restarted actor plans its batch again.
+      plans[k] = tuple(ch.get(f'plan/{k}', timeout=math.inf))
+      ch.delete(f'plan/{k}')  # Batch k is claimed by this process alone.
     return plans[k][1]
 
   def generate(k: int, v: int, params) -> Item:

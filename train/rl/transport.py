@@ -145,25 +145,36 @@ class DevicePutTransport(Transport):
     unacked: list[int] = []
     try:
       for n in itertools.count():
-        entry = self._next_entry(n)
+        entry = self._next_entry(n, unacked)
         if entry is None:
           return
         self._call(n, entry)
+        # The last process past an entry removes it: the store holds only
+        # the entries some process has still to walk.
+        if self._channel.increment(f'xfer/walked/{n}') == len(
+            self._endpoints):
+          self._channel.delete(f'xfer/{n}')
+          self._channel.delete(f'xfer/walked/{n}')
         if entry['src'] == self._process:
           unacked.append(n)
-        for m in list(unacked):
-          if self._channel.try_get(f'xfer/ack/{m}') is not None:
-            with self._lock:
-              self._pending.pop(m, None)
-            unacked.remove(m)
     except runtime.Stopped:
       return
     except Exception as e:  # pylint: disable=broad-except
       logging.warning('transport failed: %s\n%s', e, traceback.format_exc())
       self._failure = e
 
-  def _next_entry(self, n: int) -> dict | None:
+  def _collect_acks(self, unacked: list[int]) -> None:
+    """Lets go of the arrays of acknowledged entries (and their keys)."""
+    for m in list(unacked):
+      if self._channel.try_get(f'xfer/ack/{m}') is not None:
+        with self._lock:
+          self._pending.pop(m, None)
+        unacked.remove(m)
+        self._channel.delete(f'xfer/ack/{m}')
+
+  def _next_entry(self, n: int, unacked: list[int]) -> dict | None:
     while not self._stop.is_set():
+      self._collect_acks(unacked)
       entry = self._channel.try_get(f'xfer/{n}')
       if entry is not None:
         return entry
