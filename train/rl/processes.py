@@ -289,27 +289,28 @@ class LearnerServices:
   def _weights(self, start: int) -> None:
     del start
     seq = {p: 0 for p in range(self._roles.rollout_processes)}
-    waiting: dict[int, dict] = {}
+    # Every open request, answered as soon as its version exists: one that
+    # waits for an unpublished version must not hold back a later one of
+    # the same process (in deterministic mode the batch the learner needs
+    # next may be behind it).
+    waiting: dict[tuple[int, int], dict] = {}
     while not self._halt.is_set():
       busy = False
       for p in seq:
-        if p not in waiting:
-          req = self._channel.try_get(f'req/{p}/{seq[p]}')
-          if req is None:
-            continue
-          waiting[p] = req
-        req = waiting[p]
+        while (req := self._channel.try_get(f'req/{p}/{seq[p]}')) is not None:
+          waiting[p, seq[p]] = req
+          seq[p] += 1
+      for (p, i), req in sorted(waiting.items()):
         held = self._snapshots.held()
         newest = max(held, default=-1)
         v = req['min'] if req['exact'] else newest
         if v not in held or v < req['min']:
-          continue  # Not published yet: asked again next round.
+          continue  # Not published yet: looked at again next round.
         if v not in req['held']:
           self._transport.send('weights', {'version': v},
                                self._leaves(held[v]), p)
-        self._channel.set(f'resp/{p}/{seq[p]}', v)
-        del waiting[p]
-        seq[p] += 1
+        self._channel.set(f'resp/{p}/{i}', v)
+        del waiting[p, i]
         busy = True
       if not busy:
         self._halt.wait(0.01)

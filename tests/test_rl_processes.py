@@ -1,0 +1,100 @@
+"""The learner's weight server (train.rl.processes) on an in-memory store.
+
+The loopback jobs (test_rl_multihost) run it for real; here its order of
+answers is pinned down where a live job would only hang now and then.
+"""
+
+import json
+import threading
+import time
+
+import numpy as np
+
+from train.rl import control
+from train.rl import processes
+
+
+class _Store:
+  """The key-value calls `control.Channel` makes, in a dict."""
+
+  def __init__(self):
+    self.data, self.lock = {}, threading.Lock()
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    del allow_overwrite
+    with self.lock:
+      self.data[key] = value
+
+  def key_value_try_get(self, key):
+    with self.lock:
+      if key not in self.data:
+        raise KeyError(key)
+      return self.data[key]
+
+  def key_value_delete(self, key):
+    with self.lock:
+      self.data.pop(key, None)
+
+
+class _Snapshots:
+
+  def __init__(self, versions):
+    self.versions = dict(versions)
+
+  def held(self):
+    return dict(self.versions)
+
+
+class _Transport:
+
+  def __init__(self):
+    self.sent = []
+
+  def send(self, kind, meta, arrays, dst):
+    self.sent.append((kind, meta['version'], dst, len(arrays)))
+
+
+def _services(store, snapshots, transport):
+  channel = control.Channel(store, 'job', timeout=5)
+  return channel, processes.LearnerServices(
+      roles_=processes.Roles(1, 2, 1), channel_=channel, transport=transport,
+      liveness=None, snapshots=snapshots, plan=None, window=4,
+      leaves=lambda params: [params], deliver=None, request_stop=None)
+
+
+def _wait_for(channel, key, seconds=5.0):
+  deadline = time.monotonic() + seconds
+  while (value := channel.try_get(key)) is None:
+    assert time.monotonic() < deadline, f'no {key}'
+    time.sleep(0.01)
+  return value
+
+
+def test_a_published_version_is_not_held_back_by_an_earlier_request():
+  # Deterministic s = 2, one rollout process with two actors: actor 1 asks
+  # first, for version 1 (its batch 3), which needs the learner to train
+  # batch 0; actor 0 then asks for version 0 to generate batch 0. Served in
+  # order of asking, batch 0 never comes: the job hangs.
+  store, snapshots, transport = _Store(), _Snapshots({0: np.zeros(3)}), (
+      _Transport())
+  channel, services = _services(store, snapshots, transport)
+  channel.set('req/0/0', {'min': 1, 'exact': True, 'held': []})
+  channel.set('req/0/1', {'min': 0, 'exact': True, 'held': []})
+  serve = services._weights  # pylint: disable=protected-access
+  thread = threading.Thread(target=serve, args=(0,), daemon=True)
+  thread.start()
+  try:
+    assert _wait_for(channel, 'resp/0/1') == 0
+    assert channel.try_get('resp/0/0') is None
+    assert transport.sent == [('weights', 0, 0, 1)]
+    snapshots.versions[1] = np.ones(3)  # The learner trained batch 0.
+    assert _wait_for(channel, 'resp/0/0') == 1
+    # A free request takes the newest; one that holds it gets no transfer.
+    channel.set('req/0/2', {'min': 0, 'exact': False, 'held': [1]})
+    assert _wait_for(channel, 'resp/0/2') == 1
+    assert transport.sent == [('weights', 0, 0, 1), ('weights', 1, 0, 1)]
+  finally:
+    services._halt.set()  # pylint: disable=protected-access
+    thread.join(5)
+  assert not thread.is_alive()
+  assert json.loads(store.data['job/resp/0/0']) == 1
