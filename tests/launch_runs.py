@@ -61,3 +61,22 @@ def run_while_held(workdir: str, run) -> subprocess.CompletedProcess:
   finally:
     holder.kill()
     holder.wait()
+
+
+def communicate_all(procs: list[subprocess.Popen], timeout: float,
+                    wait_for: list[subprocess.Popen] | None = None
+                    ) -> list[tuple[int, str, str]]:
+  """(exit code, stdout, stderr) of each of `wait_for` (default: all of
+  `procs`), each given `timeout` s; every process of `procs` still
+  running afterwards, or when a wait times out, is killed."""
+  wait_for = procs if wait_for is None else wait_for
+  outs = []
+  try:
+    for p in wait_for:
+      outs.append(p.communicate(timeout=timeout))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.communicate()
+  return [(p.returncode, out, err) for p, (out, err) in zip(wait_for, outs)]

@@ -73,16 +73,7 @@ def _start(workdir, sft_workdir, processes, staleness, *overrides):
 
 
 def _finish(procs, timeout=300):
-  outs = []
-  try:
-    for p in procs:
-      outs.append(p.communicate(timeout=timeout))
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.communicate()
-  return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+  return launch_runs.communicate_all(procs, timeout)
 
 
 def _results(workdir):

@@ -37,18 +37,8 @@ def _job(num_processes: int, *args: str, timeout: float = 180,
        f'--transfer_port={transfer}', *args],
       cwd=launch_runs.REPO_ROOT, env=env, stdout=subprocess.PIPE,
       stderr=subprocess.PIPE, text=True) for i in range(num_processes)]
-  outs = []
-  try:
-    for p in (procs if only is None else [procs[only]]):
-      outs.append(p.communicate(timeout=timeout))
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.communicate()
-  if only is not None:
-    procs = [procs[only]]
-  return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+  return launch_runs.communicate_all(
+      procs, timeout, None if only is None else [procs[only]])
 
 
 def _report(out: str) -> dict:

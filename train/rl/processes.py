@@ -179,7 +179,7 @@ class RemoteSnapshots:
 
 class RemoteBuffer:
   """`runtime.Buffer` on a rollout process: each finished batch goes to the
-  learner; `window` batches past the learner's next one at most."""
+  learner (`remote_claim` keeps them within the learner's window)."""
 
   def __init__(self, send: Callable[[int, Any], None]):
     self._send = send

@@ -329,6 +329,27 @@ class Item:
   seconds: float
 
 
+# A batch's arrays as they cross from a rollout process to the learner.
+_BATCH_ARRAYS = ('prompt', 'prompt_valid', 'completion', 'completion_mask',
+                 'behaviour_logps', 'rewards')
+
+
+def generate_batch(config, model, base_key: jax.Array, k: int, v: int,
+                   params, difficulty: int | None, sharding: NamedSharding
+                   ) -> Item:
+  """Batch k (of `difficulty`, or its drawn one if None) sampled from
+  version v's `params`, with the same prompts and key wherever it runs;
+  timed."""
+  difficulty, problems = batch_problems(config, k, difficulty)
+  start = time.perf_counter()
+  out = rollout_lib.sample(
+      model, params, problems, jax.random.fold_in(base_key, k),
+      temperature=config.temperature,
+      num_steps=tasks.max_answer_tokens(config.family, difficulty),
+      version=v, sharding=sharding)
+  return Item(out, difficulty, time.perf_counter() - start)
+
+
 def batch_problems(config, k: int, difficulty: int | None = None
                    ) -> tuple[int, list[tasks.Problem]]:
   """Batch k's difficulty and its P prompts, each G times (groups together).
@@ -447,8 +468,8 @@ class _Job:
   def __init__(self, config, roles: processes_lib.Roles):
     self.roles = roles
     self.halt = threading.Event()
-    timeout = config.runtime.get('transfer_timeout', TRANSFER_TIMEOUT)
-    self.channel = processes_lib.channel(timeout, self.halt.is_set)
+    self.timeout = config.runtime.get('transfer_timeout', TRANSFER_TIMEOUT)
+    self.channel = processes_lib.channel(self.timeout, self.halt.is_set)
     self.peer_timeout = config.runtime.get('peer_timeout', PEER_TIMEOUT)
     self._closed = False
     self.liveness = control.Liveness(
@@ -456,7 +477,7 @@ class _Job:
         dead_after=self.peer_timeout)
     self.liveness.start()
     self.transport = transport_lib.DevicePutTransport(
-        self.channel, roles.process, timeout)
+        self.channel, roles.process, self.timeout)
 
   def tell(self, key: str, value: Any) -> None:
     """Sets `key` if the control plane is still there (a failure to tell
@@ -659,9 +680,10 @@ class _Learner:
   def _deliver(self, meta: dict, arrays: list[jax.Array]) -> None:
     """A batch a rollout process generated (the transport's thread)."""
     k, difficulty = meta['k'], meta['difficulty']
-    host = [np.asarray(a) for a in arrays]
     _, problems = batch_problems(self.config, k, difficulty)
-    out = rollout_lib.Rollout(tuple(problems), *host, version=meta['version'])
+    out = rollout_lib.Rollout(
+        tuple(problems), version=meta['version'],
+        **{name: np.asarray(a) for name, a in zip(_BATCH_ARRAYS, arrays)})
     self.buffer.deliver(k, Item(out, difficulty, meta['seconds']))
 
   def stop(self, timeout: float) -> None:
@@ -671,15 +693,9 @@ class _Learner:
     self.actors.join(timeout)
 
   def generate(self, k: int, v: int, params_v) -> Item:
-    difficulty, problems = batch_problems(
-        self.config, k, self.scheduler.plan(k, v).difficulty)
-    start = time.perf_counter()
-    out = rollout_lib.sample(
-        self.model, params_v, problems, jax.random.fold_in(self.base_key, k),
-        temperature=self.config.temperature,
-        num_steps=tasks.max_answer_tokens(self.config.family, difficulty),
-        version=v, sharding=self.layout.rollout_rows)
-    return Item(out, difficulty, time.perf_counter() - start)
+    return generate_batch(self.config, self.model, self.base_key, k, v,
+                          params_v, self.scheduler.plan(k, v).difficulty,
+                          self.layout.rollout_rows)
 
   def wall(self) -> float:
     return self.wall_offset + time.perf_counter() - self.started
@@ -822,10 +838,9 @@ def _rollout(config, job: _Job) -> dict[str, Any]:
   rows = NamedSharding(rollout_mesh, P('data'))
   settings = runtime_settings(config)
   window = settings.capacity
-  timeout = config.runtime.get('transfer_timeout', TRANSFER_TIMEOUT)
   snapshots = processes_lib.RemoteSnapshots(
       ch, roles.process, keep=window + settings.max_staleness + 2,
-      timeout=timeout)
+      timeout=job.timeout)
 
   def receive(kind, meta, src, arrays):
     if kind != 'weights' or src != roles.learner:
@@ -849,23 +864,15 @@ def _rollout(config, job: _Job) -> dict[str, Any]:
     return plans[k][1]
 
   def generate(k: int, v: int, params) -> Item:
-    difficulty = plans[k][0]
-    _, problems = batch_problems(config, k, difficulty)
-    begin = time.perf_counter()
-    out = rollout_lib.sample(
-        model, params, problems, jax.random.fold_in(base_key, k),
-        temperature=config.temperature,
-        num_steps=tasks.max_answer_tokens(config.family, difficulty),
-        version=v, sharding=rows)
-    return Item(out, difficulty, time.perf_counter() - begin)
+    return generate_batch(config, model, base_key, k, v, params,
+                          plans[k][0], rows)
 
   def send(k: int, item: Item) -> None:
     out = item.rollout
     job.transport.send(
         'batch', {'k': k, 'version': out.version,
                   'difficulty': item.difficulty, 'seconds': item.seconds},
-        [out.prompt, out.prompt_valid, out.completion, out.completion_mask,
-         out.behaviour_logps, out.rewards], roles.learner)
+        [getattr(out, name) for name in _BATCH_ARRAYS], roles.learner)
 
   claim = processes_lib.remote_claim(ch, start, window, job.halt.is_set,
                                      total=config.num_versions)

@@ -879,6 +879,7 @@ def across_processes(cal: Calibration, chips: Sequence[int],
   table = []
   weights = transfer.seconds(version_mb)
   batch = transfer.seconds(batch_mb)
+  mix = np.full(cal.num_buckets, 1.0 / cal.num_buckets)
   for total in chips:
     best: dict[str, tuple] = {}
     for fraction in rollout_fractions:
@@ -897,7 +898,6 @@ def across_processes(cal: Calibration, chips: Sequence[int],
       candidates = {'sync, split': [Policy('split', split=True)],
                     'best fixed': [Policy(f's={s}', bound=s) for s in bounds],
                     'GAS': [Policy('gas', gas_options=options)]}
-      mix = np.full(cal.num_buckets, 1.0 / cal.num_buckets)
       for name, policies in candidates.items():
         across = max((run(p, 1.0) for p in policies),
                      key=lambda r: r.samples_per_second)
