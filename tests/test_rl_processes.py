@@ -9,6 +9,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from train.rl import control
 from train.rl import processes
@@ -98,3 +99,34 @@ def test_a_published_version_is_not_held_back_by_an_earlier_request():
     thread.join(5)
   assert not thread.is_alive()
   assert json.loads(store.data['job/resp/0/0']) == 1
+
+
+class _FailedTransport:
+
+  def check(self):
+    raise processes.transport_lib.TransferFailed(
+        'a transfer failed: JaxRuntimeError: recv() failed')
+
+
+class _Liveness:
+  """Declares process 1 dead at its `dies_at`-th check (never if None)."""
+
+  dead_after = 0.2
+
+  def __init__(self, dies_at):
+    self.dies_at, self.checks = dies_at, 0
+
+  def check(self):
+    self.checks += 1
+    if self.dies_at is not None and self.checks >= self.dies_at:
+      raise control.ProcessDied(1, 'learner', 5.0)
+
+
+def test_a_transfer_broken_by_a_dead_process_names_the_process():
+  # kill -9 of a peer breaks its socket before its heartbeats go stale.
+  with pytest.raises(control.ProcessDied, match=r'process 1 \(learner\)'):
+    processes.check_peers(_FailedTransport(), _Liveness(dies_at=3))
+  begin = time.monotonic()
+  with pytest.raises(processes.transport_lib.TransferFailed):
+    processes.check_peers(_FailedTransport(), _Liveness(dies_at=None))
+  assert time.monotonic() - begin >= 0.2  # It waited for the watch first.

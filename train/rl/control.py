@@ -145,6 +145,10 @@ class Liveness:
     self._thread = threading.Thread(target=self._beat, daemon=True,
                                     name='heartbeat')
 
+  @property
+  def dead_after(self) -> float:
+    return self._dead_after
+
   def start(self) -> None:
     self._thread.start()
 

@@ -217,6 +217,26 @@ def remote_claim(channel_: control.Channel, start: int, window: int,
   return claim
 
 
+def check_peers(transport: transport_lib.Transport,
+                liveness: control.Liveness) -> None:
+  """Raises `ProcessDied` for a process that stopped, else what the
+  transport found.
+
+  A process killed in the middle of a transfer breaks its connection at
+  once, while its heartbeats take `liveness.dead_after` s to go stale: a
+  failed transfer waits that long for the watch to name the process.
+  """
+  try:
+    transport.check()
+  except transport_lib.TransferFailed:
+    deadline = time.monotonic() + liveness.dead_after + 2
+    while time.monotonic() < deadline:
+      liveness.check()
+      time.sleep(0.1)
+    raise
+  liveness.check()
+
+
 class LearnerServices:
   """The learner's side of the job: plans, weights, batches, liveness."""
 
@@ -319,8 +339,7 @@ class LearnerServices:
     """Raises what stopped the job's other side; forwards a stop request."""
     if self._failure is not None:
       raise self._failure
-    self._transport.check()
-    self._liveness.check()
+    check_peers(self._transport, self._liveness)
     for p in range(self._roles.rollout_processes):
       failed = self._channel.try_get(f'failed/{p}')
       if failed is not None:

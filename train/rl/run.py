@@ -886,8 +886,7 @@ def _rollout(config, job: _Job) -> dict[str, Any]:
     try:
       while (done := ch.try_get('done')) is None:
         actors.check()
-        job.transport.check()
-        job.liveness.check()
+        processes_lib.check_peers(job.transport, job.liveness)
         if stop.event.is_set() and not forwarded:
           ch.set('stop', stop.signal_name)
           forwarded = True
