@@ -14,8 +14,11 @@ no checkpoint in it that loads and verifies: 4; actors failing beyond
 SIGINT saves one and exits 130; the same command resumes the run.
 
 Several processes (`--multihost`, flags in `launch.multihost`) with
-`--config.rollout_processes=R`: processes 0..R-1 generate, the last one
-trains and holds the workdir (`train.rl.processes`), e.g. on one machine:
+`--config.rollout_processes=R`: processes 0..R-1 generate, the others
+learn; the first of those (process R) leads: it holds the workdir and
+writes the checkpoints, and with more than one learner process each
+update spans all of them (`train.rl.processes`, `train.rl.learner_group`),
+e.g. on one machine:
 
   for i in 0 1 2; do python -m launch.rl --config=configs/rl.py \
     --config.sft_workdir=workdirs/rl_sft --workdir=workdirs/rl \
@@ -45,8 +48,12 @@ def main(argv):
 
   def job():
     entry.configure_devices(config)
-    # Each process's programs run on its own devices.
-    multihost.initialize(collectives=False)
+    from train.rl import processes  # pylint: disable=g-import-not-at-top
+    # Each process's programs run on its own devices, but for the update
+    # of a learner over several processes (learner_group).
+    multihost.initialize(collectives=processes.learner_group_size(
+        config.get('rollout_processes'), multihost.NUM_PROCESSES.value
+        or 1) > 1)
     from train.rl import run  # pylint: disable=g-import-not-at-top
     return run.train_and_evaluate(config, _WORKDIR.value)
 
@@ -55,6 +62,11 @@ def main(argv):
     print(f'rollout process {results["process"]}: sent '
           f'{results["batches_sent"]} batches; workdir {_WORKDIR.value} '
           '(the learner\'s)')
+    return
+  if results.get('role') == 'follower':
+    print(f'learner process {results["process"]}: joined '
+          f'{results["updates"]} updates; workdir {_WORKDIR.value} (the '
+          'lead learner\'s)')
     return
   scores = ', '.join(f'{d} digits {100 * v:.1f}%'
                      for d, v in results['pass_at_1'].items())

@@ -2,11 +2,13 @@
 
 `launch.rl --multihost` with `config.rollout_processes = R` runs N JAX
 processes: processes 0..R-1 generate, each with its own actor threads on a
-mesh of its own devices; process N-1 is the learner, which holds the
-workdir (alone: `train.process_group`) and trains on a mesh of its
-devices. A learner spanning several processes is not supported yet (the
-learner's checkpoints, `train.local_checkpoints`, are written by one
-process).
+mesh of its own devices; processes R..N-1 are the learner group. Its
+first process, the lead, is the learner of a one-process-learner job: it
+holds the workdir (alone: `train.process_group`), decides every step,
+serves the weights and writes the checkpoints. With more than one learner
+process, each step's update runs as one SPMD program over the group's
+devices, the policy replicated on each (data parallel); the others follow
+the lead step by step (`train.rl.learner_group`).
 
 What crosses between them:
 
@@ -57,14 +59,24 @@ class Roles:
 
   @property
   def learner(self) -> int:
-    return self.num_processes - 1
+    """The lead learner process (the first of the learner group)."""
+    return self.rollout_processes
+
+  @property
+  def learners(self) -> range:
+    """The learner group: the lead, then the processes that follow it."""
+    return range(self.rollout_processes, self.num_processes)
 
   @property
   def is_learner(self) -> bool:
     return self.process == self.learner
 
+  @property
+  def is_follower(self) -> bool:
+    return self.process > self.learner
+
   def role(self, process: int) -> str:
-    return 'learner' if process == self.learner else 'rollout'
+    return 'learner' if process >= self.learner else 'rollout'
 
   @property
   def names(self) -> dict[int, str]:
@@ -89,12 +101,24 @@ def roles(config) -> Roles | None:
     raise ConfigError('rollout_processes', r,
                       'needs launch.rl --multihost with several processes '
                       '(unset for one process)')
-  if isinstance(r, bool) or not isinstance(r, int) or r != count - 1:
-    raise ConfigError('rollout_processes', r,
-                      f'must be {count - 1} with {count} processes: the '
-                      'learner is one process (a learner over several '
-                      'processes is not supported yet)')
+  check_rollout_processes(r, count)
   return Roles(jax.process_index(), count, r)
+
+
+def check_rollout_processes(r: Any, count: int) -> None:
+  """ConfigError unless `r` processes of `count` can generate (at least
+  one, and at least one left to learn)."""
+  if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r < count:
+    raise ConfigError('rollout_processes', r,
+                      f'must be in [1, {count - 1}] with {count} processes: '
+                      'processes 0..R-1 generate, the others learn')
+
+
+def learner_group_size(rollout_processes: int | None, count: int) -> int:
+  """How many processes the learner spans (1 for a one-process job)."""
+  if rollout_processes is None or count <= 1:
+    return 1
+  return max(1, count - rollout_processes)
 
 
 def channel(settings_timeout: float, stopped: Callable[[], bool]
@@ -340,10 +364,11 @@ class LearnerServices:
     if self._failure is not None:
       raise self._failure
     check_peers(self._transport, self._liveness)
-    for p in range(self._roles.rollout_processes):
-      failed = self._channel.try_get(f'failed/{p}')
+    for p in range(self._roles.num_processes):
+      failed = (None if p == self._roles.learner
+                else self._channel.try_get(f'failed/{p}'))
       if failed is not None:
-        raise RolloutFailed(p, failed)
+        raise RolloutFailed(p, failed, self._roles.role(p))
     if not self._stop_seen:
       stop = self._channel.try_get('stop')
       if stop is not None:
@@ -366,8 +391,8 @@ class LearnerServices:
 
 
 class RolloutFailed(RunError):
-  """A rollout process stopped with an error."""
+  """A rollout (or following learner) process stopped with an error."""
   exit_code = 1
 
-  def __init__(self, process: int, line: str):
-    super().__init__(f'rollout process {process} stopped: {line}')
+  def __init__(self, process: int, line: str, role: str = 'rollout'):
+    super().__init__(f'{role} process {process} stopped: {line}')

@@ -68,6 +68,7 @@ from train.lm import trainer as lm_trainer
 from train.rl import control
 from train.rl import grpo
 from train.rl import learner as learner_lib
+from train.rl import learner_group
 from train.rl import rollout as rollout_lib
 from train.rl import processes as processes_lib
 from train.rl import runtime as runtime_lib
@@ -404,6 +405,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       return _train(config, run)
   job = _Job(config, roles)
   try:
+    if roles.is_follower:
+      return _follow(config, job)
     if not roles.is_learner:
       return _rollout(config, job)
     # The learner holds the workdir alone; the rollout processes never
@@ -549,14 +552,57 @@ class _Layout:
   update: Any
 
 
-def _layout(config, model, tx, params) -> _Layout:
+def _group(config, model, tx, params, roles: processes_lib.Roles
+           ) -> learner_group.Group:
+  """The learner group's mesh and update (on every learner process)."""
+  axes, shape, rules = learner_layout(config)
+  devices = [d for d in jax.devices() if d.process_index in roles.learners]
+  mesh = sharding_lib.make_mesh(shape, axes, devices, field='learner_mesh')
+  param_shardings, rows = learner_shardings(config, model, mesh)
+  learner_group.check_replicated(
+      param_shardings, config.prompts_per_batch * config.grpo.group_size,
+      mesh)
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=s), params, param_shardings)
+  opt_shardings = sharding_lib.optimizer_state_shardings(
+      tx, abstract, param_shardings, mesh)
+  update = _update_program(config, model, tx, loss_settings(config), params,
+                           mesh).lower().compile()
+  local = NamedSharding(Mesh(np.array(jax.local_devices()), ('data',)), P())
+  return learner_group.Group(mesh, param_shardings, opt_shardings, rows,
+                             local, update)
+
+
+def _lead_update(group: learner_group.Group, job: '_Job', reference):
+  """The lead's update over the group: the batch goes to the followers,
+  then every learner process runs the step."""
+  followers = list(job.roles.learners)[1:]
+  reference = group.group_reference(reference)
+  count = iter(range(1 << 62))
+
+  def update(params, opt_state, batch, unused_reference):
+    host = jax.device_get(batch)
+    k = next(count)
+    for p in followers:
+      job.transport.send('step', {'n': k}, list(host), p)
+    return learner_group.wait_ready(
+        group.step(params, opt_state, host, reference),
+        lambda: processes_lib.check_peers(job.transport, job.liveness))
+  return update
+
+
+def _layout(config, model, tx, params, job: '_Job | None' = None
+            ) -> _Layout:
   rollout_mesh, learner_mesh = meshes(config)
   param_shardings, learner_rows = learner_shardings(config, model,
                                                     learner_mesh)
-  # Compiled ahead of time under the learner's mesh and rules, as
-  # `launch.compile` compiles it.
-  update = _update_program(config, model, tx, loss_settings(config), params,
-                           learner_mesh).lower().compile()
+  if job is not None and len(job.roles.learners) > 1:
+    update = None  # _train sets the group's (it needs the reference).
+  else:
+    # Compiled ahead of time under the learner's mesh and rules, as
+    # `launch.compile` compiles it.
+    update = _update_program(config, model, tx, loss_settings(config),
+                             params, learner_mesh).lower().compile()
   if multi_process(config):
     # The learner process has no rollout mesh: its published versions stay
     # on its devices (the transport sends them), and a batch generated
@@ -580,8 +626,12 @@ def _train(config, run: resumable.Run, job: '_Job | None' = None
   if finished is not None:
     return finished
   tx = optimizer(config)
-  layout = _layout(config, model, tx, sft_params)
+  layout = _layout(config, model, tx, sft_params, job)
   params = jax.device_put(sft_params, layout.param_shardings)
+  if layout.update is None:
+    group = _group(config, model, tx, sft_params, job.roles)
+    layout = dataclasses.replace(layout, update=_lead_update(
+        group, job, params))
   s = config.runtime.max_staleness
   fresh = {'params': params, 'opt_state': jax.jit(
       tx.init, out_shardings=sharding_lib.optimizer_state_shardings(
@@ -597,6 +647,11 @@ def _train(config, run: resumable.Run, job: '_Job | None' = None
                                 can_skip=False)
   learner = _Learner(config, model, run, layout, reference=params,
                      restored=found or (0, fresh, {}), job=job)
+  if job is not None:
+    for p in list(job.roles.learners)[1:]:  # The followers start from it.
+      job.transport.send('state', {'version': learner.version},
+                         jax.tree.leaves((learner.state['params'],
+                                          learner.state['opt_state'])), p)
   if learner.version == 0 and not learner.curve:
     run.writer.write(0, learner.evaluate(0))
   learner.start()
@@ -906,6 +961,61 @@ def _rollout(config, job: _Job) -> dict[str, Any]:
                    f'{done["error"]}')
   return {'role': 'rollout', 'process': roles.process,
           'batches_sent': job.transport.sent}
+
+
+def _follow(config, job: _Job) -> dict[str, Any]:
+  """A learner process that follows the lead: it joins every update over
+  the learner group (`train.rl.learner_group`) until the run ends.
+
+  Returns how many updates it joined; raises `Preempted` when the lead
+  stopped for a signal, `RunError` when it failed.
+  """
+  roles, ch = job.roles, job.channel
+  with process_group.alone():  # Read with this process's devices only.
+    sft_config, model, sft_params = sft.load_policy(config.sft_workdir)
+  check_policy(config, sft_config, model.max_len)
+  tx = optimizer(config)
+  group = _group(config, model, tx, sft_params, roles)
+  reference = group.group_reference(jax.device_put(sft_params, group.local))
+  treedef = jax.tree.structure((sft_params, jax.eval_shape(tx.init,
+                                                           sft_params)))
+  inbox = learner_group.Inbox()
+  job.transport.start(inbox.receive)
+  stop = preemption.StopFlag()
+  forwarded = False
+  state, updates = None, 0
+
+  def check() -> None:
+    nonlocal forwarded
+    processes_lib.check_peers(job.transport, job.liveness)
+    if stop.event.is_set() and not forwarded:
+      ch.set('stop', stop.signal_name)
+      forwarded = True
+
+  with stop.installed():
+    while (done := ch.try_get('done')) is None:
+      message = inbox.next(0.05, check)
+      if message is None:
+        continue
+      kind, meta, src, arrays = message
+      if src != roles.learner or kind not in ('state', 'step'):
+        raise ValueError(f'learner process {roles.process} received '
+                         f'{kind!r} from process {src}')
+      if kind == 'state':
+        state = jax.tree.unflatten(treedef, [
+            jax.device_put(a, group.local) for a in arrays])
+        continue
+      params, opt_state, _ = learner_group.wait_ready(
+          group.step(*state, grpo.Batch(*arrays), reference), check)
+      state = (params, opt_state)
+      updates += 1
+  job.halt.set()
+  if 'stop' in done:
+    raise Preempted(done['step'], done['stop'])
+  if 'error' in done:
+    raise RunError(f'the learner (process {roles.learner}) stopped: '
+                   f'{done["error"]}')
+  return {'role': 'follower', 'process': roles.process, 'updates': updates}
 
 
 def _results(config, counters, curve, seconds: float) -> dict[str, Any]:
