@@ -53,14 +53,17 @@ def _env():
   return env
 
 
-def _start(workdir, sft_workdir, processes, staleness, *overrides):
-  """The job's processes, started (stdout and stderr piped)."""
+def _start(workdir, sft_workdir, processes, staleness, *overrides,
+           rollouts=None):
+  """The job's processes, started (stdout and stderr piped); `rollouts` of
+  them generate (default: all but one)."""
+  rollouts = processes - 1 if rollouts is None else rollouts
   ports = [_free_port() for _ in range(processes + 1)]
   procs = []
   for i in range(processes):
     cmd = [sys.executable, *_args(
         workdir, sft_workdir, staleness, '--config.cpu_devices=4',
-        f'--config.rollout_processes={processes - 1}', '--multihost',
+        f'--config.rollout_processes={rollouts}', '--multihost',
         f'--coordinator_address=127.0.0.1:{ports[0]}',
         f'--num_processes={processes}', f'--process_id={i}',
         f'--transfer_address=127.0.0.1:{ports[i + 1]}',
@@ -81,9 +84,10 @@ def _results(workdir):
     return json.load(f)
 
 
-def _multi(workdir, sft_workdir, processes, staleness, *overrides):
+def _multi(workdir, sft_workdir, processes, staleness, *overrides,
+           rollouts=None):
   ends = _finish(_start(workdir, sft_workdir, processes, staleness,
-                        *overrides))
+                        *overrides, rollouts=rollouts))
   for code, _, err in ends:
     assert code == 0, err[-3000:]
   return _results(workdir), ends
@@ -148,16 +152,9 @@ def _latest_checkpoint(workdir) -> int:
                                else ()) if d.isdigit()), default=-1)
 
 
-# Process 0 is excluded: jax.distributed's coordination service runs in it,
-# and its death ends every other process at once with JAX's own message
-# (test_multihost checks that one for launch.train).
-@pytest.mark.parametrize('processes,victim', [(3, 1), (2, 1)],
-                         ids=['rollout', 'learner'])
-def test_kill_9_of_a_process_stops_the_job_in_one_line_and_it_resumes(
-    sft_workdir, tmp_path, tmp_path_factory, processes, victim):
-  extra = DETERMINISTIC + ('--config.checkpoint_every=2',)
-  workdir = tmp_path / 'run'
-  procs = _start(workdir, sft_workdir, processes, 2, *extra)
+def _kill_9_after_a_checkpoint(procs, workdir, victim: int, role: str):
+  """Kills process `victim` once version 2 is saved; checks that the others
+  stop in one line naming it, exit 1 and keep the checkpoint."""
   deadline = time.monotonic() + 240
   while _latest_checkpoint(workdir) < 2:
     if time.monotonic() > deadline or any(p.poll() is not None
@@ -173,7 +170,6 @@ def test_kill_9_of_a_process_stops_the_job_in_one_line_and_it_resumes(
     time.sleep(0.05)
   procs[victim].send_signal(signal.SIGKILL)
   ends = _finish([p for i, p in enumerate(procs) if i != victim])
-  role = 'learner' if victim == processes - 1 else 'rollout'
   reported = [line for code, _, err in ends for line in err.splitlines()
               if line.startswith(f'error: process {victim} ({role}) stopped '
                                  'responding')]
@@ -187,6 +183,20 @@ def test_kill_9_of_a_process_stops_the_job_in_one_line_and_it_resumes(
       (code, [l[:100] for l in err.splitlines() if "rror" in l][-3:])
       for code, _, err in ends]
   assert _latest_checkpoint(workdir) >= 2
+
+
+# Process 0 is excluded: jax.distributed's coordination service runs in it,
+# and its death ends every other process at once with JAX's own message
+# (test_multihost checks that one for launch.train).
+@pytest.mark.parametrize('processes,victim', [(3, 1), (2, 1)],
+                         ids=['rollout', 'learner'])
+def test_kill_9_of_a_process_stops_the_job_in_one_line_and_it_resumes(
+    sft_workdir, tmp_path, tmp_path_factory, processes, victim):
+  extra = DETERMINISTIC + ('--config.checkpoint_every=2',)
+  workdir = tmp_path / 'run'
+  procs = _start(workdir, sft_workdir, processes, 2, *extra)
+  role = 'learner' if victim == processes - 1 else 'rollout'
+  _kill_9_after_a_checkpoint(procs, workdir, victim, role)
   # Resumed on the other split (3 -> 2 processes, 2 -> 3): the learner's
   # checkpoint holds whole arrays and no rollout process keeps state.
   resumed, ends = _multi(workdir, sft_workdir, 5 - processes, 2, *extra)
@@ -222,6 +232,49 @@ def test_kill_9_of_a_process_stops_the_job_in_one_line_and_it_resumes(
       'error: config.rollout_processes=None: ') and 'multi-process run' in (
           proc.stderr), proc.stderr[-2000:]
   assert sorted(os.listdir(workdir / 'checkpoints')) == before
+
+
+def _train_metrics(workdir) -> dict[int, dict]:
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return {r['step']: r for r in map(json.loads, f) if 'train/loss' in r}
+
+
+def test_a_learner_over_two_processes_trains_like_one_and_resumes_exactly(
+    sft_workdir, tmp_path, tmp_path_factory):
+  """1 rollout + 2 learner processes: each update spans both learners."""
+  extra = DETERMINISTIC + ('--config.checkpoint_every=2',)
+  whole, ends = _multi(tmp_path / 'whole', sft_workdir, 3, 2, *extra,
+                       rollouts=1)
+  # Their last line (gloo, the collectives on CPU, prints to stdout too).
+  assert ends[2][1].splitlines()[-1].startswith(
+      'learner process 2: joined 8 updates'), ends[2][1][-2000:]
+  assert ends[0][1].splitlines()[-1].startswith('rollout process 0: sent ')
+  # The group's sums cross processes (another order than one process
+  # adds in): the same run as one learner process to rounding.
+  single, single_workdir = _single(tmp_path_factory, sft_workdir, 2, *extra,
+                                   workdir=True)
+  assert whole['params_sha256'] != single['params_sha256']
+  mine, theirs = _train_metrics(tmp_path / 'whole'), _train_metrics(
+      single_workdir)
+  assert sorted(mine) == sorted(theirs) == list(range(1, VERSIONS + 1))
+  for step, row in mine.items():
+    other = theirs[step]
+    assert row['reward'] == other['reward'], step  # The same samples.
+    assert row['train/grad_norm'] == pytest.approx(
+        other['train/grad_norm'], rel=1e-4), step
+    assert row['train/loss'] == pytest.approx(other['train/loss'],
+                                              abs=1e-5), step
+  assert whole['staleness_histogram'] == single['staleness_histogram']
+  # Kill -9 of the follower in the middle of the run: one line, nothing
+  # lost; the same split resumes to the uninterrupted run's policy.
+  workdir = tmp_path / 'killed'
+  _kill_9_after_a_checkpoint(
+      _start(workdir, sft_workdir, 3, 2, *extra, rollouts=1), workdir, 2,
+      'learner')
+  resumed, _ = _multi(workdir, sft_workdir, 3, 2, *extra, rollouts=1)
+  assert resumed['params_sha256'] == whole['params_sha256']
+  assert resumed['curve'][-1] == {**whole['curve'][-1],
+                                  'wall': resumed['curve'][-1]['wall']}
 
 
 def test_a_bucket_url_workdir_is_refused_before_anything_is_written():
