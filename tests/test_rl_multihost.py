@@ -21,8 +21,11 @@ import pytest
 from tests import launch_runs
 
 REPO_ROOT = launch_runs.REPO_ROOT
+# GAS's curvature estimate is off: it runs on the learner as in one process
+# (test_rl_run's GAS runs compare it), and its compile (9 s on the
+# learner, which never writes the compile cache) was a quarter of a run.
 GAS = ('--config.scheduler=gas', '--config.gas.latency_source=model',
-       '--config.gas.curvature_every=3', '--config.gas.curvature_iters=3')
+       '--config.gas.curvature_every=0')
 VERSIONS = 8
 
 
