@@ -54,7 +54,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Devices that generate; the rest train (disjoint meshes).
   config.rollout_devices = 4
   # With launch.rl --multihost: how many processes generate (0..R-1, each
-  # on its own devices); the last one trains. Unset: one process.
+  # on its own devices); the others learn, the first of them leading
+  # (train.rl.learner_group when they are several). Unset: one process.
   config.rollout_processes = ml_collections.config_dict.placeholder(int)
 
   config.family = 'add'

@@ -2,8 +2,8 @@
 
 Each job is 2 or 3 real `python -m launch.rl` processes (4 CPU devices
 each) meeting through jax.distributed on 127.0.0.1: processes 0..R-1
-generate, the last one trains; weights and batches cross by
-`jax.device_put` (train.rl.transport). The one-process runs they are
+generate, the others learn (one, or two: the learner group); weights and
+batches cross by `jax.device_put` (train.rl.transport). The one-process runs they are
 compared with use 8 devices, 4 of them generating, so that every program
 runs on a mesh of the same size either way.
 """

@@ -95,7 +95,7 @@ def roles(config) -> Roles | None:
     if count > 1:
       raise ConfigError('rollout_processes', r,
                         f'required with {count} processes: how many of them '
-                        'generate (the last one trains)')
+                        'generate (the others learn)')
     return None
   if count == 1:
     raise ConfigError('rollout_processes', r,
