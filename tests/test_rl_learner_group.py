@@ -111,9 +111,11 @@ def test_roles_of_a_job_with_a_learner_group():
   assert roles[0].learner == 2 and list(roles[0].learners) == [2, 3, 4]
   assert [r.is_learner for r in roles] == [False, False, True, False, False]
   assert [r.is_follower for r in roles] == [False, False, False, True, True]
+  assert list(roles[0].followers) == [3, 4]
   # One learner process: the lead is the last process, as before groups.
   one = processes.Roles(2, 3, 2)
   assert one.is_learner and not one.is_follower and list(one.learners) == [2]
+  assert not one.followers
   assert processes.learner_group_size(2, 5) == 3
   assert processes.learner_group_size(None, 5) == 1
   assert processes.learner_group_size(1, 1) == 1

@@ -148,15 +148,12 @@ class Inbox:
     """The transport's callback."""
     self._queue.put((kind, meta, src, [np.asarray(a) for a in arrays]))
 
-  def next(self, wait: float, check: Callable[[], None]
+  def next(self, check: Callable[[], None]
            ) -> tuple[str, dict, int, list[np.ndarray]] | None:
-    """The next message, or None after `wait` s (running `check` while
-    waiting: it raises what ended the job)."""
-    deadline = time.monotonic() + wait
-    while True:
-      try:
-        return self._queue.get(timeout=0.05)
-      except queue.Empty:
-        check()
-        if time.monotonic() > deadline:
-          return None
+    """The next message, or None after 50 ms without one (then `check`
+    runs: it raises what ended the job)."""
+    try:
+      return self._queue.get(timeout=0.05)
+    except queue.Empty:
+      check()
+      return None

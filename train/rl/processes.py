@@ -68,6 +68,11 @@ class Roles:
     return range(self.rollout_processes, self.num_processes)
 
   @property
+  def followers(self) -> range:
+    """The learner processes that follow the lead."""
+    return range(self.rollout_processes + 1, self.num_processes)
+
+  @property
   def is_learner(self) -> bool:
     return self.process == self.learner
 

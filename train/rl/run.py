@@ -573,20 +573,19 @@ def _group(config, model, tx, params, roles: processes_lib.Roles
                              local, update)
 
 
-def _lead_update(group: learner_group.Group, job: '_Job', reference):
+def _lead_update(group: learner_group.Group, job: '_Job'):
   """The lead's update over the group: the batch goes to the followers,
   then every learner process runs the step."""
-  followers = list(job.roles.learners)[1:]
-  reference = group.group_reference(reference)
-  count = iter(range(1 << 62))
+  on_group = []  # The reference policy's group view, made once.
 
-  def update(params, opt_state, batch, unused_reference):
+  def update(params, opt_state, batch, reference):
+    if not on_group:
+      on_group.append(group.group_reference(reference))
     host = jax.device_get(batch)
-    k = next(count)
-    for p in followers:
-      job.transport.send('step', {'n': k}, list(host), p)
+    for p in job.roles.followers:
+      job.transport.send('step', {}, list(host), p)
     return learner_group.wait_ready(
-        group.step(params, opt_state, host, reference),
+        group.step(params, opt_state, host, on_group[0]),
         lambda: processes_lib.check_peers(job.transport, job.liveness))
   return update
 
@@ -596,8 +595,8 @@ def _layout(config, model, tx, params, job: '_Job | None' = None
   rollout_mesh, learner_mesh = meshes(config)
   param_shardings, learner_rows = learner_shardings(config, model,
                                                     learner_mesh)
-  if job is not None and len(job.roles.learners) > 1:
-    update = None  # _train sets the group's (it needs the reference).
+  if job is not None and job.roles.followers:
+    update = _lead_update(_group(config, model, tx, params, job.roles), job)
   else:
     # Compiled ahead of time under the learner's mesh and rules, as
     # `launch.compile` compiles it.
@@ -628,10 +627,6 @@ def _train(config, run: resumable.Run, job: '_Job | None' = None
   tx = optimizer(config)
   layout = _layout(config, model, tx, sft_params, job)
   params = jax.device_put(sft_params, layout.param_shardings)
-  if layout.update is None:
-    group = _group(config, model, tx, sft_params, job.roles)
-    layout = dataclasses.replace(layout, update=_lead_update(
-        group, job, params))
   s = config.runtime.max_staleness
   fresh = {'params': params, 'opt_state': jax.jit(
       tx.init, out_shardings=sharding_lib.optimizer_state_shardings(
@@ -648,7 +643,7 @@ def _train(config, run: resumable.Run, job: '_Job | None' = None
   learner = _Learner(config, model, run, layout, reference=params,
                      restored=found or (0, fresh, {}), job=job)
   if job is not None:
-    for p in list(job.roles.learners)[1:]:  # The followers start from it.
+    for p in job.roles.followers:  # They start from the lead's state.
       job.transport.send('state', {'version': learner.version},
                          jax.tree.leaves((learner.state['params'],
                                           learner.state['opt_state'])), p)
@@ -994,7 +989,7 @@ def _follow(config, job: _Job) -> dict[str, Any]:
 
   with stop.installed():
     while (done := ch.try_get('done')) is None:
-      message = inbox.next(0.05, check)
+      message = inbox.next(check)
       if message is None:
         continue
       kind, meta, src, arrays = message
