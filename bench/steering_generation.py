@@ -64,6 +64,29 @@ def variants(direction):
   }
 
 
+def time_variants(model, params, prompt, valid, steerings: dict, layer: str,
+                  steps: int, repeats: int,
+                  calls: int) -> dict[str, list[float]]:
+  """{variant: per-repeat seconds per call} of one jitted `generate` per
+  (steering, mode) variant, compiled and warmed up first, the variants
+  alternating within each repeat."""
+  compiled = {}
+  for name, (steer, mode) in steerings.items():
+    fn = jax.jit(lambda p, s, mode=mode: lm_generate.generate(
+        model, p, prompt, valid, steps, steering=s, layer_path=layer,
+        mode=mode).tokens)
+    jax.block_until_ready(fn(params, steer))  # Compile and warm up.
+    compiled[name] = (fn, steer)
+  times = {name: [] for name in compiled}
+  for _ in range(repeats):
+    for name, (fn, steer) in compiled.items():
+      start = time.perf_counter()
+      for _ in range(calls):
+        jax.block_until_ready(fn(params, steer))
+      times[name].append((time.perf_counter() - start) / calls)
+  return times
+
+
 def measure(tokenizer: str):
   """(model, {variant: per-repeat seconds per call}) for one vocabulary."""
   config = lm_config.get_config(None if tokenizer == 'byte'
@@ -76,21 +99,8 @@ def measure(tokenizer: str):
   valid = jnp.ones(prompt.shape, bool)
   direction = jax.random.normal(jax.random.key(2), (model.d_model,))
 
-  compiled = {}
-  for name, (steer, mode) in variants(direction).items():
-    fn = jax.jit(lambda p, s, mode=mode: lm_generate.generate(
-        model, p, prompt, valid, _STEPS.value, steering=s,
-        layer_path=LAYER, mode=mode).tokens)
-    jax.block_until_ready(fn(params, steer))  # Compile and warm up.
-    compiled[name] = (fn, steer)
-
-  times = {name: [] for name in compiled}
-  for _ in range(_REPEATS.value):
-    for name, (fn, steer) in compiled.items():
-      start = time.perf_counter()
-      for _ in range(_CALLS.value):
-        jax.block_until_ready(fn(params, steer))
-      times[name].append((time.perf_counter() - start) / _CALLS.value)
+  times = time_variants(model, params, prompt, valid, variants(direction),
+                        LAYER, _STEPS.value, _REPEATS.value, _CALLS.value)
   return model, times
 
 

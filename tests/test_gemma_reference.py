@@ -231,3 +231,64 @@ def test_a_truncated_or_foreign_file_is_one_line(tmp_path, gemma_file):
   with pytest.raises(errors.DamagedModelFile) as e:
     gemma_gguf.load(str(foreign))
   assert 'GGUF' in str(e.value) and '\n' not in str(e.value)
+
+
+def test_steering_hooks_run_unchanged_on_gemma(loaded):
+  """train.lm.hooks steers a Gemma block as it does the in-project decoder:
+  the spherical rotation keeps each token's norm at the steered layer and
+  turns it toward the direction (a mean-difference vector of two prompts'
+  states), later layers see it, and cached generation runs steered."""
+  from geom import steering as steering_lib  # pylint: disable=g-import-not-at-top
+  from train.lm import hooks  # pylint: disable=g-import-not-at-top
+  tok = loaded.tokenizer
+  model = gemma.Gemma3(loaded.shape, max_len=48)
+  layer = hooks.resolve_layer(loaded.params, 6)
+  assert layer == 'block_6'
+  width = 16
+
+  def left_pad(text):
+    ids = tok.encode_document(text)
+    tokens = np.zeros((1, width), np.int32)
+    tokens[0, width - len(ids):] = ids
+    return tokens, np.arange(width)[None] >= width - len(ids)
+
+  @jax.jit
+  def run(params, tokens, valid, steer):
+    # alpha = 0 steers nothing: one program for the steered and plain runs.
+    with hooks.steered(steer, layer, valid, capture=(layer,),
+                       watch=('block_12',)) as rec:
+      logits, _ = model.apply({'params': params}, tokens, valid)
+    return logits, rec.hidden[layer][0], rec.norms['block_12'], rec.stats
+
+  def steering(direction, alpha):
+    return steering_lib.Steering('spherical', direction, alpha=alpha,
+                                 beta=-1.0 + 1e-6)
+
+  zero = steering(jnp.ones(loaded.shape.d_model), 0.0)
+
+  def states(text):
+    tokens, valid = left_pad(text)
+    hidden = run(loaded.params, tokens, valid, zero)[1]
+    return hidden[valid[0]][1:]  # Past BOS.
+
+  direction = (states('I love this, it is wonderful and happy').mean(0)
+               - states('I hate this, it is awful and sad').mean(0))
+  steer = steering(direction, 0.5)
+  tokens, valid = left_pad('The weather today is')
+  base_logits, before, base_norms, _ = run(loaded.params, tokens, valid,
+                                           steering(direction, 0.0))
+  logits, after, norms, stats = run(loaded.params, tokens, valid, steer)
+  v = valid[0]
+  np.testing.assert_allclose(np.linalg.norm(after[v], axis=-1),
+                             np.linalg.norm(before[v], axis=-1), rtol=1e-5)
+  mu = np.asarray(direction) / np.linalg.norm(direction)
+  cos = lambda h: (np.asarray(h) @ mu) / np.linalg.norm(h, axis=-1)
+  assert np.all(cos(after[v]) > cos(before[v]))
+  assert float(stats.trigger_rate) == 1.0
+  assert not np.allclose(norms[0, v], base_norms[0, v])
+  assert float(np.abs(np.asarray(logits - base_logits)[0, v]).max()) > 1.0
+  g = jax.jit(lambda p, t, m, s: generate.generate(
+      model, p, t, m, 8, steering=s, layer_path=layer))(
+          loaded.params, tokens, valid, steer)
+  assert g.tokens.shape == (1, 8)
+  assert float(g.stats.tokens) == 8  # The last prompt token, then 7 steps.
