@@ -91,6 +91,54 @@ def rotary(x: jax.Array, positions: jax.Array,
                          -1).astype(x.dtype)
 
 
+def write_cache(layer_cache, k: jax.Array, v: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+  """The layer's keys and values over all cache slots, this call's written
+  at the cache's `start` (no cache: this call's alone)."""
+  if layer_cache is None:
+    return k, v
+  cache_k, cache_v, start = layer_cache
+  k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype),
+                                          start, axis=1)
+  v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype),
+                                          start, axis=1)
+  return k, v
+
+
+def causal_mask(num_slots: int, key_valid: jax.Array,
+                query_slots: jax.Array) -> jax.Array:
+  """(batch, seq, slots) bool: the valid keys at slots up to the query's."""
+  key_slots = jnp.arange(num_slots)
+  return ((key_slots[None, :] <= query_slots[:, None])[None]
+          & key_valid[:, None, :])
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array,
+           divisor: jax.Array | None = None) -> jax.Array:
+  """Softmax attention (float32 logits, masked keys at _NEG) of q (b, s, h,
+  d) over k, v (b, T, kv_heads, d): each group of h // kv_heads query heads
+  reads one key/value head. Logits are divided by `divisor` (None: q comes
+  scaled)."""
+  b, s, h, hd = q.shape
+  kv_heads = k.shape[2]
+  group = h // kv_heads
+  if group == 1:
+    logits = jnp.einsum('bshk,bthk->bhst', q, k)
+  else:  # Query heads (g, r): group g reads key/value head g.
+    logits = jnp.einsum('bsgrk,btgk->bgrst',
+                        q.reshape(b, s, kv_heads, group, hd), k
+                        ).reshape(b, h, s, -1)
+  if divisor is not None:
+    logits = logits / divisor
+  logits = jnp.where(allowed[:, None], logits.astype(jnp.float32), _NEG)
+  weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  if group == 1:
+    return jnp.einsum('bhst,bthk->bshk', weights, v)
+  return jnp.einsum('bgrst,btgk->bsgrk',
+                    weights.reshape(b, kv_heads, group, s, -1),
+                    v).reshape(b, s, h, hd)
+
+
 class Attention(nn.Module):
   num_heads: int
   head_dim: int
@@ -118,32 +166,10 @@ class Attention(nn.Module):
                          (d, kv_heads, self.head_dim)))
     q, k = rotary(q, positions), rotary(k, positions)
     q = constrain(q, ('batch', None, 'heads', None))
-    if layer_cache is not None:
-      cache_k, cache_v, start = layer_cache
-      k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype),
-                                              start, axis=1)
-      v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype),
-                                              start, axis=1)
-    key_slots = jnp.arange(k.shape[1])
-    allowed = ((key_slots[None, :] <= query_slots[:, None])[None]
-               & key_valid[:, None, :])  # (b, s, T)
+    k, v = write_cache(layer_cache, k, v)
+    allowed = causal_mask(k.shape[1], key_valid, query_slots)
     scale = jnp.sqrt(jnp.float32(self.head_dim)).astype(q.dtype)
-    b, s, h, hd = q.shape
-    group = h // kv_heads
-    if group == 1:
-      logits = jnp.einsum('bshk,bthk->bhst', q, k) / scale
-    else:  # Query heads (g, r): group g reads key/value head g.
-      logits = jnp.einsum('bsgrk,btgk->bgrst',
-                          q.reshape(b, s, kv_heads, group, hd), k
-                          ).reshape(b, h, s, -1) / scale
-    logits = jnp.where(allowed[:, None], logits.astype(jnp.float32), _NEG)
-    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    if group == 1:
-      out = jnp.einsum('bhst,bthk->bshk', weights, v)
-    else:
-      out = jnp.einsum('bgrst,btgk->bsgrk',
-                       weights.reshape(b, kv_heads, group, s, -1),
-                       v).reshape(b, s, h, hd)
+    out = attend(q, k, v, allowed, scale)
     o = self.param('out', _param(nn.initializers.lecun_normal(),
                                  ('heads', None, 'embed')),
                    (self.num_heads, self.head_dim, d)).astype(x.dtype)

@@ -40,7 +40,6 @@ import jax.numpy as jnp
 
 from train.lm import decoder
 
-_NEG = -1e9  # Finite, as in the decoder: a fully masked query gives no NaN.
 DTYPES = decoder.DTYPES
 
 
@@ -125,26 +124,12 @@ class Attention(nn.Module):
     k = decoder.rotary(k, rope_positions, self.rope_base)
     q = q * jnp.asarray(hd ** -0.5, q.dtype)
     q = decoder.constrain(q, ('batch', None, 'heads', None))
-    if layer_cache is not None:
-      cache_k, cache_v, start = layer_cache
-      k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype),
-                                              start, axis=1)
-      v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype),
-                                              start, axis=1)
-    key_slots = jnp.arange(k.shape[1])
-    allowed = ((key_slots[None, :] <= query_slots[:, None])[None]
-               & key_valid[:, None, :])  # (b, s, T)
+    k, v = decoder.write_cache(layer_cache, k, v)
+    allowed = decoder.causal_mask(k.shape[1], key_valid, query_slots)
     if self.window is not None:
       allowed &= (positions[:, :, None] - key_positions[:, None, :]
                   < self.window)
-    b, s = q.shape[:2]
-    group = h // kvh
-    logits = jnp.einsum('bsgrk,btgk->bgrst', q.reshape(b, s, kvh, group, hd),
-                        k).reshape(b, h, s, -1)
-    logits = jnp.where(allowed[:, None], logits.astype(jnp.float32), _NEG)
-    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum('bgrst,btgk->bsgrk', weights.reshape(b, kvh, group, s, -1),
-                     v).reshape(b, s, h, hd)
+    out = decoder.attend(q, k, v, allowed)
     o = dense('out', ('heads', None, 'embed'), (h, hd, d))
     return jnp.einsum('bshk,hkd->bsd', out, o), (k, v)
 

@@ -24,6 +24,7 @@ tensor of the wrong name or shape is refused in one line naming the file
 and the problem (`DamagedModelFile`, exit 6), before anything is built.
 """
 
+import functools
 import hashlib
 import os
 import shutil
@@ -54,6 +55,15 @@ class Loaded(NamedTuple):
 
 
 def _sha256(path: str) -> str:
+  """The file's SHA-256, hashed once per (path, size, mtime): the
+  registry check and the loader's fingerprint read one 253 MB file."""
+  st = os.stat(path)
+  return _sha256_of(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
+  del size, mtime_ns  # The cache key: a rewritten file is hashed again.
   digest = hashlib.sha256()
   with open(path, 'rb') as f:
     for block in iter(lambda: f.read(1 << 22), b''):
