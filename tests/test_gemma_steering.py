@@ -1,0 +1,194 @@
+"""The steering study on Gemma 3 270M (train.steering.gemma_eval, gemma_study).
+
+The economies of `gemma_eval` (a KV-cached context, log-probabilities and
+KL inside the compiled function) are checked against the in-project
+evaluation's full-sequence path on the real model; the study is run end
+to end at `runlocal` size, reused, and refused on another config or file.
+"""
+
+import json
+import os
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from configs import gemma as gemma_config
+from geom import steering as steering_lib
+from train.errors import ConfigError
+from train.errors import UsageError
+from train.lm import corpus as text_corpus
+from train.lm import gemma
+from train.lm import gemma_gguf
+from train.lm import hooks as steering_hooks
+from train.steering import evaluation
+from train.steering import gemma_eval
+from train.steering import gemma_study
+
+
+@pytest.fixture(scope='module')
+def gemma_file(tmp_path_factory):
+  return gemma_gguf.registry_file(str(tmp_path_factory.mktemp('gemma')))
+
+
+@pytest.fixture(scope='module')
+def lm(gemma_file):
+  loaded = gemma_gguf.load(gemma_file)
+  model = gemma.Gemma3(loaded.shape, max_len=256)
+  layer_path = steering_hooks.resolve_layer(loaded.params, 6)
+  pairs = text_corpus.contrastive_pairs(8, 1)
+  direction, coefficient = evaluation.extract(
+      model, loaded.params, layer_path, pairs, 'mean_diff', 'mean',
+      loaded.tokenizer)
+  return dict(model=model, params=loaded.params, tokenizer=loaded.tokenizer,
+              layer_path=layer_path, direction=direction,
+              coefficient=coefficient,
+              paths=steering_hooks.layer_paths(loaded.params))
+
+
+def _steerings(lm):
+  """Addition at 0.05, and the gated rotation with kappa 1, beta -0.9: at
+  block 6 every token's cosine to the direction is about 0.3 to 0.7, so
+  delta = -tanh(cos) > -0.9 steers each token by its own fraction (kappa 20
+  saturates the gate shut there)."""
+  return [evaluation.make_steering('addition', lm['direction'], 0.05,
+                                   kappa=20.0, beta=0.0,
+                                   coefficient=lm['coefficient']),
+          steering_lib.Steering('spherical', lm['direction'], alpha=0.5,
+                                kappa=1.0, beta=-0.9, gate=True)]
+
+
+def test_cached_choice_scores_match_the_full_sequence(lm):
+  """The context prefilled once, then the last context token and the choice
+  steered on its cache, against `evaluation.mc_logprobs` (every token of
+  every row run in one pass, steered by the mask)."""
+  items = text_corpus.mc_task('cloze', 3, 7) + text_corpus.mc_task('copa', 3, 7)
+  tok = lm['tokenizer']
+  cached = gemma_eval.encode_cached_mc(items, tok)
+  full = evaluation.encode_mc(items, tokenizer=tok)
+  assert cached.score.sum() == full.score_mask.sum()
+  assert (cached.prefix[:, -1] != 0).all()  # Left padding.
+  scorer = gemma_eval.MCScorer(lm['model'], lm['params'], cached,
+                               lm['layer_path'])
+  unsteered, _, _ = scorer.logprobs(evaluation.make_steering(
+      'none', lm['direction'], 0.0, kappa=20.0, beta=0.0, coefficient=1.0))
+  for steering in _steerings(lm):
+    total, mean, stats = scorer.logprobs(steering)
+    want_total, want_mean, want_stats = evaluation.mc_logprobs(
+        lm['model'], lm['params'], full, steering, lm['layer_path'])
+    np.testing.assert_allclose(total, want_total, atol=2e-3, rtol=1e-4)
+    np.testing.assert_allclose(mean, want_mean, atol=2e-3, rtol=1e-4)
+    assert float(stats.tokens) == float(want_stats.tokens)
+    assert float(stats.triggered) == float(want_stats.triggered) > 0
+    assert np.abs(total - unsteered).max() > 0.1  # The steering did act.
+
+
+def test_heldout_kl_matches_the_full_logits_path(lm):
+  windows = gemma_eval.heldout_windows(lm['tokenizer'], 3, 24)
+  assert windows.shape == (3, 25)
+  assert (windows[:, 0] == 2).all()  # Gemma's BOS.
+  scorer = gemma_eval.HeldoutScorer(lm['model'], lm['params'], windows,
+                                    lm['layer_path'], lm['paths'][-1],
+                                    lm['direction'])
+  steering = _steerings(lm)[0]
+  got = scorer.metrics(steering)
+  want = evaluation.heldout_metrics(lm['model'], lm['params'], windows,
+                                    steering, lm['layer_path'],
+                                    [lm['layer_path'], lm['paths'][-1]])
+  assert got['kl'] > 1e-4
+  for key in ('kl', 'ce', 'trigger_rate', 'norm_ratio_at', 'norm_ratio_last'):
+    np.testing.assert_allclose(got[key], want[key], rtol=2e-3, atol=1e-5,
+                               err_msg=key)
+
+
+def test_until_eos_and_the_lexicon_judge():
+  rows = np.array([[5, 6, 1, 7, 1], [5, 6, 7, 8, 9], [1, 4, 4, 4, 4]])
+  np.testing.assert_array_equal(gemma_eval.until_eos(rows, 1), [
+      [1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+  pos, neg, neutral = gemma_eval.vader_scores(
+      ['What a wonderful, lovely day.', 'I hate this awful place.',
+       'The train leaves at nine.'])
+  assert pos > 0.5 and neg < -0.5 and neutral == 0.0
+
+
+def _config(gemma_file, **overrides) -> ml_collections.ConfigDict:
+  config = gemma_config.get_config('runlocal')
+  config.gguf = gemma_file
+  # One steered method (addition moves block 6; the gate leaves it alone,
+  # see RESULTS.md) and no sweep: the sweep's plan is tested without a run,
+  # and every extra method or layer is a compile.
+  config.methods = ('none', 'addition')
+  config.alphas = (0.3,)
+  config.sweep_layers = ()
+  config.update(overrides)
+  return config
+
+
+@pytest.mark.parametrize('field, value, needle', [
+    ('layer', 18, 'blocks 0..17'),
+    ('window_len', 4, 'window_len'),
+    ('gguf', '/nonexistent.gguf', 'no such file'),
+    ('alphas', (0.5, 2.0), 'outside [0, 1]'),
+    ('methods', ('none', 'rotate'), "unknown method 'rotate'"),
+])
+def test_bad_config_is_refused_before_loading(tmp_path, field, value, needle):
+  config = gemma_config.get_config('runlocal')
+  config[field] = value
+  with pytest.raises(ConfigError, match=None) as e:
+    gemma_study.run(config, str(tmp_path / 'w'), [0.1])
+  assert needle in str(e.value) and field.split('.')[0] in str(e.value)
+  assert not os.path.exists(tmp_path / 'w' / 'layer6')
+
+
+def test_sweep_plan():
+  config = gemma_config.get_config()
+  steps = gemma_study.plan(config)
+  assert [n for n, _ in steps] == ['layer6', 'layer3', 'layer12']
+  for _, c in steps[1:]:
+    assert tuple(c.methods) == tuple(config.sweep_methods)
+    assert not c.generation.enabled
+    assert dict(c.tasks) == {t: config.sweep_items for t in config.tasks}
+  assert steps[0][1] is config
+
+
+def test_study_end_to_end_reuse_and_refusal(gemma_file, tmp_path):
+  workdir = str(tmp_path / 'study')
+  config = _config(gemma_file)
+  summary = gemma_study.run(config, workdir, [0.05, 0.2], num_samples=200)
+  with open(os.path.join(workdir, 'layer6', 'results.json')) as f:
+    results = json.load(f)
+  rows = results['rows']
+  assert [(r['method'], r['alpha']) for r in rows] == [
+      ('none', 0.0), ('addition', 0.3)]
+  assert results['meta']['gguf_sha256'] == gemma_gguf.file_sha256(gemma_file)
+  none, add = rows[0], rows[1]
+  assert none['kl'] == pytest.approx(0.0, abs=1e-6)
+  assert add['kl'] > 0.01
+  assert [len(s) for s in add['cloze_correct_mean']] == [4, 4]
+  for r in rows:
+    assert 0.0 <= r['positive_share'] <= 1.0 and np.isfinite(r['gen_ce'])
+  assert set(summary['accuracy']) == {'copa', 'cloze'}
+  text = open(os.path.join(workdir, 'study.md')).read()
+  assert 'accuracy at matched KL' in text and 'addition' in text
+  assert os.path.exists(os.path.join(workdir, 'pareto_bands.png'))
+
+  # A rerun reuses the evaluation: it does not load the model again.
+  mtime = os.path.getmtime(os.path.join(workdir, 'layer6', 'results.json'))
+  again = gemma_study.run(config, workdir, [0.05, 0.2], num_samples=200)
+  assert again['accuracy'] == summary['accuracy']
+  assert os.path.getmtime(os.path.join(workdir, 'layer6',
+                                       'results.json')) == mtime
+
+  with pytest.raises(UsageError, match='another config.*kappa'):
+    gemma_study.run(_config(gemma_file, kappa=5.0), workdir, [0.05])
+  # The report of a sweep, on the finished evaluation as its one layer.
+  layers = gemma_study.layer_sweep({'layer6': results}, [0.05, 0.2], 200)
+  assert [(e['layer'], e['method']) for e in layers] == [(6, 'addition')]
+  assert layers[0]['kl_max'] == pytest.approx(add['kl'])
+  assert 'Layer sweep' in gemma_study.layer_markdown(layers, [0.05, 0.2])
+  results['meta']['gguf_sha256'] = '0' * 64
+  with open(os.path.join(workdir, 'layer6', 'results.json'), 'w') as f:
+    json.dump(results, f)
+  with pytest.raises(UsageError, match='another model file'):
+    gemma_study.run(config, workdir, [0.05])
