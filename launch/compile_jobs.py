@@ -28,7 +28,8 @@ DEFAULT_MODEL_CONFIGS = {
 # The config field naming that model's workdir.
 MODEL_WORKDIR_FIELDS = {'tta': 'source_workdir', 'rl': 'sft_workdir',
                         'steering': 'lm_workdir'}
-TASKS = ('classification', 'lm', 'rl_sft', 'tta', 'rl', 'steering')
+TASKS = ('classification', 'lm', 'rl_sft', 'tta', 'rl', 'steering',
+         'gemma_steering')
 RESULT = 'compile.json'
 
 
@@ -50,6 +51,8 @@ def task_of(config: ml_collections.ConfigDict) -> str:
   """The job a config is for (steering configs name their LM's workdir)."""
   if 'lm_workdir' in config:
     return 'steering'
+  if 'gguf' in config:
+    return 'gemma_steering'
   return config.get('task', 'classification')
 
 
@@ -139,6 +142,10 @@ def programs(config: ml_collections.ConfigDict, devices: Sequence[Any],
     from train.steering import evaluation  # pylint: disable=g-import-not-at-top
     mesh, rules, progs = evaluation.programs(config, model, devices)
     return [Group('generation', mesh_description(mesh, rules), progs)]
+  if task == 'gemma_steering':
+    from train.steering import gemma_eval  # pylint: disable=g-import-not-at-top
+    mesh, rules, progs = gemma_eval.programs(config, devices)
+    return [Group('evaluation', mesh_description(mesh, rules), progs)]
   raise ConfigError('task', task, 'unknown task', TASKS)
 
 

@@ -104,6 +104,13 @@ JOBS = {
                  'configs/lm.py:runlocal',
                  ['generate (none, cached, 8 tokens)',
                   'generate (spherical_gate, cached, 8 tokens)']),
+    # Gemma 3 270M's steering evaluation (the real shape, no weights read).
+    'gemma_steering': ('configs/gemma.py:runlocal', 'v5e:2x2',
+                       {'methods': ('spherical_gate',),
+                        'generation.steps': 2}, None,
+                       ['generate (spherical_gate, cached, 2 tokens)',
+                        'held-out log-probs (spherical_gate, 64 x 16 '
+                        'tokens)']),
 }
 
 
@@ -140,6 +147,15 @@ def test_every_job_compiles_and_fits_on_a_small_target(compiled_jobs, name):
         row['flops'] / chip.peak_flops,
         row['hbm_traffic'] / chip.hbm_bandwidth))
   assert result['devices'] == targets.parse(JOBS[name][1]).num_chips
+
+
+def test_gemma_programs_take_the_models_parameters(compiled_jobs):
+  """Gemma 3 270M holds 268,098,176 parameters (the registry file's count,
+  dequantized): in float32 they are the arguments, with a few kB of prompt,
+  direction and key."""
+  for row in _rows(compiled_jobs['gemma_steering']).values():
+    extra = row['bytes']['argument'] - 268_098_176 * 4
+    assert 0 <= extra < 2**20, row
 
 
 def test_donated_state_is_aliased_in_train_steps(compiled_jobs):
@@ -438,6 +454,11 @@ def test_the_sam_recipes_compile_full_size(name):
 @pytest.mark.parametrize('spec,target,overrides,model,fits', [
     ('configs/lm.py:size=1b', 'v5e:16x16', {}, None, True),
     ('configs/lm.py:size=8b', 'v5e:2x2', {}, None, False),
+    # Gemma 3's larger shapes, bfloat16, on one chip (BENCHMARKS.md).
+    ('configs/gemma.py:shape=1b', 'h100:1x1x1',
+     {'methods': ('spherical_gate',)}, None, True),
+    ('configs/gemma.py:shape=4b', 'v5e:1x1',
+     {'methods': ('spherical_gate',)}, None, True),
 ])
 def test_pod_sizes(spec, target, overrides, model, fits):
   if fits:

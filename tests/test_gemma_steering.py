@@ -180,6 +180,11 @@ def test_study_end_to_end_reuse_and_refusal(gemma_file, tmp_path):
   assert os.path.getmtime(os.path.join(workdir, 'layer6',
                                        'results.json')) == mtime
 
+  # The sweep's settings are not the main evaluation's: still reused.
+  gemma_study.run(_config(gemma_file, sweep_items=3), workdir, [0.05],
+                  num_samples=100)
+  assert os.path.getmtime(os.path.join(workdir, 'layer6',
+                                       'results.json')) == mtime
   with pytest.raises(UsageError, match='another config.*kappa'):
     gemma_study.run(_config(gemma_file, kappa=5.0), workdir, [0.05])
   # The report of a sweep, on the finished evaluation as its one layer.

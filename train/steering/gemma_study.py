@@ -32,6 +32,9 @@ from train.steering import study
 from train.steering import study_report
 
 
+SWEEP_FIELDS = ('sweep_layers', 'sweep_methods', 'sweep_items')
+
+
 def plan(config: ml_collections.ConfigDict
          ) -> list[tuple[str, ml_collections.ConfigDict]]:
   """(directory name, evaluation config) of the main layer, then the sweep."""
@@ -56,8 +59,11 @@ def _finished(config, path: str, sha: str) -> dict | None:
     return None
   with open(results_path) as f:
     results = json.load(f)
-  have = results['meta'].get('config') or {}
-  wanted = json.loads(config.to_json())
+  # The sweep's fields shape other evaluations, not this one (a sweep
+  # evaluation's own layer, methods and items are fields of its config).
+  drop = lambda c: {k: v for k, v in c.items() if k not in SWEEP_FIELDS}
+  have = drop(results['meta'].get('config') or {})
+  wanted = drop(json.loads(config.to_json()))
   if have != wanted:
     diff = sorted(k for k in set(wanted) | set(have)
                   if have.get(k) != wanted.get(k))
