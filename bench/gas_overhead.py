@@ -54,7 +54,7 @@ SECTION = 'gas_overhead'
 
 def _learner(config):
   """A jitted learner step on one real batch: () -> seconds."""
-  _, model, params = sft.load_policy(config.sft_workdir)
+  _, model, params, _ = sft.load_policy(config.sft_workdir)
   rollout_mesh, learner_mesh = runtime.split_devices(config.rollout_devices)
   repl = NamedSharding(learner_mesh, P())
   rows = NamedSharding(learner_mesh, P('data'))

@@ -1,29 +1,136 @@
-r"""Gemma 3 270M (the registry's pretrained model): steering evaluation.
+r"""Gemma 3 270M (the registry's pretrained model): steering, fine-tuning, SFT.
 
-The whole study (the main layer, the layer sweep, the report; RESULTS.md
+The steering study (the main layer, the layer sweep, the report; RESULTS.md
 gives its time):
 
   python -m launch.gemma_steering --config=configs/gemma.py \
       --workdir=workdirs/gemma_steering
 
-`runlocal` shrinks every grid for tests. Any field can be overridden, e.g.
-`--config.layer=9 --config.alphas='(0.2,0.6)' --config.gguf=/path/x.gguf`
-(a Gemma 3 270M GGUF file; empty: the registry package's, assembled once
-into ~/.cache/geom and checked by its SHA-256). Compile the evaluation's
-programs for an accelerator (`shape=1b` and `shape=4b`, in bfloat16, are
-compile-only):
+Fine-tuning on the shared loop (`finetune`: next-token loss on the
+templated reviews and Python's documentation; `sft`: answers to arithmetic
+problems, the GRPO policy's warm start and the forgetting study's
+fine-tuning), with AdamW, or SAM around it (`sam`), the whole model or
+with the tied embedding frozen (`frozen`):
+
+  python -m launch.train --config=configs/gemma.py:finetune,frozen \
+      --workdir=workdirs/gemma_ft
+  python -m launch.train --config=configs/gemma.py:sft,sam \
+      --workdir=workdirs/gemma_sft
+  python -m launch.rl --config=configs/rl.py:gemma \
+      --config.sft_workdir=workdirs/gemma_sft --workdir=workdirs/gemma_rl
+
+`runlocal` shrinks every grid and run for tests. Any field can be
+overridden, e.g. `--config.layer=9 --config.alphas='(0.2,0.6)'
+--config.gguf=/path/x.gguf` (steering) or `--config.model.gguf=/path/x.gguf
+--config.optimizer.learning_rate=3e-5` (training): a Gemma 3 GGUF file;
+empty: the registry package's, assembled once into ~/.cache/geom and
+checked by its SHA-256. `shape=1b` and `shape=4b` (bfloat16) are
+compile-only, for every job:
 
   python -m launch.compile --config=configs/gemma.py:shape=4b --target=v5e:1x1
+  python -m launch.compile --config=configs/gemma.py:finetune,shape=4b \
+      --target=v5e:2x2
 """
 
 import ml_collections
 
 from configs import config_args
+from configs import decoder_blocks
+from configs import optimizer_block
+
+
+JOBS = ('finetune', 'sft')
+
+
+def _model(shape: str, max_len: int) -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
+      kind='gemma', shape=shape, gguf='',
+      # float32: what the agreement with llama.cpp was measured in.
+      dtype='float32' if shape == '270m' else 'bfloat16',
+      max_len=max_len, remat=shape != '270m'))
+
+
+def _training(args: dict[str, str]) -> ml_collections.ConfigDict:
+  """A fine-tuning run of Gemma on the shared loop (`finetune`, `sft`)."""
+  shape = args.get('shape', '270m')
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  # One device on a CPU host: the simulated devices of a CPU share its
+  # memory, and a replica of 270M parameters with AdamW's moments is 3 GiB.
+  config.cpu_devices = 1
+  config.tokenizer = ml_collections.ConfigDict(dict(kind='gemma'))
+  if 'finetune' in args:
+    config.task = 'lm'
+    config.init_from = ml_collections.config_dict.placeholder(str)
+    config.data = ml_collections.ConfigDict(dict(
+        mix=(('attribute', 0.5), ('pydoc', 0.5)), train_bytes=400_000,
+        eval_bytes=40_000, seq_len=64))
+    config.model = _model(shape, 128)
+  else:
+    config.task = 'rl_sft'
+    # Sums of 1 to 3 digits: Gemma 3 270M answers some already (its
+    # pass@1 before fine-tuning is in RESULTS.md), so fine-tuning moves a
+    # model that is partly competent, as the RL warm start needs.
+    config.data = ml_collections.ConfigDict(dict(
+        families=('add',), difficulties=(1, 2, 3), train_examples=20_000,
+        eval_examples=100))
+    config.model = _model(shape, 32)
+  # FSDP and tensor parallelism as the pod-scale LMs (configs/lm.py:size=):
+  # on one device they are the identity.
+  config.mesh = ml_collections.ConfigDict(dict(axes=('data', 'model'),
+                                               shape=(-1, 1)))
+  config.logical_axis_rules = decoder_blocks.SIZE_RULES
+  config.batch_size = 16
+  config.eval_batch_size = 50
+  config.num_steps = 200
+  # Fine-tuning a pretrained model: a small peak rate, short warmup,
+  # cosine to 10%; weight decay towards zero would pull every pretrained
+  # weight, so none.
+  config.optimizer = optimizer_block.optimizer_block(
+      name='adamw', learning_rate=3e-5, warmup_steps=20,
+      end_lr_fraction=0.1, b2=0.999, eps=1e-8, weight_decay=0.0,
+      grad_clip_norm=1.0,
+      frozen='^embedding$' if 'frozen' in args else '')
+  if 'sam' in args:
+    config.optimizer.sam.enabled = True
+    config.optimizer.sam.rho = 0.05
+  config.nonfinite = 'stop'
+  config.log_every = 10
+  config.eval_every = 100
+  config.checkpoint_every = 100
+  # A checkpoint of 270M in float32 with AdamW's moments is 3.2 GB.
+  config.keep_checkpoints = 1
+  if shape != '270m':
+    config.batch_size = config.eval_batch_size = 64
+  if 'runlocal' in args:
+    config.num_steps = 4
+    config.batch_size = 4
+    config.eval_batch_size = 8
+    config.optimizer.warmup_steps = 1
+    config.log_every = config.eval_every = config.checkpoint_every = 2
+    if 'finetune' in args:
+      config.data.update(dict(train_bytes=4_000, eval_bytes=1_000,
+                              seq_len=16))
+    else:
+      config.data.update(dict(difficulties=(1, 2), train_examples=64,
+                              eval_examples=8))
+  return config
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   args = config_args.parse(arg, 'configs/gemma.py', {
-      'runlocal': 'runlocal', 'shape': 'shape=270m|1b|4b'})
+      'runlocal': 'runlocal', 'shape': 'shape=270m|1b|4b',
+      'finetune': 'finetune', 'sft': 'sft', 'sam': 'sam (training)',
+      'frozen': 'frozen (training)'})
+  if 'finetune' in args and 'sft' in args:
+    raise ValueError('configs/gemma.py: finetune and sft are two jobs; '
+                     'pick one')
+  if not any(job in args for job in JOBS) and (
+      'sam' in args or 'frozen' in args):
+    raise ValueError('configs/gemma.py: sam and frozen are for a training '
+                     'job (finetune or sft)')
+  if any(job in args for job in JOBS):
+    return _training(args)
   config = ml_collections.ConfigDict()
   config.gguf = ''
   # 1b and 4b are for `launch.compile` only: the registry ships 270m.

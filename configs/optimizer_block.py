@@ -16,6 +16,10 @@ OPTIONAL = {
     # 'decoupled': lr * wd * w after momentum (SGDW / AdamW); 'l2': wd * w
     # added to the gradient before clipping and momentum (an L2 penalty).
     'weight_decay_mode': 'decoupled',
+    # A regular expression over parameter paths ('block_0/mlp/up'): the
+    # parameters it matches are not trained (no gradient, no update, no
+    # optimizer state), e.g. '^embedding$'. Empty: every one is.
+    'frozen': '',
 }
 
 

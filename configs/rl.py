@@ -27,6 +27,16 @@ configs/lm.py splits it, 64 prompts x 16 samples per batch:
   python -m launch.compile --config=configs/rl.py:size=1b \
     --model_config=configs/rl_sft.py:size=1b --target=v5e:16x16
 
+`gemma` is GRPO with Gemma 3 270M as the policy (its SFT warm start from
+`configs/gemma.py:sft`): one CPU device generates and one learns (each
+holds the policy; the learner its AdamW moments too), sums of 1 to 3
+digits, 4 prompts x 4 samples per batch, learning rate 1e-6:
+
+  python -m launch.train --config=configs/gemma.py:sft \
+    --workdir=workdirs/gemma_sft
+  python -m launch.rl --config=configs/rl.py:gemma \
+    --config.sft_workdir=workdirs/gemma_sft --workdir=workdirs/gemma_rl
+
 `runlocal` shrinks the run for tests. Every field can be overridden, e.g. `--config.runtime.num_actors=3
 --config.grpo.beta=0.04 --config.runtime.deterministic=True`.
 """
@@ -44,7 +54,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       'runlocal': 'runlocal', 'staleness': 'staleness=S',
       'correction': 'correction=none|tis|decoupled',
       'gas': 'gas=full|no_bandit|no_execution|no_coupling|fixed_lambda',
-      'size': 'size=' + '|'.join(decoder_blocks.SIZES)})
+      'size': 'size=' + '|'.join(decoder_blocks.SIZES),
+      'gemma': 'gemma'})
   config = ml_collections.ConfigDict()
   config.task = 'rl'
   config.seed = 0
@@ -134,6 +145,26 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             args['size'], 256, 32)[1][1]), rules=decoder_blocks.SIZE_RULES))
     config.prompts_per_batch = 64
     config.grpo.group_size = 16
+  if 'gemma' in args:
+    if 'size' in args:
+      raise ValueError('configs/rl.py: gemma and size= are two policies; '
+                       'pick one')
+    # The simulated devices of a CPU share its memory: one replica of
+    # the policy generates, one learns.
+    config.cpu_devices = 2
+    config.rollout_devices = 1
+    config.runtime.num_actors = 1
+    config.difficulties = (1, 2, 3)
+    config.prompts_per_batch = 4
+    config.grpo.group_size = 4
+    config.num_versions = 100
+    config.eval_every = 25
+    config.eval_examples = 50
+    config.checkpoint_every = 25
+    config.keep_checkpoints = 1
+    # A pretrained policy: 1e-6, as GRPO recipes for small pretrained LMs
+    # (tunix's Gemma examples use 3e-6 with larger batches).
+    config.optimizer.learning_rate = 1e-6
   if 'runlocal' in args:
     config.difficulties = (1, 2, 3)
     config.prompts_per_batch = 4
@@ -143,6 +174,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.eval_examples = 16
     config.checkpoint_every = 2
     config.optimizer.learning_rate = 1e-3
+    if 'gemma' in args:
+      config.difficulties = (1, 2)
+      config.prompts_per_batch = 2
+      config.grpo.group_size = 2
+      config.num_versions = 2
+      config.eval_every = 2
+      config.eval_examples = 4
+      config.optimizer.learning_rate = 1e-6
   return config
 
 

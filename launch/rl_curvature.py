@@ -109,7 +109,8 @@ def estimators(model: Any, num_iters: int, check_iters: int
 
 def on_policy_batch(model: Any, params: Any, family: str, difficulty: int,
                     prompts: int, samples: int, length: int, seed: int,
-                    key: jax.Array) -> tuple[Any, rollout.Rollout]:
+                    key: jax.Array, codec: tasks.Codec = tasks.BYTES
+                    ) -> tuple[Any, rollout.Rollout]:
   """`prompts` training problems of `seed` (the same for every warm
   start, so that they compare on equal problems), `samples` completions
   of each at temperature 1, and their learner batch (numpy) padded to
@@ -117,7 +118,8 @@ def on_policy_batch(model: Any, params: Any, family: str, difficulty: int,
   problems = tasks.sample(family, difficulty, prompts, seed)
   problems = [p for p in problems for _ in range(samples)]
   out = rollout.sample(model, params, problems, key, temperature=1.0,
-                       num_steps=tasks.max_answer_tokens(family, difficulty))
+                       num_steps=tasks.max_answer_tokens(family, difficulty),
+                       codec=codec)
   return learner.assemble(out, samples, length), out
 
 
@@ -156,7 +158,7 @@ def measure(sft_workdirs: list[str], difficulties: list[int], *, family: str,
   runs, seconds = [], {'power': [], 'rayleigh': []}
   fns, warmed = None, False
   for workdir in sft_workdirs:
-    _, model, params = sft.load_policy(workdir)
+    _, model, params, codec = sft.load_policy(workdir)
     params = jax.device_put(params, device)
     if fns is None:
       fns = estimators(model, num_iters, check_iters)
@@ -164,7 +166,7 @@ def measure(sft_workdirs: list[str], difficulties: list[int], *, family: str,
     for d in difficulties:
       key = jax.random.fold_in(jax.random.key(seed), d)
       batch, out = on_policy_batch(model, params, family, d, prompts, samples,
-                                   length, seed, key)
+                                   length, seed, key, codec)
       batch = jax.device_put(batch, device)
       hkey = jax.random.fold_in(key, 1)
       if not warmed:  # Compile each estimator before anything is timed.

@@ -292,3 +292,25 @@ def test_steering_hooks_run_unchanged_on_gemma(loaded):
           loaded.params, tokens, valid, steer)
   assert g.tokens.shape == (1, 8)
   assert float(g.stats.tokens) == 8  # The last prompt token, then 7 steps.
+
+
+def test_the_tasks_read_gemmas_tokens_one_per_character(gemma_file, loaded):
+  """The arithmetic tasks on Gemma's vocabulary (train.rl.tasks.codec):
+  each character its own token (Gemma splits digits), so prompts and
+  answers have their byte lengths; every piece holding a newline ends a
+  completion. The metadata-only tokenizer is the loader's."""
+  from train.rl import tasks  # pylint: disable=g-import-not-at-top
+  tokenizer = gemma_gguf.read_tokenizer(gemma_file)
+  assert tokenizer.fingerprint == loaded.tokenizer.fingerprint
+  codec = tasks.codec(tokenizer)
+  assert codec.ids['\n'] == 107 and codec.bos == 2 and codec.pad == 0
+  problems = tasks.evaluation_set('add', 3, 50) + tasks.evaluation_set(
+      'mul', 4, 50)
+  for p in problems:
+    assert tokenizer.encode(p.prompt).tolist() == codec.encode(p.prompt)
+    assert tokenizer.encode(p.target).tolist() == codec.encode(p.target)
+  ends = np.flatnonzero(codec.ends)
+  assert 107 in ends and len(ends) > 1
+  assert all('\n' in tokenizer.decode([i]) for i in ends)
+  newline_runs = tokenizer.encode('\n\n\n')
+  assert len(newline_runs) == 1 and codec.ends[newline_runs[0]]

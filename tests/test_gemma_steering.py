@@ -19,6 +19,7 @@ from geom import steering as steering_lib
 from train.errors import ConfigError
 from train.errors import UsageError
 from train.lm import corpus as text_corpus
+from train.lm import data as lm_data
 from train.lm import gemma
 from train.lm import gemma_gguf
 from train.lm import hooks as steering_hooks
@@ -85,7 +86,7 @@ def test_cached_choice_scores_match_the_full_sequence(lm):
 
 
 def test_heldout_kl_matches_the_full_logits_path(lm):
-  windows = gemma_eval.heldout_windows(lm['tokenizer'], 3, 24)
+  windows = lm_data.heldout_windows(lm['tokenizer'], 3, 24)
   assert windows.shape == (3, 25)
   assert (windows[:, 0] == 2).all()  # Gemma's BOS.
   scorer = gemma_eval.HeldoutScorer(lm['model'], lm['params'], windows,

@@ -59,7 +59,7 @@ def _config(sft_workdir, **runtime_fields):
 def _plain_grpo(config) -> str:
   """Sequential GRPO from the same parts, no threads: generate batch k
   with version k, update, repeat."""
-  _, model, params = sft.load_policy(config.sft_workdir)
+  _, model, params, _ = sft.load_policy(config.sft_workdir)
   rollout_mesh, learner_mesh = runtime.split_devices(config.rollout_devices)
   learner_repl = NamedSharding(learner_mesh, P())
   tx = run.optimizer(config)
@@ -94,7 +94,7 @@ def test_synchronous_mode_is_the_plain_grpo_loop_bit_for_bit(sft_workdir,
   config = _config(sft_workdir, max_staleness=0, num_actors=2)
   results = run.train_and_evaluate(config, str(tmp_path / 'rl'))
   assert results['params_sha256'] == _plain_grpo(config)
-  _, _, sft_params = sft.load_policy(sft_workdir)
+  sft_params = sft.load_policy(sft_workdir).params
   assert results['params_sha256'] != run.fingerprint(sft_params)
   assert max(_grad_norms(tmp_path / 'rl')) > 0
   assert results['staleness_histogram'] == {'0': config.num_versions}
@@ -385,14 +385,14 @@ def test_a_held_workdir_a_changed_config_or_policy_are_refused(sft_workdir,
     run.train_and_evaluate(other, str(workdir))
   # sft_workdir may name another path, but not another policy: a resumed
   # run took the new one as its first policy's reference.
-  before = checksums.digest(sft.load_policy(policy)[2])
+  before = checksums.digest(sft.load_policy(policy).params)
   further = sft_config.get_config('runlocal')
   for flag in SFT_POLICY_OVERRIDES:  # '--config.a.b=v'
     path, value = flag[len('--config.'):].split('=')
     config_edits.apply(further, {path: ast.literal_eval(value)})
   further.num_steps += 10
   trainers.train_and_evaluate(further, policy)
-  after = checksums.digest(sft.load_policy(policy)[2])
+  after = checksums.digest(sft.load_policy(policy).params)
   assert after != before
   for w in (workdir, cut):
     with pytest.raises(errors.UsageError) as e:

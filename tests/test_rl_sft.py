@@ -38,7 +38,7 @@ def test_sft_job_writes_pass_at_1_per_difficulty(sft_run):
 
 def test_the_policy_loads_with_its_config_and_scores_the_same(sft_run):
   workdir, _ = sft_run
-  config, model, params = sft.load_policy(workdir)
+  config, model, params, _ = sft.load_policy(workdir)
   assert config.task == 'rl_sft' and model.d_model == 32
   with open(os.path.join(workdir, sft.PASS_AT_1)) as f:
     scores = json.load(f)
@@ -49,8 +49,8 @@ def test_the_policy_loads_from_a_read_only_directory(sft_run, tmp_path):
   # Loading a policy (as launch.rl does) wrote a probe file into its
   # workdir, and a read-only one was refused as "not writable".
   with read_only.view(sft_run[0], str(tmp_path / 'ro')) as ro:
-    config, _, params = sft.load_policy(ro)
-  want_config, _, want = sft.load_policy(sft_run[0])
+    config, _, params, _ = sft.load_policy(ro)
+  want_config, _, want, _ = sft.load_policy(sft_run[0])
   assert config == want_config
   jax.tree.map(np.testing.assert_array_equal, params, want)
 

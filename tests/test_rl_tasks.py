@@ -112,3 +112,80 @@ def test_max_prompt_tokens_is_the_longest_prompt(family):
                 + tasks.evaluation_set(family, d, 100))
     tokens, _ = tasks.encode_prompts(problems)
     assert tokens.shape[1] == tasks.max_prompt_tokens(family, d)
+
+
+class _Pieces:
+  """A tokenizer over a fixed list of pieces, longest match first: enough
+  to build codecs that merge characters or hold several newlines."""
+  kind = 'pieces'
+  bos_id, pad_id = 2, 0
+
+  def __init__(self, pieces):
+    self.pieces = ['<pad>', '<eos>', '<bos>'] + list(pieces)
+    self.vocab_size = len(self.pieces)
+    self.fingerprint = 'pieces:' + '|'.join(self.pieces)
+
+  def encode(self, text):
+    out = []
+    while text:
+      best = max((p for p in self.pieces[3:] if text.startswith(p)), key=len,
+                 default=None)
+      if best is None:  # Byte fallback of a sort: two ids for a character.
+        out += [0, 0]
+        text = text[1:]
+        continue
+      out.append(self.pieces.index(best))
+      text = text[len(best):]
+    return np.array(out, np.int32)
+
+  def decode(self, ids):
+    return ''.join(self.pieces[i] for i in ids if i > 2)
+
+
+_ALPHABET_PIECES = list(tasks.ALPHABET) + ['x', '\n\n', 'y\nz']
+
+
+def test_a_tokenizer_codec_maps_each_task_character_to_its_token():
+  tok = _Pieces(_ALPHABET_PIECES)
+  codec = tasks.codec(tok)
+  assert tasks.codec(_Pieces(_ALPHABET_PIECES)) is codec  # One per vocabulary.
+  problem = tasks.Problem('add', 2, '12+34', '46')
+  tokens, valid = tasks.encode_prompts([problem], 8, codec)
+  assert tokens[0, 0] == tok.pad_id
+  assert tokens[0, 1:].tolist() == [tok.bos_id] + tok.encode('12+34=').tolist()
+  assert valid[0].tolist() == [False] + [True] * 7
+  # Every token whose text holds a newline ends a completion.
+  ends = [tok.pieces.index(p) for p in ('\n', '\n\n', 'y\nz')]
+  assert sorted(np.flatnonzero(codec.ends).tolist()) == ends
+  for end in ends:
+    completion = np.array([tok.encode('46').tolist() + [end, 7, 8]])
+    assert tasks.completion_mask(completion, codec).tolist() == [
+        [True, True, True, False, False]]
+  # The reward reads the text, whatever the token: '46' + '\n\n' is right,
+  # 'x' is not a digit, and ids past the vocabulary are no text at all.
+  text = tasks.decode_completion(tok.encode('46').tolist() + [ends[1], 5],
+                                 codec)
+  assert text == '46\n\n' and tasks.reward(problem, text) == 1.0
+  assert tasks.reward(problem, tasks.decode_completion(
+      tok.encode('4x\n'), codec)) == 0.0
+  assert tasks.completion_mask(np.array([[999, -1, ends[0]]]),
+                               codec).tolist() == [[True, True, True]]
+
+
+@pytest.mark.parametrize('pieces, message', [
+    (_ALPHABET_PIECES + ['12'], "split '12'"),
+    (_ALPHABET_PIECES + ['5='], "split '5='"),
+    (_ALPHABET_PIECES + ['7\n'], "split '7\\\\n'"),
+    ([c for c in _ALPHABET_PIECES if c != '='], "of '='"),
+])
+def test_a_tokenizer_that_merges_task_characters_is_refused(pieces, message):
+  with pytest.raises(ValueError, match=message):
+    tasks.codec(_Pieces(pieces))
+
+
+def test_the_byte_codec_is_the_byte_tokenizers():
+  from train.lm import tokenizer as lm_tokenizer  # pylint: disable=g-import-not-at-top
+  assert tasks.codec(lm_tokenizer.ByteTokenizer()) is tasks.BYTES
+  tokens = np.array([[ord('4'), ord('6'), tasks.EOS, ord('1')]])
+  assert tasks.completion_mask(tokens).tolist() == [[True] * 3 + [False]]
+  assert tasks.decode_completion(tokens[0]) == '46\n'

@@ -309,6 +309,10 @@ def assemble(config: ml_collections.ConfigDict, workdir: str, *,
     check_data()
 
   boxed = jax.eval_shape(init_variables, jax.random.key(0))
+  frozen = optim.frozen_mask(config.optimizer, nn.meta.unbox(boxed['params']))
+  if frozen is not None:
+    optim.check_frozen(config.optimizer, nn.meta.unbox(boxed['params']))
+    per_example = _stop_gradient_at(per_example, frozen)
   param_shardings = sharding_lib.logical_to_shardings(boxed['params'], mesh,
                                                       rules)
   stats_shardings = sharding_lib.logical_to_shardings(
@@ -334,6 +338,18 @@ def assemble(config: ml_collections.ConfigDict, workdir: str, *,
       state_shardings=state_shardings,
       batch_sharding=sharding_lib.batch_sharding(mesh, rules),
       abstract_state=abstract_state)
+
+
+def _stop_gradient_at(per_example: steps.PerExample, mask: Any
+                      ) -> steps.PerExample:
+  """`per_example` seeing the parameters `mask` marks as constants: their
+  gradient is zero and never computed (`config.optimizer.frozen`)."""
+  def wrapped(model, variables, batch, train):
+    params = jax.tree.map(
+        lambda frozen, p: jax.lax.stop_gradient(p) if frozen else p, mask,
+        variables['params'])
+    return per_example(model, {**variables, 'params': params}, batch, train)
+  return wrapped
 
 
 def require_checkpoints(workdir: str, *, field: str, hint: str) -> None:

@@ -89,7 +89,8 @@ def evaluate(exp: experiment_lib.Experiment, compiled_eval: aot.EvalFn,
 
 def train_and_evaluate(exp: experiment_lib.Experiment,
                        load_data: Callable[[], Data],
-                       initial_variables: Callable[[], dict] | None = None
+                       initial_variables: Callable[[], dict] | None = None,
+                       inputs: Mapping[str, str] | None = None
                        ) -> dict[str, float]:
   """Trains, evaluates and checkpoints into `exp.workdir`; returns final metrics.
 
@@ -99,6 +100,9 @@ def train_and_evaluate(exp: experiment_lib.Experiment,
     initial_variables: for a new run, gives the variables to start from
       (e.g. another run's, `config.init_from`) instead of `config.seed`'s
       initialisation; not called when the run resumes or is finished.
+    inputs: {name: fingerprint} of files the run starts from (a
+      pretrained model's), pinned before anything else: a resume, or a
+      rerun of a finished run, with other ones is refused.
 
   Raises:
     WorkdirBusy: another run holds the workdir.
@@ -115,6 +119,7 @@ def train_and_evaluate(exp: experiment_lib.Experiment,
   with resumable.open_run(
       config, workdir, check_config=check_config, results_name=FINAL_METRICS,
       needed_bytes=disk_space.tree_bytes(exp.abstract_state)) as run:
+    run.pin(inputs or {})
     finished = run.finished(config.num_steps)
     if finished is not None:
       return finished

@@ -13,6 +13,15 @@ and momentum: the gradient of an L2 penalty wd / 2 * |w|^2 in the loss, as
 the SAM paper's code trains. With momentum 0.9 the decay then acts about
 10x as strongly as the decoupled one of the same `weight_decay`.
 
+`frozen` (a field absent from older configs: nothing frozen) is a regular
+expression over parameter paths: the chain runs on the other parameters
+only (`optax.multi_transform`, no state for frozen ones) and frozen ones
+get zero updates, which weight decay does not reach either. The loss
+sees them through `jax.lax.stop_gradient` (`train.experiment`), so their
+gradient is never computed (for Gemma's tied 262,144 x 640 embedding
+that is the output head's weight gradient) and a method that perturbs the
+weights along the gradient (SAM) leaves them where they are.
+
 Methods from `geom/` wrap this chain, each from its own config block
 (`METHODS`: block name -> builder). A builder returns the wrapped
 transformation and the method's `geom.method_hooks.MethodHooks`, which is
@@ -99,15 +108,53 @@ def learning_rate_schedule(cfg: ml_collections.ConfigDict,
       [cfg.warmup_steps])
 
 
+def path_name(path) -> str:
+  """A parameter's path as the config's expressions see it: 'block_0/mlp/up'."""
+  return '/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path)
+
+
+def matching(params: Any, pattern: str) -> Any:
+  """True where a parameter's path matches `pattern` (re.search)."""
+  compiled = re.compile(pattern)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: compiled.search(path_name(path)) is not None, params)
+
+
 def weight_decay_mask(params: Any, exclude: str) -> Any:
   """True where weight decay applies: parameters whose path does not match `exclude`."""
-  pattern = re.compile(exclude)
+  return jax.tree.map(lambda m: not m, matching(params, exclude))
 
-  def keep(path, _):
-    name = '/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path)
-    return pattern.search(name) is None
 
-  return jax.tree_util.tree_map_with_path(keep, params)
+def frozen_mask(cfg: ml_collections.ConfigDict, params: Any) -> Any | None:
+  """True where `cfg.frozen` freezes a parameter; None if nothing is."""
+  pattern = cfg.get('frozen', '')
+  return matching(params, pattern) if pattern else None
+
+
+def check_frozen(cfg: ml_collections.ConfigDict, params: Any) -> None:
+  """ConfigError naming `optimizer.frozen` when it matches no parameter
+  or all of them (a typo would silently train everything, or nothing)."""
+  mask = frozen_mask(cfg, params)
+  if mask is None:
+    return
+  flags = jax.tree.leaves(mask)
+  names = [path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(
+      params)]
+  if not any(flags):
+    raise ConfigError('optimizer.frozen', cfg.frozen,
+                      f'matches no parameter (paths look like {names[0]!r})')
+  if all(flags):
+    raise ConfigError('optimizer.frozen', cfg.frozen,
+                      'matches every parameter: nothing would train')
+
+
+def _freeze(tx: optax.GradientTransformation, pattern: str
+            ) -> optax.GradientTransformation:
+  """`tx` on the parameters `pattern` does not match; zero for the rest."""
+  labels = lambda params: jax.tree.map(
+      lambda m: 'frozen' if m else 'trained', matching(params, pattern))
+  return optax.multi_transform(
+      {'trained': tx, 'frozen': optax.set_to_zero()}, labels)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +219,20 @@ def _base_chain(cfg: ml_collections.ConfigDict,
   if decay is not None and mode == 'decoupled':
     parts.append(decay)
   parts.append(optax.scale_by_learning_rate(schedule))
-  return optax.chain(*parts)
+  chain = optax.chain(*parts)
+  frozen = cfg.get('frozen', '')
+  if not isinstance(frozen, str):
+    raise ConfigError('optimizer.frozen', frozen,
+                      'must be a regular expression over parameter paths '
+                      '(empty: none frozen)')
+  if frozen:
+    try:
+      re.compile(frozen)
+    except re.error as e:
+      raise ConfigError('optimizer.frozen', frozen,
+                        f'not a regular expression ({e})') from None
+    chain = _freeze(chain, frozen)
+  return chain
 
 
 def build(cfg: ml_collections.ConfigDict, total_steps: int) -> Optimizer:

@@ -152,8 +152,12 @@ def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
 def optimizer_state_shardings(tx: optax.GradientTransformation,
                               abstract_params: Any, param_shardings: Any,
                               mesh: Mesh) -> Any:
-  """Per-parameter optimizer state follows its parameter; the rest is replicated."""
+  """Per-parameter optimizer state follows its parameter; the rest is
+  replicated. A transformation that holds no state for some parameters
+  (`optax.masked`, `multi_transform`: frozen ones) keeps its placeholders."""
   abstract_state = jax.eval_shape(tx.init, abstract_params)
+  masked = lambda x: isinstance(x, optax.MaskedNode)
   return optax.tree_map_params(
-      tx, lambda _, s: s, abstract_state, param_shardings,
-      transform_non_params=lambda _: replicated(mesh))
+      tx, lambda x, s: x if masked(x) else s, abstract_state,
+      param_shardings, transform_non_params=lambda _: replicated(mesh),
+      is_leaf=masked)

@@ -10,6 +10,8 @@ tokens are bytes, or subwords (`train.lm.tokenizer`, `config.tokenizer`).
 Windows are a pure function of (config.data, split, seed), so a resumed
 run rebuilds exactly the data it had, and batches come from
 `input_pipeline.TrainBatches` by step number like the image trainer's.
+`heldout_windows` is the text a pretrained model never trains on here
+(its steering study's KL, its fine-tuning's forgetting).
 """
 
 import dataclasses
@@ -105,3 +107,25 @@ def load_windows(data: ml_collections.ConfigDict, split: str, seed: int,
   except UsageError as e:
     raise ConfigError('data', dict(mix=mix, bytes=total), str(e)) from None
   return TokenWindows(tokens)
+
+
+def heldout_windows(tokenizer, count: int, length: int) -> np.ndarray:
+  """(count, length + 1) token windows, half from Python's documentation
+  (test split; real English) and half from template reviews (test split;
+  the steered attribute's own domain): BOS, then `length` consecutive
+  tokens of the source's documents joined by blank lines."""
+  reviews, _ = text_corpus.attribute_documents(4 * count, 11, 'test')
+  sources = {'pydoc': text_corpus.english_documents('pydoc', 'test'),
+             'reviews': reviews}
+  windows = []
+  for k, (name, docs) in enumerate(sources.items()):
+    want = count // 2 + (count % 2 if k == 0 else 0)
+    stream = tokenizer.encode('\n\n'.join(docs))
+    if len(stream) < want * length:
+      raise ConfigError('heldout_windows', count, f'the {name} test text '
+                        f'holds {len(stream)} tokens, fewer than {want} '
+                        f'windows of {length}')
+    bos = lm_tokenizer.bos_id(tokenizer)
+    windows += [np.concatenate([[bos], stream[i * length:(i + 1) * length]])
+                for i in range(want)]
+  return np.stack(windows).astype(np.int32)

@@ -75,6 +75,17 @@ SHAPES = {
 }
 
 
+# The longest context any Gemma 3 text model was trained for (4B: 128k).
+MAX_CONTEXT = 131_072
+
+
+def same_dims(a: Shape, b: Shape) -> bool:
+  """Whether two shapes have the same parameters (sizes and heads)."""
+  dims = lambda s: (s.vocab_size, s.d_model, s.num_layers, s.num_heads,
+                    s.num_kv_heads, s.head_dim, s.mlp_dim)
+  return dims(a) == dims(b)
+
+
 def _param(init, axes):
   return nn.with_logical_partitioning(init, axes)
 

@@ -191,6 +191,41 @@ def _layout(arrays: dict[str, np.ndarray], shape: gemma.Shape,
   return params
 
 
+def _read(path: str) -> gguf_file.GGUF:
+  if not os.path.isfile(path):
+    raise errors.UsageError('gguf path', path, 'no such file')
+  try:
+    return gguf_file.read(path)
+  except gguf_file.GGUFFormatError as e:
+    raise errors.DamagedModelFile(path, f'not a readable GGUF file ({e})'
+                                  ) from None
+
+
+def read_shape(path: str) -> gemma.Shape:
+  """The shape a Gemma 3 GGUF file's metadata gives (nothing decoded).
+
+  Raises:
+    UsageError: no such file.
+    errors.DamagedModelFile: not a readable Gemma 3 GGUF.
+  """
+  st = os.stat(path) if os.path.isfile(path) else None
+  return _shape_of_file(os.path.realpath(path), st and st.st_size,
+                        st and st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _shape_of_file(path: str, size, mtime_ns) -> gemma.Shape:
+  del size, mtime_ns  # The cache key: a rewritten file is read again.
+  return shape_of(_read(path).fields, path)
+
+
+def read_tokenizer(path: str) -> gemma_tokenizer.GemmaTokenizer:
+  """The tokenizer of a Gemma 3 GGUF file (its metadata only)."""
+  contents = _read(path)
+  shape_of(contents.fields, path)  # A Gemma 3 file, or one line.
+  return gemma_tokenizer.from_gguf_fields(contents.fields, path)
+
+
 def load(path: str, dtype: str = 'float32') -> Loaded:
   """Reads a Gemma 3 GGUF file (see the module docstring).
 
@@ -209,13 +244,7 @@ def load(path: str, dtype: str = 'float32') -> Loaded:
     raise errors.UsageError('dtype', dtype, 'not a parameter dtype',
                             gemma.DTYPES)
   np_dtype = ml_dtypes.bfloat16 if dtype == 'bfloat16' else np.float32
-  if not os.path.isfile(path):
-    raise errors.UsageError('gguf path', path, 'no such file')
-  try:
-    contents = gguf_file.read(path)
-  except gguf_file.GGUFFormatError as e:
-    raise errors.DamagedModelFile(path, f'not a readable GGUF file ({e})'
-                                  ) from None
+  contents = _read(path)
   shape = shape_of(contents.fields, path)
   expected = _expected(shape)
   tensors = contents.tensors

@@ -2,7 +2,9 @@
 
 `config.tokenizer` (absent: bytes, as every run before subwords):
 
-  kind: 'byte' (ASCII bytes, `train.lm.corpus.encode`) or 'sentencepiece';
+  kind: 'byte' (ASCII bytes, `train.lm.corpus.encode`), 'sentencepiece',
+    or 'gemma' (a pretrained Gemma's own, `train.lm.gemma_tokenizer`, read
+    from its GGUF file: `config.model.kind = 'gemma'` and nothing else);
   vocab_size: the subword vocabulary (equal to `config.model.vocab_size`);
   model_type: SentencePiece's 'bpe' or 'unigram'.
 
@@ -15,8 +17,11 @@ the tokenizer's fingerprint (the SHA-256 of the model file), and a
 checkpoint or a steering vector met with another tokenizer is refused in
 one line (`check_fingerprint`).
 
-Both tokenizers share the LM's conventions: id 0 pads, id 1 starts every
-document (BOS), and decoding skips both. SentencePiece runs with byte
+The in-project tokenizers share the LM's conventions: id 0 pads, id 1
+starts every document (BOS), and decoding skips both (Gemma's vocabulary
+fixes its own: BOS 2, `bos_id`). A Gemma run keeps a copy of its
+tokenizer as `tokenizer.model` too, so that the run is read back without
+its GGUF file. SentencePiece runs with byte
 fallback and no normalisation or whitespace folding, so that decoding
 returns the encoded text exactly (any Unicode, not only ASCII).
 """
@@ -33,8 +38,10 @@ from train import fileio
 from train import resume_check
 from train.errors import ConfigError, UsageError
 from train.lm import corpus as text_corpus
+from train.lm import gemma_tokenizer
+from train.lm import models
 
-KINDS = ('byte', 'sentencepiece')
+KINDS = ('byte', 'sentencepiece', 'gemma')
 MODEL_TYPES = ('bpe', 'unigram')
 FILENAME = 'tokenizer.model'
 PAD = text_corpus.PAD
@@ -156,6 +163,11 @@ def check_config(config) -> None:
   kind = tok.get('kind')
   if kind not in KINDS:
     raise ConfigError('tokenizer.kind', kind, 'unknown tokenizer', KINDS)
+  if (kind == 'gemma') != (config.model.get('kind') == 'gemma'):
+    raise ConfigError('tokenizer.kind', kind, "a Gemma model reads its own "
+                      "tokenizer ('gemma') and no other model does")
+  if kind == 'gemma':
+    return
   vocab = config.model.vocab_size
   if kind == 'byte':
     if vocab != text_corpus.VOCAB_SIZE:
@@ -177,8 +189,12 @@ def check_config(config) -> None:
 
 
 def token_dtype(vocab_size: int) -> type:
-  """The windows' storage dtype: uint8 for bytes, uint16 for subwords."""
-  return np.uint8 if vocab_size <= 256 else np.uint16
+  """The windows' storage dtype: uint8 for bytes, uint16 for the
+  in-project subwords, uint32 for a pretrained vocabulary (Gemma's
+  262,144)."""
+  if vocab_size <= 256:
+    return np.uint8
+  return np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
 
 def for_run(config, workdir: str) -> Tokenizer:
@@ -189,7 +205,11 @@ def for_run(config, workdir: str) -> Tokenizer:
     return ByteTokenizer()
   path = fileio.join(workdir, FILENAME)
   if fileio.exists(path):
-    return _read(path)
+    return _read(path, tok.kind)
+  if tok.kind == 'gemma':
+    tokenizer = models.tokenizer(config)
+    save(workdir, tokenizer)
+    return tokenizer
   docs = text_corpus.mixture_documents(
       [tuple(e) for e in config.data.mix], config.data.train_bytes, 'train',
       config.seed)
@@ -200,14 +220,16 @@ def for_run(config, workdir: str) -> Tokenizer:
   return tokenizer
 
 
-def save(workdir: str, tokenizer: 'SentencePieceTokenizer') -> None:
+def save(workdir: str, tokenizer: Tokenizer) -> None:
   """Writes `workdir/tokenizer.model` atomically."""
   fileio.write_bytes_atomic(fileio.join(workdir, FILENAME),
                             tokenizer.model_proto)
 
 
-def _read(path: str) -> SentencePieceTokenizer:
+def _read(path: str, kind: str = 'sentencepiece') -> Tokenizer:
   try:
+    if kind == 'gemma':
+      return gemma_tokenizer.GemmaTokenizer(fileio.read_bytes(path))
     return SentencePieceTokenizer(fileio.read_bytes(path))
   except (OSError, RuntimeError, ValueError) as e:
     raise UsageError(path, '<file>', f'not a readable SentencePiece model '
@@ -225,7 +247,7 @@ def for_trained(config, workdir: str, fingerprint: str | None) -> Tokenizer:
     if not fileio.exists(path):
       raise UsageError(path, '<missing>', 'the run was trained with a '
                        'SentencePiece tokenizer and its model file is gone')
-    tokenizer = _read(path)
+    tokenizer = _read(path, tok.kind)
   check_fingerprint(tokenizer, fingerprint or BYTE_FINGERPRINT,
                     f'the checkpoint in {workdir}')
   return tokenizer

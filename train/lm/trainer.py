@@ -1,7 +1,9 @@
-"""`train_and_evaluate(config, workdir)` for the decoder LM (`config.task = 'lm'`).
+"""`train_and_evaluate(config, workdir)` for the LMs (`config.task = 'lm'`).
 
 The LM product's parts on the shared loop (`train.loop`): the model
-(`train.lm.decoder`), its per-sequence loss (`train.lm.loss`) and the
+(`train.lm.models`: the in-project decoder from `config.seed`, or a
+pretrained Gemma 3 from its GGUF file, fine-tuned with its own tokenizer,
+the file pinned by its SHA-256), its per-sequence loss (`train.lm.loss`) and the
 data, token windows of a source mixture (`train.lm.data`), built
 deterministically from the config, so nothing but the step is needed to
 resume. Tokens are bytes, or subwords of a SentencePiece model trained on
@@ -25,6 +27,7 @@ import functools
 from typing import Any, NamedTuple
 
 from absl import logging
+import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
@@ -34,51 +37,26 @@ from train import loop
 from train import resume_check
 from train.errors import ConfigError
 from train.lm import data as lm_data
-from train.lm import decoder as decoder_lm
 from train.lm import loss
+from train.lm import models
 from train.lm import tokenizer as lm_tokenizer
 
 FINAL_METRICS = loop.FINAL_METRICS
 
 
-def init_variables(model: decoder_lm.DecoderLM, rng: jax.Array) -> dict:
+def init_variables(model: nn.Module, rng: jax.Array) -> dict:
   return model.init(rng, np.zeros((1, 8), np.int32))
 
 
-def create_model(config: ml_collections.ConfigDict) -> decoder_lm.DecoderLM:
-  kwargs = dict(config.model)
-  fields = set(decoder_lm.DecoderLM.__dataclass_fields__) - {'parent', 'name'}
-  unknown = sorted(set(kwargs) - fields)
-  if unknown:
-    raise ConfigError(f'model.{unknown[0]}', kwargs[unknown[0]],
-                      'not a field of the decoder LM', sorted(fields))
-  for field, value in kwargs.items():
-    if field == 'dtype':
-      if value not in decoder_lm.DTYPES:
-        raise ConfigError('model.dtype', value, 'unknown compute dtype',
-                          decoder_lm.DTYPES)
-    elif field == 'remat':
-      if not isinstance(value, bool):
-        raise ConfigError('model.remat', value, 'must be True or False')
-    elif field == 'num_kv_heads' and value is None:
-      pass
-    elif not isinstance(value, int) or value <= 0:
-      raise ConfigError(f'model.{field}', value, 'must be a positive integer')
-  if kwargs['d_model'] % kwargs['num_heads'] or (
-      kwargs['d_model'] // kwargs['num_heads']) % 2:
-    raise ConfigError('model.num_heads', kwargs['num_heads'],
-                      f'must divide d_model={kwargs["d_model"]} into heads '
-                      'of even size (rotary embeddings)')
-  kv_heads = kwargs.get('num_kv_heads')
-  if kv_heads is not None and kwargs['num_heads'] % kv_heads:
-    raise ConfigError('model.num_kv_heads', kv_heads,
-                      f'must divide num_heads={kwargs["num_heads"]} (each '
-                      'key/value head serves a group of query heads)')
+def create_model(config: ml_collections.ConfigDict) -> nn.Module:
+  """The model of `config.model` (`train.lm.models`), and the data's
+  window length checked against it."""
+  model = models.create(config)
   # (Products on this model with their own data check their lengths.)
-  if config.data.get('seq_len', 0) > kwargs['max_len']:
+  if config.data.get('seq_len', 0) > model.max_len:
     raise ConfigError('data.seq_len', config.data.seq_len,
-                      f'exceeds model.max_len={kwargs["max_len"]}')
-  return decoder_lm.DecoderLM(**kwargs)
+                      f'exceeds model.max_len={model.max_len}')
+  return model
 
 
 def build(config: ml_collections.ConfigDict, workdir: str, *,
@@ -90,31 +68,41 @@ def build(config: ml_collections.ConfigDict, workdir: str, *,
   the text sources are here and `init_from` holds checkpoints (compiling
   needs shapes only)."""
   lm_data.check_config(config.data, check_sources=check_data)
+  model = create_model(config)
   lm_tokenizer.check_config(config)
   if check_data and config.get('init_from'):
     experiment_lib.require_checkpoints(
         config.init_from, field='config.init_from',
         hint='train the run to start from first')
-  model = create_model(config)
+  if check_data:
+    models.check_inputs(config)
   return experiment_lib.assemble(
       config, workdir, model=model,
       init_variables=functools.partial(init_variables, model),
       per_example=loss.lm_loss,
       columns={'tokens': ((config.data.seq_len + 1,),
-                          lm_tokenizer.token_dtype(config.model.vocab_size))},
+                          lm_tokenizer.token_dtype(
+                              models.vocab_size(config)))},
       devices=devices)
 
 
 def run_tokenizer(config: ml_collections.ConfigDict, workdir: str,
                   source: 'TrainedLM | None' = None) -> lm_tokenizer.Tokenizer:
-  """The run's tokenizer (trained and saved on its first start), or, for a
-  run started from `source` (`config.init_from`), the source's, copied
-  into `workdir`."""
+  """The run's tokenizer (trained, or a pretrained model's, and saved on
+  its first start), or, for a run started from `source`
+  (`config.init_from`), the source's, copied into `workdir`."""
   if source is not None:
-    if isinstance(source.tokenizer, lm_tokenizer.SentencePieceTokenizer):
+    if not isinstance(source.tokenizer, lm_tokenizer.ByteTokenizer):
       lm_tokenizer.save(workdir, source.tokenizer)
     return source.tokenizer
   return lm_tokenizer.for_run(config, workdir)
+
+
+def inputs(config: ml_collections.ConfigDict) -> dict[str, str]:
+  """Fingerprints of the files a run reads besides its data: a
+  pretrained model's (the init_from run's parameters are checked by
+  shape when they are loaded)."""
+  return {} if config.get('init_from') else models.fingerprints(config)
 
 
 def load_data(config: ml_collections.ConfigDict, workdir: str,
@@ -151,20 +139,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   source, `test_loss` on the test mixture, and `step`.
   """
   exp = build(config, workdir)
-  if not config.get('init_from'):
+  if config.get('init_from'):
+    # Loaded once, inside the loop (under the workdir's lock): the data
+    # needs its tokenizer, a new run its parameters.
+    source = functools.cache(lambda: load_trained(config.init_from))
     return loop.train_and_evaluate(
-        exp, functools.partial(load_data, config, exp.workdir), None)
-  # Loaded once, inside the loop (under the workdir's lock): the data needs
-  # its tokenizer, a new run its parameters.
-  source = functools.cache(lambda: load_trained(config.init_from))
+        exp, lambda: load_data(config, exp.workdir, source()),
+        lambda: {'params': source().params})
+  pretrained = functools.cache(lambda: models.pretrained(config))
   return loop.train_and_evaluate(
-      exp, lambda: load_data(config, exp.workdir, source()),
-      lambda: {'params': source().params})
+      exp, functools.partial(load_data, config, exp.workdir),
+      None if models.kind(config) == 'decoder'
+      else lambda: {'params': pretrained().params},
+      inputs=inputs(config))
 
 
 class TrainedLM(NamedTuple):
   config: ml_collections.ConfigDict
-  model: decoder_lm.DecoderLM
+  model: nn.Module
   params: dict
   tokenizer: lm_tokenizer.Tokenizer
 

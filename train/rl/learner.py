@@ -14,6 +14,7 @@ is on-policy within the batch). One call is one policy version.
 import dataclasses
 from typing import Any, Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +22,6 @@ import optax
 
 from train import aot
 from train.errors import ConfigError
-from train.lm import decoder as decoder_lm
 from train.rl import grpo
 from train.rl import rollout as rollout_lib
 
@@ -92,7 +92,7 @@ def abstract_batch(rows: int, length: int,
                     reference_logps=per_target)
 
 
-def update_program(model: decoder_lm.DecoderLM,
+def update_program(model: nn.Module,
                    tx: optax.GradientTransformation,
                    settings: LearnerSettings, *, params: Any,
                    opt_state: Any, rows: int, length: int,
@@ -114,14 +114,14 @@ def update_program(model: decoder_lm.DecoderLM,
                      mesh, rules)
 
 
-def make_update(model: decoder_lm.DecoderLM,
+def make_update(model: nn.Module,
                 tx: optax.GradientTransformation,
                 settings: LearnerSettings) -> Update:
   """`update_fn`, jitted, its shardings those of its arguments."""
   return jax.jit(update_fn(model, tx, settings))
 
 
-def update_fn(model: decoder_lm.DecoderLM,
+def update_fn(model: nn.Module,
               tx: optax.GradientTransformation,
               settings: LearnerSettings) -> Update:
   """`(params, opt_state, batch, reference_params) -> (params, opt_state,

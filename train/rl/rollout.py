@@ -1,11 +1,13 @@
 """Sampling completions of task prompts with their behaviour log-probabilities.
 
 One jitted program per (batch, prompt length, steps, temperature): the
-in-project decoder LM's KV-cached generation (`train.lm.generate`), then
+policy's KV-cached generation (`train.lm.generate`; the in-project
+decoder or Gemma 3), then
 each generated token's log-probability under the distribution it was
 drawn from, softmax(logits / temperature), recorded at generation time
 (the behaviour policy's, which off-policy corrections need). Rewards are
-the task verifier's, on the host. A row's tokens after its first EOS are
+the task verifier's, on the host, on the text the policy's codec
+(`tasks.Codec`) reads. A row's tokens after its first newline token are
 padding: not rewarded, not trained.
 """
 
@@ -17,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from train import aot
-from train.lm import decoder as decoder_lm
 from train.lm import generate as generate_lib
 from train.rl import grpo
 from train.rl import tasks
@@ -31,7 +32,7 @@ class Rollout:
     problems: the prompts' problems (one per row).
     prompt: (B, P) int32 left-padded prompts; prompt_valid (B, P) bool.
     completion: (B, S) int32 generated tokens; completion_mask (B, S)
-      bool, up to and including the first EOS.
+      bool, up to and including the first newline token.
     behaviour_logps: (B, S) float32, log pi_behave of each generated
       token (0 off the mask).
     rewards: (B,) float32 from the verifier.
@@ -51,7 +52,7 @@ class Rollout:
     return int(self.completion_mask.sum())
 
 
-def _sample_fn(model: decoder_lm.DecoderLM, params: Any, prompt: jax.Array,
+def _sample_fn(model, params: Any, prompt: jax.Array,
                prompt_valid: jax.Array, num_steps: int, temperature: float,
                rng: jax.Array) -> tuple[jax.Array, jax.Array]:
   out = generate_lib.generate(model, params, prompt, prompt_valid, num_steps,
@@ -65,7 +66,7 @@ def _sample_fn(model: decoder_lm.DecoderLM, params: Any, prompt: jax.Array,
 _sample = jax.jit(_sample_fn, static_argnums=(0, 4, 5))
 
 
-def sample_program(model: decoder_lm.DecoderLM, params: Any, rows: int,
+def sample_program(model, params: Any, rows: int,
                    prompt_len: int, num_steps: int, temperature: float,
                    mesh: jax.sharding.Mesh) -> aot.Program:
   """`sample`'s program on shapes only (for `launch.compile`): the policy
@@ -88,11 +89,12 @@ def sample_program(model: decoder_lm.DecoderLM, params: Any, rows: int,
        place(jax.eval_shape(lambda: jax.random.key(0)), repl)))
 
 
-def sample(model: decoder_lm.DecoderLM, params: Any,
+def sample(model, params: Any,
            problems: Sequence[tasks.Problem], rng: jax.Array | None, *,
            temperature: float = 1.0, num_steps: int | None = None,
            prompt_len: int | None = None, version: int = 0,
-           sharding: jax.sharding.Sharding | None = None) -> Rollout:
+           sharding: jax.sharding.Sharding | None = None,
+           codec: tasks.Codec = tasks.BYTES) -> Rollout:
   """Completes `problems` (temperature 0: greedy) and verifies them.
 
   Args:
@@ -107,8 +109,9 @@ def sample(model: decoder_lm.DecoderLM, params: Any,
     version: recorded on the rollout.
     sharding: where the prompts go (rows split over a mesh's data axis);
       None: the default device.
+    codec: the policy's tokens (`tasks.Codec`; default bytes).
   """
-  prompt, valid = tasks.encode_prompts(problems, prompt_len)
+  prompt, valid = tasks.encode_prompts(problems, prompt_len, codec)
   if num_steps is None:
     num_steps = max(tasks.max_answer_tokens(p.family, p.difficulty)
                     for p in problems)
@@ -118,17 +121,18 @@ def sample(model: decoder_lm.DecoderLM, params: Any,
                           float(temperature),
                           jax.random.key(0) if rng is None else rng)
   tokens, logps = np.asarray(tokens), np.asarray(logps, np.float32)
-  mask = tasks.completion_mask(tokens)
-  rewards = np.array([tasks.reward(p, tasks.decode_completion(t))
+  mask = tasks.completion_mask(tokens, codec)
+  rewards = np.array([tasks.reward(p, tasks.decode_completion(t, codec))
                       for p, t in zip(problems, tokens)], np.float32)
   return Rollout(tuple(problems), prompt, valid, tokens, mask,
                  np.where(mask, logps, 0.0).astype(np.float32), rewards,
                  version)
 
 
-def pass_at_1(model: decoder_lm.DecoderLM, params: Any,
+def pass_at_1(model, params: Any,
               problems: Sequence[tasks.Problem], batch_size: int = 256,
-              sharding: jax.sharding.Sharding | None = None) -> float:
+              sharding: jax.sharding.Sharding | None = None,
+              codec: tasks.Codec = tasks.BYTES) -> float:
   """The share of `problems` that greedy decoding answers exactly."""
   if not problems:
     raise ValueError('pass_at_1: no problems')
@@ -143,6 +147,6 @@ def pass_at_1(model: decoder_lm.DecoderLM, params: Any,
                                      len(chunk))
     out = sample(model, params, padded, None, temperature=0.0,
                  num_steps=num_steps, prompt_len=prompt_len,
-                 sharding=sharding)
+                 sharding=sharding, codec=codec)
     correct += float(out.rewards[:len(chunk)].sum())
   return correct / len(problems)

@@ -63,7 +63,6 @@ from train import steps
 from train.errors import ConfigError, Preempted, RunError, UsageError
 from train.experiment import check_seed
 from train.experiment import check_workdir
-from train.lm import decoder as decoder_lm
 from train.lm import trainer as lm_trainer
 from train.rl import control
 from train.rl import grpo
@@ -181,7 +180,7 @@ def meshes(config, devices: list | None = None) -> tuple[Mesh, Mesh]:
   return rollout_mesh, learner_mesh
 
 
-def learner_shardings(config, model: decoder_lm.DecoderLM,
+def learner_shardings(config, model: nn.Module,
                       mesh: Mesh) -> tuple[Any, NamedSharding]:
   """The policy's parameter shardings on the learner mesh (from its
   logical axes and the learner's rules) and the batch rows'."""
@@ -336,8 +335,8 @@ _BATCH_ARRAYS = ('prompt', 'prompt_valid', 'completion', 'completion_mask',
 
 
 def generate_batch(config, model, base_key: jax.Array, k: int, v: int,
-                   params, difficulty: int | None, sharding: NamedSharding
-                   ) -> Item:
+                   params, difficulty: int | None, sharding: NamedSharding,
+                   codec: tasks.Codec = tasks.BYTES) -> Item:
   """Batch k (of `difficulty`, or its drawn one if None) sampled from
   version v's `params`, with the same prompts and key wherever it runs;
   timed."""
@@ -347,7 +346,7 @@ def generate_batch(config, model, base_key: jax.Array, k: int, v: int,
       model, params, problems, jax.random.fold_in(base_key, k),
       temperature=config.temperature,
       num_steps=tasks.max_answer_tokens(config.family, difficulty),
-      version=v, sharding=sharding)
+      version=v, sharding=sharding, codec=codec)
   return Item(out, difficulty, time.perf_counter() - start)
 
 
@@ -615,7 +614,7 @@ def _layout(config, model, tx, params, job: '_Job | None' = None
 
 def _train(config, run: resumable.Run, job: '_Job | None' = None
            ) -> dict[str, Any]:
-  sft_config, model, sft_params = sft.load_policy(config.sft_workdir)
+  sft_config, model, sft_params, codec = sft.load_policy(config.sft_workdir)
   check_policy(config, sft_config, model.max_len)
   # The warm start (the first policy and GRPO's reference) is pinned by
   # content: `sft_workdir` may move, but another policy there is refused
@@ -640,7 +639,7 @@ def _train(config, run: resumable.Run, job: '_Job | None' = None
                  'trained were dropped)', found[0], config.num_versions)
   run.finite = resumable.Finite(_policy_finite, 'policy state',
                                 can_skip=False)
-  learner = _Learner(config, model, run, layout, reference=params,
+  learner = _Learner(config, model, codec, run, layout, reference=params,
                      restored=found or (0, fresh, {}), job=job)
   if job is not None:
     for p in job.roles.followers:  # They start from the lead's state.
@@ -670,10 +669,11 @@ class _Learner:
   """The learner's side of a run: the policy and its counters, the
   scheduler, and the actors generating from the published versions."""
 
-  def __init__(self, config, model, run: resumable.Run, layout: _Layout,
-               reference, restored: tuple[int, dict, dict],
+  def __init__(self, config, model, codec: tasks.Codec, run: resumable.Run,
+               layout: _Layout, reference, restored: tuple[int, dict, dict],
                job: '_Job | None' = None):
     self.config, self.model, self.run, self.layout = config, model, run, layout
+    self.codec = codec
     self.reference = reference
     self.version, self.state, meta = restored
     s = self.bound = config.runtime.max_staleness
@@ -745,7 +745,7 @@ class _Learner:
   def generate(self, k: int, v: int, params_v) -> Item:
     return generate_batch(self.config, self.model, self.base_key, k, v,
                           params_v, self.scheduler.plan(k, v).difficulty,
-                          self.layout.rollout_rows)
+                          self.layout.rollout_rows, self.codec)
 
   def wall(self) -> float:
     return self.wall_offset + time.perf_counter() - self.started
@@ -755,7 +755,7 @@ class _Learner:
     scores = {f'eval/pass_at_1_d{d}': rollout_lib.pass_at_1(
         self.model, self.state['params'], problems,
         sharding=self.layout.learner_rows
-        if len(problems) % devices == 0 else None)
+        if len(problems) % devices == 0 else None, codec=self.codec)
               for d, problems in self.heldout.items()}
     scores['eval/pass_at_1'] = float(np.mean(list(scores.values())))
     self.curve.append({'version': v, 'wall': self.wall(), **scores})
@@ -879,7 +879,8 @@ def _rollout(config, job: _Job) -> dict[str, Any]:
   """
   roles, ch = job.roles, job.channel
   with process_group.alone():  # Read with this process's devices only.
-    sft_config, model, sft_params = sft.load_policy(config.sft_workdir)
+    sft_config, model, sft_params, codec = sft.load_policy(
+        config.sft_workdir)
   check_policy(config, sft_config, model.max_len)
   treedef = jax.tree.structure(sft_params)
   del sft_params
@@ -915,7 +916,7 @@ def _rollout(config, job: _Job) -> dict[str, Any]:
 
   def generate(k: int, v: int, params) -> Item:
     return generate_batch(config, model, base_key, k, v, params,
-                          plans[k][0], rows)
+                          plans[k][0], rows, codec)
 
   def send(k: int, item: Item) -> None:
     out = item.rollout
@@ -967,7 +968,7 @@ def _follow(config, job: _Job) -> dict[str, Any]:
   """
   roles, ch = job.roles, job.channel
   with process_group.alone():  # Read with this process's devices only.
-    sft_config, model, sft_params = sft.load_policy(config.sft_workdir)
+    sft_config, model, sft_params, _ = sft.load_policy(config.sft_workdir)
   check_policy(config, sft_config, model.max_len)
   tx = optimizer(config)
   group = _group(config, model, tx, sft_params, roles)

@@ -1,6 +1,8 @@
 """The supervised warm start of the RL policy (`config.task = 'rl_sft'`).
 
-The decoder LM (`train.lm.decoder`) learns to complete task prompts with
+An LM (`train.lm.models`: the in-project decoder from scratch in bytes, or
+a pretrained Gemma 3 fine-tuned in its own tokens, its file pinned by
+SHA-256) learns to complete task prompts with
 their answers on the shared loop (`train.loop`: mesh, optax chain,
 checkpoints, resume, metrics). Each example is one problem, BOS +
 prompt + answer + newline, right-padded; the loss is the cross-entropy
@@ -12,14 +14,15 @@ uniformly (`config.data.difficulties`, per family).
 At the end, pass@1 by greedy decoding on each difficulty's held-out set
 (`train.rl.tasks.evaluation_set`) is written to `<workdir>/pass_at_1.json`
 and added to the final metrics as `pass_at_1_<family>_d<k>`. The RL run
-starts from this checkpoint (`load_policy`).
+starts from this checkpoint (`load_policy`: the model, its parameters and
+the codec of its tokens, `train.rl.tasks.Codec`).
 """
 
 from collections.abc import Sequence
 import dataclasses
 import functools
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 from absl import logging
 import jax.numpy as jnp
@@ -30,8 +33,10 @@ import optax
 from train import experiment as experiment_lib
 from train import fileio
 from train import loop
+from train import resume_check
 from train.errors import ConfigError
-from train.lm import decoder as decoder_lm
+from train.lm import models
+from train.lm import tokenizer as lm_tokenizer
 from train.lm import trainer as lm_trainer
 from train.rl import rollout
 from train.rl import tasks
@@ -42,7 +47,8 @@ TASK = 'rl_sft'
 
 @dataclasses.dataclass(frozen=True)
 class Examples:
-  """(N, L + 1) uint8 tokens and (N, L) uint8 answer masks (an `input_pipeline.Split`)."""
+  """(N, L + 1) tokens (uint8 bytes, or the vocabulary's dtype) and (N, L)
+  uint8 answer masks (an `input_pipeline.Split`)."""
   tokens: np.ndarray
   loss_mask: np.ndarray
 
@@ -85,12 +91,18 @@ def check_config(config: ml_collections.ConfigDict) -> None:
                       f'must hold {sequence_length(data) + 1} tokens')
 
 
-def encode(problems: list[tasks.Problem], length: int) -> Examples:
-  tokens = np.full((len(problems), length + 1), tasks.PAD, np.uint8)
+def token_dtype(config: ml_collections.ConfigDict) -> type:
+  return lm_tokenizer.token_dtype(models.vocab_size(config))
+
+
+def encode(problems: list[tasks.Problem], length: int,
+           codec: tasks.Codec = tasks.BYTES, dtype: type = np.uint8
+           ) -> Examples:
+  tokens = np.full((len(problems), length + 1), codec.pad, dtype)
   mask = np.zeros((len(problems), length), np.uint8)
   for i, p in enumerate(problems):
-    prompt = [tasks.BOS] + list(p.prompt.encode())
-    full = prompt + list(p.target.encode())
+    prompt = [codec.bos] + codec.encode(p.prompt)
+    full = prompt + codec.encode(p.target)
     tokens[i, :len(full)] = full
     # Target t of position j is tokens[j + 1]: the answer's targets.
     mask[i, len(prompt) - 1:len(full) - 1] = 1
@@ -133,43 +145,64 @@ def build(config: ml_collections.ConfigDict, workdir: str, *,
           check_data: bool = True) -> experiment_lib.Experiment:
   """Validates `config` and builds the parts; nothing placed or compiled.
   `devices`: the mesh's (default: this job's); the data is built from the
-  config, so `check_data` has nothing to check."""
-  del check_data
+  config, and `check_data=False` skips only the check that a pretrained
+  model's file is here (compiling needs shapes only)."""
   check_config(config)
   model = lm_trainer.create_model(config)
+  lm_tokenizer.check_config(config)
+  if check_data:
+    models.check_inputs(config)
   length = sequence_length(config.data)
   return experiment_lib.assemble(
       config, workdir, model=model,
       init_variables=functools.partial(lm_trainer.init_variables, model),
       per_example=sft_loss,
-      columns={'tokens': ((length + 1,), np.uint8),
+      columns={'tokens': ((length + 1,), token_dtype(config)),
                'loss_mask': ((length,), np.uint8)},
       devices=devices)
 
 
-def load_data(config: ml_collections.ConfigDict) -> loop.Data:
+def load_data(config: ml_collections.ConfigDict, workdir: str) -> loop.Data:
+  tokenizer = lm_tokenizer.for_run(config, workdir)
+  codec = _codec(tokenizer, config)
   length = sequence_length(config.data)
-  train = encode(_mixture(config.data, config.data.train_examples,
-                          config.seed), length)
+  enc = functools.partial(encode, length=length, codec=codec,
+                          dtype=token_dtype(config))
+  train = enc(_mixture(config.data, config.data.train_examples, config.seed))
   heldout = heldout_problems(config.data)
-  validation = encode([p for ps in heldout.values() for p in ps], length)
-  logging.info('SFT data: %d training problems, %d held out', len(train),
-               len(validation))
+  validation = enc([p for ps in heldout.values() for p in ps])
+  logging.info('SFT data: %d training problems, %d held out (%s tokens)',
+               len(train), len(validation), tokenizer.kind)
 
   def final():
     splits = {'val': validation}
-    splits.update({f'val_{name}': encode(ps, length)
-                   for name, ps in heldout.items()})
+    splits.update({f'val_{name}': enc(ps) for name, ps in heldout.items()})
     splits['test'] = validation
     return splits
 
-  return loop.Data(train=train, validation=validation, final=final)
+  return loop.Data(train=train, validation=validation, final=final,
+                   fingerprints=_token_fingerprints(tokenizer))
 
 
-def evaluate_pass_at_1(config: ml_collections.ConfigDict,
-                       model: decoder_lm.DecoderLM, params) -> dict[str, float]:
+def _token_fingerprints(tokenizer) -> dict[str, str]:
+  # Byte runs recorded none before pretrained models: their checkpoints
+  # stay valid.
+  if isinstance(tokenizer, lm_tokenizer.ByteTokenizer):
+    return {}
+  return {lm_tokenizer.FILENAME: tokenizer.fingerprint}
+
+
+def _codec(tokenizer, config) -> tasks.Codec:
+  try:
+    return tasks.codec(tokenizer)
+  except ValueError as e:
+    raise ConfigError('model', models.kind(config), str(e)) from None
+
+
+def evaluate_pass_at_1(config: ml_collections.ConfigDict, model, params,
+                       codec: tasks.Codec = tasks.BYTES) -> dict[str, float]:
   """Greedy pass@1 on each held-out set: {'<family>_d<k>': share}."""
-  return {name: rollout.pass_at_1(model, params, problems)
+  return {name: rollout.pass_at_1(model, params, problems, codec=codec)
           for name, problems in heldout_problems(config.data).items()}
 
 
@@ -180,14 +213,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   Returns the loop's final metrics plus `pass_at_1_<family>_d<k>`.
   """
   exp = build(config, workdir)
-  final = dict(loop.train_and_evaluate(exp, functools.partial(load_data,
-                                                              config)))
+  pretrained = functools.cache(lambda: models.pretrained(config))
+  final = dict(loop.train_and_evaluate(
+      exp, functools.partial(load_data, config, exp.workdir),
+      None if models.kind(config) == 'decoder'
+      else lambda: {'params': pretrained().params},
+      inputs=models.fingerprints(config)))
   path = fileio.join(exp.workdir, PASS_AT_1)
   if fileio.exists(path):
     scores = json.loads(fileio.read_text(path))
   else:
-    _, model, params = load_policy(exp.workdir)
-    scores = evaluate_pass_at_1(config, model, params)
+    policy = load_policy(exp.workdir)
+    scores = evaluate_pass_at_1(config, policy.model, policy.params,
+                                policy.codec)
     fileio.write_text_atomic(path, json.dumps(scores, indent=1,
                                               sort_keys=True) + '\n')
   for name, value in scores.items():
@@ -208,18 +246,31 @@ def check_has_checkpoints(sft_workdir: str) -> None:
                                      hint=_hint(sft_workdir))
 
 
-def load_policy(sft_workdir: str) -> tuple[ml_collections.ConfigDict,
-                                           decoder_lm.DecoderLM, dict]:
-  """The config, model and parameters of the newest good checkpoint of an
-  SFT run.
+class Policy(NamedTuple):
+  """An SFT run's policy: its config, model, parameters and token codec."""
+  config: ml_collections.ConfigDict
+  model: Any
+  params: Any
+  codec: tasks.Codec
+
+
+def load_policy(sft_workdir: str) -> Policy:
+  """The policy of the newest good checkpoint of an SFT run; its tokens'
+  codec from the tokenizer the checkpoint recorded (bytes, or a
+  pretrained model's kept in the workdir).
 
   Raises:
-    UsageError: `sft_workdir` holds no checkpoint, or not an SFT run's.
+    UsageError: `sft_workdir` holds no checkpoint, or not an SFT run's,
+      or its tokenizer file is missing or not the checkpoint's.
     NoGoodCheckpoint: it holds checkpoints and none loads and verifies.
   """
   run = experiment_lib.load_trained(
       sft_workdir, build, field='config.sft_workdir', task=TASK,
       what=f'an {TASK!r} run', hint=_hint(sft_workdir))
-  logging.info('Loaded the SFT policy at step %d from %s', run.step,
-               sft_workdir)
-  return run.config, run.exp.model, run.state.params
+  recorded = (run.meta.get(resume_check.FINGERPRINTS) or {}).get(
+      lm_tokenizer.FILENAME)
+  tokenizer = lm_tokenizer.for_trained(run.config, sft_workdir, recorded)
+  logging.info('Loaded the SFT policy at step %d from %s (%s tokens)',
+               run.step, sft_workdir, tokenizer.kind)
+  return Policy(run.config, run.exp.model, run.state.params,
+                _codec(tokenizer, run.config))

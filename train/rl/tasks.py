@@ -16,6 +16,15 @@ including an answer with leading zeros, a sign, anything besides digits,
 or no newline (the generation budget, `max_answer_tokens`, always leaves
 room for it).
 
+Text becomes tokens through a `Codec`: the in-project policies' bytes
+(`BYTES`: BOS 1, PAD 0, each character its byte), or a pretrained
+model's tokenizer (`codec`: Gemma's, which splits digits one per token).
+A codec maps each character of the tasks' alphabet (digits, '+', '*',
+'=', newline) to one token of its own, so prompt and answer lengths are
+the same in tokens for every codec (`max_prompt_tokens`,
+`max_answer_tokens`), and a completion ends at the first token whose text
+holds a newline (for Gemma also '\n\n' and its other newline pieces).
+
 Generation is a pure function of (family, difficulty, seed, index), so a
 resumed run draws the same problems. Held-out sets: a problem is `'eval'`
 when a hash of its expression falls in the lowest tenth, and training
@@ -28,9 +37,11 @@ and `heldout` says so.
 
 import ast
 import dataclasses
+import functools
 import hashlib
 import operator
-from typing import Sequence
+import re
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -65,6 +76,101 @@ class Problem:
   def target(self) -> str:
     """The completion that earns reward 1: the answer and the newline."""
     return self.answer + '\n'
+
+
+# Every character a prompt or a correct answer holds.
+ALPHABET = '0123456789+*=\n'
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Codec:
+  """Task text <-> a policy's token ids (see the module docstring).
+
+  Attributes:
+    name: 'bytes', or the tokenizer's fingerprint.
+    bos, pad: the ids that start a prompt and fill its left padding.
+    ids: the id of each character of `ALPHABET`.
+    ends: (vocab,) bool, the ids whose text holds a newline (a completion
+      ends at the first).
+    text: id -> its text, for ids outside `ids` (a policy may generate any
+      token).
+  """
+  name: str
+  bos: int
+  pad: int
+  ids: dict[str, int]
+  ends: np.ndarray
+  text: Any
+
+  def encode(self, text: str) -> list[int]:
+    return [self.ids[c] for c in text]
+
+  def decode(self, tokens: Sequence[int]) -> str:
+    """The text of `tokens` up to and including the first newline token."""
+    chars = {v: k for k, v in self.ids.items()}
+    out = []
+    for t in tokens:
+      t = int(t)
+      out.append(chars[t] if t in chars else self.text(t))
+      if 0 <= t < len(self.ends) and self.ends[t]:
+        break
+    return ''.join(out)
+
+
+def _byte_text(t: int) -> str:
+  return chr(t) if 0 <= t < 128 else '\ufffd'
+
+
+BYTES = Codec('bytes', BOS, PAD, {c: ord(c) for c in ALPHABET},
+              np.arange(256) == EOS, _byte_text)
+
+
+def codec(tokenizer) -> Codec:
+  """The codec of a pretrained tokenizer (`encode`, `decode`, `bos_id`,
+  `pad_id`, `vocab_size`); bytes for the in-project byte tokenizer.
+
+  Raises:
+    ValueError: a character of `ALPHABET` is not one token of its own, or
+      a problem's text does not tokenize character by character.
+  """
+  if getattr(tokenizer, 'kind', None) == 'byte':
+    return BYTES
+  if tokenizer.fingerprint not in _CODECS:
+    _CODECS[tokenizer.fingerprint] = _codec(tokenizer)
+  return _CODECS[tokenizer.fingerprint]
+
+
+# A stretch of a prompt (digits, an operator between digits, '=' last) or
+# of an answer (digits, then the newline).
+_TASK_WINDOW = re.compile(r'\d*(?:[+*]\d+)?=?|\d*[+*]|\d*\n?')
+# fingerprint -> codec: a vocabulary's newline ids are found once.
+_CODECS: dict[str, Codec] = {}
+
+
+def _codec(tokenizer) -> Codec:
+  ids = {}
+  for c in ALPHABET:
+    encoded = [int(t) for t in tokenizer.encode(c)]
+    if len(encoded) != 1 or tokenizer.decode(encoded) != c:
+      raise ValueError(f'the tokenizer makes {encoded} of {c!r}: the tasks '
+                       'need each character as one token')
+    ids[c] = encoded[0]
+  # Every window of two and three characters a prompt ('12+34=') or an
+  # answer ('46\n') can hold, and whole problems: a merge of any of them
+  # would change the lengths the tasks promise. (Gemma merges '++' and
+  # '\n\n', which no task text holds.)
+  windows = [a + b for a in ALPHABET for b in ALPHABET]
+  windows += [a + b + c for a in ALPHABET for b in ALPHABET for c in ALPHABET]
+  texts = [w for w in windows if _TASK_WINDOW.fullmatch(w)]
+  for text in texts + ['4821+377=', '5198\n', '9*7=', '63\n']:
+    if [int(t) for t in tokenizer.encode(text)] != [ids[c] for c in text]:
+      raise ValueError(f'the tokenizer does not split {text!r} character '
+                       'by character')
+  text = functools.lru_cache(maxsize=None)(
+      lambda t: tokenizer.decode([t]))
+  ends = np.array(['\n' in text(t) for t in range(tokenizer.vocab_size)])
+  return Codec(tokenizer.fingerprint, int(tokenizer.bos_id),
+               int(getattr(tokenizer, 'pad_id', PAD)), ids, ends, text)
 
 
 def check(family: str, difficulty: int, field: str = 'task') -> None:
@@ -189,15 +295,15 @@ def max_answer_tokens(family: str, difficulty: int) -> int:
   return len(str(largest)) + 1
 
 
-def encode_prompts(problems: Sequence[Problem], length: int | None = None
-                   ) -> tuple[np.ndarray, np.ndarray]:
-  """Left-padded BOS + prompt bytes: (tokens (n, length) int32, valid bool)."""
-  encoded = [[BOS] + list(p.prompt.encode()) for p in problems]
+def encode_prompts(problems: Sequence[Problem], length: int | None = None,
+                   codec: Codec = BYTES) -> tuple[np.ndarray, np.ndarray]:
+  """Left-padded BOS + prompt tokens: (tokens (n, length) int32, valid bool)."""
+  encoded = [[codec.bos] + codec.encode(p.prompt) for p in problems]
   length = length or max(len(e) for e in encoded)
   if any(len(e) > length for e in encoded):
     raise ValueError(f'length={length}: a prompt has '
                      f'{max(len(e) for e in encoded)} tokens')
-  tokens = np.full((len(problems), length), PAD, np.int32)
+  tokens = np.full((len(problems), length), codec.pad, np.int32)
   valid = np.zeros((len(problems), length), bool)
   for i, e in enumerate(encoded):
     tokens[i, length - len(e):] = e
@@ -205,18 +311,15 @@ def encode_prompts(problems: Sequence[Problem], length: int | None = None
   return tokens, valid
 
 
-def decode_completion(tokens: Sequence[int]) -> str:
+def decode_completion(tokens: Sequence[int], codec: Codec = BYTES) -> str:
   """The text of generated tokens up to and including the first newline."""
-  out = []
-  for t in tokens:
-    out.append(chr(int(t)) if 0 <= int(t) < 128 else '\ufffd')
-    if int(t) == EOS:
-      break
-  return ''.join(out)
+  return codec.decode(tokens)
 
 
-def completion_mask(tokens: np.ndarray) -> np.ndarray:
-  """(batch, steps) bool: generated tokens up to and including the first EOS."""
-  is_eos = tokens == EOS
-  before = np.cumsum(is_eos, axis=1) - is_eos  # EOSes strictly before.
+def completion_mask(tokens: np.ndarray, codec: Codec = BYTES) -> np.ndarray:
+  """(batch, steps) bool: generated tokens up to and including the first
+  that ends a completion."""
+  is_end = codec.ends[np.clip(tokens, 0, len(codec.ends) - 1)] & (
+      (tokens >= 0) & (tokens < len(codec.ends)))
+  before = np.cumsum(is_end, axis=1) - is_end  # Ends strictly before.
   return before == 0

@@ -54,6 +54,7 @@ from train import stats
 from train import workdir_lock
 from train.errors import ConfigError
 from train.lm import corpus as text_corpus
+from train.lm import data as lm_data
 from train.lm import decoder as decoder_lm
 from train.lm import gemma
 from train.lm import gemma_gguf
@@ -223,29 +224,7 @@ class MCScorer:
             'correct_mean': correct_mean.astype(int).tolist()}
 
 
-# --- Held-out text.
-def heldout_windows(tokenizer, count: int, length: int) -> np.ndarray:
-  """(count, length + 1) token windows, half from Python's documentation
-  (test split; real English) and half from template reviews (test split;
-  the steered attribute's own domain): BOS, then `length` consecutive
-  tokens of the source's documents joined by blank lines."""
-  reviews, _ = text_corpus.attribute_documents(4 * count, 11, 'test')
-  sources = {'pydoc': text_corpus.english_documents('pydoc', 'test'),
-             'reviews': reviews}
-  windows = []
-  for k, (name, docs) in enumerate(sources.items()):
-    want = count // 2 + (count % 2 if k == 0 else 0)
-    stream = tokenizer.encode('\n\n'.join(docs))
-    if len(stream) < want * length:
-      raise ConfigError('heldout_windows', count, f'the {name} test text '
-                        f'holds {len(stream)} tokens, fewer than {want} '
-                        f'windows of {length}')
-    bos = lm_tokenizer.bos_id(tokenizer)
-    windows += [np.concatenate([[bos], stream[i * length:(i + 1) * length]])
-                for i in range(want)]
-  return np.stack(windows).astype(np.int32)
-
-
+# --- Held-out text: `train.lm.data.heldout_windows`.
 @functools.partial(jax.jit, static_argnames=('model', 'layer_path', 'watch'))
 def _window_logprobs(model, params, tokens, steering, layer_path, watch):
   valid = jnp.ones(tokens.shape, bool)
@@ -376,9 +355,7 @@ def _load(config) -> tuple[gemma.Gemma3, Any, Any, str, str]:
                       '(or compile it: python -m launch.compile)')
   path = config.gguf or gemma_gguf.registry_file()
   loaded = gemma_gguf.load(path, config.dtype)
-  dims = lambda sh: (sh.vocab_size, sh.d_model, sh.num_layers, sh.num_heads,
-                     sh.num_kv_heads, sh.head_dim, sh.mlp_dim)
-  if dims(loaded.shape) != dims(gemma.SHAPES[config.shape]):
+  if not gemma.same_dims(loaded.shape, gemma.SHAPES[config.shape]):
     raise ConfigError('shape', config.shape, f'{path} holds another shape')
   model = gemma.Gemma3(loaded.shape, max_len=1024, dtype=config.dtype)
   return model, loaded.params, loaded.tokenizer, loaded.sha256, path
@@ -420,7 +397,7 @@ def _evaluate(config, workdir: str) -> list[dict[str, Any]]:
   scorers = {t: MCScorer(model, params, encode_cached_mc(its, tokenizer),
                          layer_path) for t, its in items.items()}
   heldout = HeldoutScorer(model, params,
-                          heldout_windows(tokenizer, config.heldout_windows,
+                          lm_data.heldout_windows(tokenizer, config.heldout_windows,
                                           config.window_len),
                           layer_path, paths[-1], direction)
   prompt = prompts(tokenizer, config.generation.prompts)

@@ -1,0 +1,56 @@
+r"""SAM against AdamW fine-tuning of Gemma 3 270M: what each forgets.
+
+  python -m launch.gemma_forgetting --config=configs/gemma.py:sft,frozen \
+      --workdir=workdirs/gemma_forgetting
+
+Fine-tunes the registry's Gemma 3 270M on arithmetic answers with the
+config's AdamW, and with SAM around it, for `--seeds` seeds each, and
+measures what each forgets: the increase of its cross-entropy on held-out
+text that fine-tuning never shows (`train.rl.gemma_forgetting`), next to
+what it learnt (answer cross-entropy, pass@1). Writes forgetting.md and
+forgetting.json into --workdir; every run is a resumable trainer run
+below it and a rerun reuses what is measured. Any config field can be
+overridden (`--config.num_steps=150 --config.optimizer.sam.rho=0.1`). A
+mistake ends the study before the model is loaded, in one line (exit
+status 2); a workdir held by another study, exit 75.
+"""
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from launch import entry
+
+_CONFIG = config_flags.DEFINE_config_file(
+    'config', None, 'configs/gemma.py:sft[,frozen] (get_config(arg)).',
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Root directory of the study.')
+_SEEDS = flags.DEFINE_integer('seeds', 3, 'Seeds per variant.')
+_VARIANTS = flags.DEFINE_list('variants', ['adamw', 'sam'], 'Variants.')
+_WINDOWS = flags.DEFINE_integer('windows', 32, 'Held-out text windows.')
+_WINDOW_LEN = flags.DEFINE_integer('window_len', 128,
+                                   'Tokens per held-out window.')
+flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  entry.quiet_libraries()
+
+  def job():
+    # pylint: disable=g-import-not-at-top
+    from train.rl import gemma_forgetting
+    settings = gemma_forgetting.Settings(
+        seeds=_SEEDS.value, variants=tuple(_VARIANTS.value),
+        windows=_WINDOWS.value, window_len=_WINDOW_LEN.value)
+    settings.check()
+    gemma_forgetting.check_config(config)
+    entry.configure_devices(config)
+    return gemma_forgetting.run(settings, config, _WORKDIR.value)
+
+  print(entry.run_job(job))
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=lambda argv: entry.parse_flags(argv, _CONFIG))

@@ -1,0 +1,107 @@
+"""Small Gemma 3 GGUF files, written with llama.cpp's own writer (`gguf`).
+
+`write(path, tensors(rng))` makes a two-layer Gemma 3 of `SHAPE` whose
+300-piece vocabulary holds the specials, the 256 byte-fallback pieces and a
+few words: every text tokenizes (digits and signs as byte pieces, one token
+each), so the whole pretrained-model path (loader, tokenizer, fine-tuning,
+SFT, GRPO) runs on it in seconds. `gemma_config(path, job)` is a
+configs/gemma.py training config pointed at such a file.
+"""
+
+import gguf
+import numpy as np
+
+from configs import gemma as gemma_config_module
+from train.lm import gemma
+
+SHAPE = gemma.Shape(vocab_size=300, d_model=32, num_layers=2, num_heads=2,
+                    num_kv_heads=1, head_dim=16, mlp_dim=64,
+                    sliding_window=4, local_base=10_000.0,
+                    global_base=1_000_000.0, global_every=2)
+
+
+def vocab():
+  pieces = ['<pad>', '<eos>', '<bos>', '<unk>']
+  types = [3, 3, 3, 2]
+  pieces += [f'<0x{b:02X}>' for b in range(256)]
+  types += [6] * 256
+  words = ['▁', 'a', 'b', 'c', '▁a', 'ab', '▁ab', 'abc', '\n', '▁b']
+  pieces += words + [f'w{i}' for i in range(300 - len(pieces) - len(words))]
+  types += [1] * (300 - len(types))
+  scores = [0.0] * 260 + [-float(i) for i in range(40)]
+  return pieces, scores, types
+
+
+def tensors(rng, shape=SHAPE):
+  d, h, kv, hd, f = (shape.d_model, shape.num_heads, shape.num_kv_heads,
+                     shape.head_dim, shape.mlp_dim)
+  r = lambda *s: rng.standard_normal(s).astype(np.float32)
+  out = {'token_embd.weight': r(shape.vocab_size, d),
+         'output_norm.weight': 1 + 0.1 * r(d)}
+  for i in range(shape.num_layers):
+    b = f'blk.{i}.'
+    out.update({
+        b + 'attn_norm.weight': 1 + 0.1 * r(d), b + 'attn_q.weight': r(h * hd, d),
+        b + 'attn_k.weight': r(kv * hd, d), b + 'attn_v.weight': r(kv * hd, d),
+        b + 'attn_q_norm.weight': 1 + 0.1 * r(hd),
+        b + 'attn_k_norm.weight': 1 + 0.1 * r(hd),
+        b + 'attn_output.weight': r(d, h * hd),
+        b + 'post_attention_norm.weight': 1 + 0.1 * r(d),
+        b + 'ffn_norm.weight': 1 + 0.1 * r(d),
+        b + 'ffn_gate.weight': r(f, d), b + 'ffn_up.weight': r(f, d),
+        b + 'ffn_down.weight': r(d, f),
+        b + 'post_ffw_norm.weight': 1 + 0.1 * r(d)})
+  return out
+
+
+def write(path, tensors, shape=SHAPE, arch='gemma3', quantize=(),
+          skip_meta=()):
+  w = gguf.GGUFWriter(str(path), arch=arch)
+  meta = {
+      'embedding_length': shape.d_model, 'block_count': shape.num_layers,
+      'feed_forward_length': shape.mlp_dim,
+      'attention.head_count': shape.num_heads,
+      'attention.head_count_kv': shape.num_kv_heads,
+      'attention.key_length': shape.head_dim,
+      'attention.value_length': shape.head_dim,
+      'attention.sliding_window': shape.sliding_window}
+  for k, v in meta.items():
+    if k not in skip_meta:
+      w.add_uint32(f'{arch}.{k}', v)
+  w.add_float32(f'{arch}.rope.freq_base', shape.global_base)
+  w.add_float32(f'{arch}.attention.layer_norm_rms_epsilon', 1e-6)
+  pieces, scores, types = vocab()
+  w.add_tokenizer_model('llama')
+  w.add_token_list(pieces)
+  w.add_token_scores(scores)
+  w.add_token_types(types)
+  w.add_bos_token_id(2)
+  w.add_eos_token_id(1)
+  w.add_unk_token_id(3)
+  w.add_pad_token_id(0)
+  w.add_add_space_prefix(False)
+  for name, x in tensors.items():
+    if name in quantize:
+      q = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0)
+      w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    else:
+      w.add_tensor(name, x)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return str(path)
+
+
+def model_file(path, seed: int = 0) -> str:
+  """A small Gemma 3 GGUF at `path` with random weights of `seed`."""
+  return write(path, tensors(np.random.default_rng(seed)))
+
+
+def gemma_config(path: str, job: str = 'sft'):
+  """configs/gemma.py:<job>,runlocal reading the small file at `path`
+  (its own shape)."""
+  config = gemma_config_module.get_config(f'{job},runlocal')
+  config.model.gguf = str(path)
+  config.model.shape = 'gguf'
+  return config

@@ -1,0 +1,272 @@
+"""SAM against AdamW fine-tuning of Gemma 3 270M: what each forgets.
+
+The flat-minima claim (shared/research/sam.md: SAM-trained models forget
+less after post-training) on a pretrained model. Gemma 3 270M is
+fine-tuned on arithmetic answers (an SFT config, `configs/gemma.py:sft`,
+the GRPO warm start; `train.rl.sft`) by `variant`s of the same recipe, one
+resumable trainer run per (variant, seed) below the study's workdir:
+
+  adamw  the config's optimizer (AdamW) with SAM off;
+  sam    SAM (the config's `optimizer.sam`, e.g. rho) around the same
+         AdamW, with the same learning rate and steps.
+
+Measured per run: the forgetting, i.e. the increase of the model's
+cross-entropy (nats per token) on held-out text it never sees in
+fine-tuning (`train.lm.data.heldout_windows`: Python's documentation and
+template reviews, test splits) over the pretrained model's; and what the
+fine-tuning bought: the held-out answer cross-entropy and greedy pass@1
+per difficulty. Seeds pair the variants (the same data order), so the
+study reports per-seed paired differences as well as mean +- std.
+
+Which parts are whose: SAM, the claim and its measure (held-out loss of
+the original distribution after post-training) are the papers'; the task,
+the steps, the learning rate and the frozen tied embedding (a CPU budget:
+it halves a step and the optimizer state) are ours.
+"""
+
+import dataclasses
+import functools
+import json
+import os
+import statistics
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+
+from train import fileio
+from train import stats
+from train import workdir_lock
+from train.errors import UsageError
+from train.lm import data as lm_data
+from train.lm import models
+from train.lm import tokenizer as lm_tokenizer
+from train.rl import sft
+from train.rl import tasks
+
+VARIANTS = ('adamw', 'sam')
+REPORT = 'forgetting.md'
+RECORDS = 'forgetting.json'
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """The study's own settings (flags of `launch.gemma_forgetting`)."""
+  seeds: int = 3
+  variants: tuple[str, ...] = VARIANTS
+  windows: int = 32
+  window_len: int = 128
+
+  def check(self) -> None:
+    """UsageError naming the flag, before anything is loaded or trained."""
+    unknown = [v for v in self.variants if v not in VARIANTS]
+    if unknown or 'adamw' not in self.variants:
+      raise UsageError('--variants', ','.join(self.variants),
+                       'needs adamw (the reference) and only known variants',
+                       VARIANTS)
+    for flag, ok, what in (
+        ('--seeds', 1 <= self.seeds <= 100, 'in [1, 100]'),
+        ('--windows', 2 <= self.windows <= 4096, 'in [2, 4096]'),
+        ('--window_len', 8 <= self.window_len <= 2048, 'in [8, 2048]')):
+      if not ok:
+        raise UsageError(flag, getattr(self, flag[2:]), f'must be {what}')
+
+
+def check_config(base: ml_collections.ConfigDict) -> None:
+  """UsageError naming the field unless `base` fine-tunes a pretrained
+  model on the tasks (and builds: every field checked, nothing read)."""
+  if base.get('task') != sft.TASK or models.kind(base) != 'gemma':
+    raise UsageError('--config', base.get('task'),
+                     "the study fine-tunes a Gemma on the tasks: "
+                     "configs/gemma.py:sft")
+  if base.optimizer.sam.enabled:
+    raise UsageError('--config.optimizer.sam.enabled', True,
+                     'the study turns SAM on for its sam variant alone')
+  for variant in VARIANTS:
+    sft.check_config(run_config(base, variant, 0))
+    models.check_config(run_config(base, variant, 0))
+
+
+def run_config(base: ml_collections.ConfigDict, variant: str, seed: int
+               ) -> ml_collections.ConfigDict:
+  """The trainer config of one (variant, seed)."""
+  config = ml_collections.ConfigDict(base.to_dict())
+  config.seed = seed
+  config.optimizer.sam.enabled = variant == 'sam'
+  return config
+
+
+@functools.cache
+def _window_ce_fn(model):
+  @jax.jit
+  def per_window(params, tokens):
+    logits, _ = model.apply({'params': params}, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, tokens[:, 1:]).mean(-1)
+  return per_window
+
+
+def heldout_ce(model, params, windows: np.ndarray, batch: int = 8) -> float:
+  """Mean next-token cross-entropy (nats) over `windows` (N, len + 1)."""
+  fn = _window_ce_fn(model)
+  total = 0.0
+  for i in range(0, len(windows), batch):
+    chunk = windows[i:i + batch]
+    # One compiled shape: the last chunk is padded, the padding dropped.
+    full = np.concatenate([chunk, np.repeat(chunk[:1], batch - len(chunk),
+                                            0)])
+    total += float(np.asarray(fn(params, full))[:len(chunk)].sum())
+  return total / len(windows)
+
+
+def _write_json(path: str, value: Any) -> None:
+  fileio.write_text_atomic(path, json.dumps(value, indent=1,
+                                            sort_keys=True) + '\n')
+
+
+def _cached(path: str, identity: dict, compute) -> dict:
+  """The record at `path` if it was made with `identity`, else computed
+  and written (atomically); a record of other settings is refused."""
+  if os.path.exists(path):
+    record = json.loads(fileio.read_text(path))
+    if record.get('identity') != identity:
+      raise UsageError('--workdir', os.path.dirname(os.path.dirname(path)),
+                       f'{os.path.basename(path)} was measured with other '
+                       'settings or another model file; use another workdir')
+    return record
+  record = dict(compute(), identity=identity)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  _write_json(path, record)
+  return record
+
+
+def _identity(settings: Settings, config, gguf_sha: str) -> dict:
+  return dict(gguf=gguf_sha, windows=settings.windows,
+              window_len=settings.window_len,
+              config=json.loads(config.to_json()))
+
+
+def measure_pretrained(settings: Settings, base, root: str) -> dict:
+  """The pretrained model's held-out CE and pass@1 (once per study)."""
+  sha = models.fingerprints(base)[models.GGUF_FINGERPRINT]
+  identity = dict(gguf=sha, windows=settings.windows,
+                  window_len=settings.window_len,
+                  data=json.loads(base.data.to_json()))
+
+  def compute():
+    loaded = models.pretrained(base)
+    model = models.create(base)
+    windows = lm_data.heldout_windows(loaded.tokenizer, settings.windows,
+                                      settings.window_len)
+    codec = tasks.codec(loaded.tokenizer)
+    return dict(heldout_ce=heldout_ce(_wide(model, windows), loaded.params,
+                                      windows),
+                pass_at_1=sft.evaluate_pass_at_1(base, model, loaded.params,
+                                                 codec))
+  return _cached(os.path.join(root, 'measures', 'pretrained.json'),
+                 identity, compute)
+
+
+def _wide(model, windows: np.ndarray):
+  """`model` with room for the held-out windows (the SFT model holds 32
+  slots; the parameters do not depend on it)."""
+  return model.clone(max_len=max(model.max_len, windows.shape[1]))
+
+
+def measure_run(settings: Settings, base, root: str, variant: str,
+                seed: int) -> dict:
+  """Trains (or resumes, or reuses) one run and measures it."""
+  config = run_config(base, variant, seed)
+  run_dir = os.path.join(root, 'runs', f'{variant}_seed{seed}')
+  sha = models.fingerprints(config)[models.GGUF_FINGERPRINT]
+
+  def compute():
+    final = sft.train_and_evaluate(config, run_dir)
+    policy = sft.load_policy(run_dir)
+    windows = lm_data.heldout_windows(
+        lm_tokenizer.for_trained(policy.config, run_dir, policy.codec.name),
+        settings.windows, settings.window_len)
+    with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
+      logged = [r for r in map(json.loads, f) if 'train_loss' in r]
+    return dict(
+        variant=variant, seed=seed,
+        heldout_ce=heldout_ce(_wide(policy.model, windows), policy.params,
+                              windows),
+        answer_ce=final['val_loss'], answer_exact=final['val_accuracy'],
+        pass_at_1={k[len('pass_at_1_'):]: v for k, v in final.items()
+                   if k.startswith('pass_at_1_')},
+        final_train_loss=logged[-1]['train_loss'],
+        hallucination_steps=logged[-1].get('opt/hallucination_steps', 0))
+  return _cached(os.path.join(root, 'measures', f'{variant}_seed{seed}.json'),
+                 _identity(settings, config, sha), compute)
+
+
+def summarize(pretrained: dict, records: list[dict]) -> str:
+  """The report: per variant mean +- std over seeds, then per-seed paired
+  differences against AdamW."""
+  by = {}
+  for r in records:
+    by.setdefault(r['variant'], {})[r['seed']] = r
+  difficulties = sorted(pretrained['pass_at_1'])
+  head = (['variant', 'held-out text CE', 'forgetting (CE increase)',
+           'answer CE'] + [f'pass@1 {d}' for d in difficulties])
+  rows = [['pretrained', f'{pretrained["heldout_ce"]:.4f}', '-', '-'] + [
+      f'{100 * pretrained["pass_at_1"][d]:.1f}' for d in difficulties]]
+  for variant in [v for v in VARIANTS if v in by]:
+    runs = [by[variant][s] for s in sorted(by[variant])]
+    rows.append([
+        f'{variant} ({len(runs)} seeds)',
+        stats.mean_std([r['heldout_ce'] for r in runs], digits=4),
+        stats.mean_std([r['heldout_ce'] - pretrained['heldout_ce']
+                        for r in runs], digits=4),
+        stats.mean_std([r['answer_ce'] for r in runs], digits=4)] + [
+            stats.mean_std([r['pass_at_1'][d] for r in runs], 100)
+            for d in difficulties])
+  lines = [stats.markdown_table(head, rows), '']
+  if 'sam' in by and 'adamw' in by:
+    seeds = sorted(set(by['sam']) & set(by['adamw']))
+    pair_head = ['seed', 'forgetting adamw', 'forgetting sam',
+                 'sam - adamw', 'reduction', 'answer CE sam - adamw']
+    pair_rows, reductions = [], []
+    for s in seeds:
+      fa = by['adamw'][s]['heldout_ce'] - pretrained['heldout_ce']
+      fs = by['sam'][s]['heldout_ce'] - pretrained['heldout_ce']
+      red = 1 - fs / fa if fa > 0 else None
+      if red is not None:
+        reductions.append(red)
+      pair_rows.append([s, f'{fa:.4f}', f'{fs:.4f}', f'{fs - fa:+.4f}',
+                        '-' if red is None else f'{100 * red:.0f}%',
+                        f'{by["sam"][s]["answer_ce"] - by["adamw"][s]["answer_ce"]:+.4f}'])
+    lines += ['Paired by seed (same data order):', '',
+              stats.markdown_table(pair_head, pair_rows), '',
+              f'Reduction of forgetting by SAM: '
+              f'{stats.mean_std(reductions, 100, 0)}% over the '
+              f'{len(reductions)} of {len(seeds)} seeds where AdamW forgot '
+              '(1 - F_sam / F_adamw per seed).']
+  return '\n'.join(lines) + '\n'
+
+
+def run(settings: Settings, base: ml_collections.ConfigDict,
+        workdir: str) -> str:
+  """The whole study into `workdir` (reusing what is measured); returns
+  the report's text.
+
+  Raises:
+    UsageError: a setting is invalid (before anything is loaded).
+    WorkdirBusy: another study holds `workdir`.
+  """
+  settings.check()
+  check_config(base)
+  root = os.path.abspath(workdir)
+  os.makedirs(root, exist_ok=True)
+  with workdir_lock.hold(root):
+    pretrained = measure_pretrained(settings, base, root)
+    records = [measure_run(settings, base, root, v, s)
+               for v in settings.variants for s in range(settings.seeds)]
+    text = summarize(pretrained, records)
+    fileio.write_text_atomic(os.path.join(root, REPORT), text)
+    _write_json(os.path.join(root, RECORDS),
+                dict(pretrained=pretrained, runs=records))
+  return text
