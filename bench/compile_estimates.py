@@ -36,6 +36,9 @@ _WRITE = flags.DEFINE_bool('write', False, 'Write the tables to BENCHMARKS.md.')
 _ONLY = flags.DEFINE_string('only', None, 'Run only rows whose name starts so.')
 _WORKDIR = flags.DEFINE_string('workdir', '/tmp/geom_compile_estimates',
                                'Where each row writes its compile.json.')
+_TABLE = flags.DEFINE_enum(
+    'table', 'pods', ['pods', 'gemma'], 'Which table: the pod-scale jobs, '
+    'or Gemma 3 fine-tuning (270M to 4B) on a few chips.')
 _REUSE = flags.DEFINE_bool(
     'reuse', False, 'Take a row\'s compile.json from --workdir when it is '
     'there (from an earlier run of the same command) instead of compiling.')
@@ -67,6 +70,28 @@ ROWS = [
      {'rollout_devices': 4}),
     ('Steering 1b', 'configs/steering.py', 'configs/lm.py:size=1b', POD, {}),
     ('Steering 1b', 'configs/steering.py', 'configs/lm.py:size=1b', NODE, {}),
+]
+
+
+# Gemma 3 fine-tuning (configs/gemma.py:finetune; 1b and 4b in bfloat16
+# compute with float32 parameters and remat), on the fewest chips that
+# hold it: its own table (`--table=gemma`).
+GEMMA_ROWS = [
+    ('Gemma 3 270m fine-tune', 'configs/gemma.py:finetune', None, 'v5e:1x1',
+     {}),
+    ('Gemma 3 270m fine-tune', 'configs/gemma.py:finetune', None,
+     'h100:1x1x1', {}),
+    ('Gemma 3 1b fine-tune', 'configs/gemma.py:finetune,shape=1b', None,
+     'v5e:2x2', {}),
+    ('Gemma 3 1b fine-tune', 'configs/gemma.py:finetune,shape=1b', None,
+     'h100:1x1x1', {}),
+    *[(f'Gemma 3 4b fine-tune{" + SAM" if sam else ""}',
+       'configs/gemma.py:finetune,shape=4b', None, target,
+       {'optimizer.sam.enabled': sam})
+      for target in ('v5e:4x4', 'h100:1x1x8') for sam in (False, True)],
+    ('Gemma 3 4b fine-tune, frozen embedding',
+     'configs/gemma.py:finetune,shape=4b', None, 'h100:1x1x1',
+     {'optimizer.frozen': '^embedding$'}),
 ]
 
 
@@ -192,13 +217,19 @@ def sam_ratios(results) -> list[str]:
 
 def main(argv):
   del argv
-  rows = [r for r in ROWS if not _ONLY.value or r[0].startswith(_ONLY.value)]
+  table_rows = GEMMA_ROWS if _TABLE.value == 'gemma' else ROWS
+  rows = [r for r in table_rows
+          if not _ONLY.value or r[0].startswith(_ONLY.value)]
   results = []
   for row in rows:
     result, error, seconds = run_row(row, row_workdir(row))
     print(f'{row[0]} on {row[3]}: {seconds:.0f} s'
           + (f' ({error})' if error else ''), flush=True)
     results.append((row, result, error))
+  if _TABLE.value == 'gemma':
+    report.publish('compile_estimates_gemma', gemma_lines(rows, results),
+                   _WRITE.value)
+    return
   lines = [
       '## Estimated from the compiler (not measured): pod-scale jobs',
       '',
@@ -226,6 +257,29 @@ def main(argv):
       *[f'- {row[0]} on {row[3]}: `{command(row)}`' for row in rows],
   ]
   report.publish('compile_estimates', lines, _WRITE.value)
+
+
+def gemma_lines(rows, results) -> list[str]:
+  return [
+      '## Estimated from the compiler (not measured): Gemma 3 fine-tuning',
+      '',
+      'The train, eval and finiteness-check programs of `launch.train '
+      '--config=configs/gemma.py:finetune` (8 windows of 64 tokens for '
+      '270M, 64 for 1B and 4B; AdamW, float32 parameters and moments; 1B '
+      'and 4B compute in bfloat16 with every block rematerialised), FSDP '
+      'over the chips (`decoder_blocks.SIZE_RULES`), as the TPU compiler '
+      '(libtpu 0.0.42) and the GPU compiler (jax-cuda12-plugin 0.10.2, no '
+      'autotuning) plan them on the fewest chips that hold each. Shapes '
+      'only: 1B and 4B weights ship in no registry package. Roofline as '
+      'in the pod-scale table; nothing here ran on a TPU or GPU. '
+      'Reproduce: `python -m bench.compile_estimates --table=gemma '
+      '--write`.',
+      '', *table(results), '',
+      'SAM against the base step (train step only):', '',
+      *sam_ratios(results), '',
+      'Commands:', '',
+      *[f'- {row[0]} on {row[3]}: `{command(row)}`' for row in rows],
+  ]
 
 
 if __name__ == '__main__':

@@ -4,13 +4,14 @@ r"""SAM against AdamW fine-tuning of Gemma 3 270M: what each forgets.
       --workdir=workdirs/gemma_forgetting
 
 Fine-tunes the registry's Gemma 3 270M on arithmetic answers with the
-config's AdamW, and with SAM around it, for `--seeds` seeds each, and
+config's AdamW, and with SAM around it at each radius of `--rhos`, for
+`--seeds` seeds each, and
 measures what each forgets: the increase of its cross-entropy on held-out
 text that fine-tuning never shows (`train.rl.gemma_forgetting`), next to
 what it learnt (answer cross-entropy, pass@1). Writes forgetting.md and
 forgetting.json into --workdir; every run is a resumable trainer run
 below it and a rerun reuses what is measured. Any config field can be
-overridden (`--config.num_steps=150 --config.optimizer.sam.rho=0.1`). A
+overridden (`--config.num_steps=150 --config.optimizer.learning_rate=1e-5`). A
 mistake ends the study before the model is loaded, in one line (exit
 status 2); a workdir held by another study, exit 75.
 """
@@ -26,7 +27,8 @@ _CONFIG = config_flags.DEFINE_config_file(
     lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Root directory of the study.')
 _SEEDS = flags.DEFINE_integer('seeds', 3, 'Seeds per variant.')
-_VARIANTS = flags.DEFINE_list('variants', ['adamw', 'sam'], 'Variants.')
+_RHOS = flags.DEFINE_list('rhos', ['0.05'], 'SAM radii: a SAM variant each, '
+                          'against AdamW.')
 _WINDOWS = flags.DEFINE_integer('windows', 32, 'Held-out text windows.')
 _WINDOW_LEN = flags.DEFINE_integer('window_len', 128,
                                    'Tokens per held-out window.')
@@ -41,8 +43,14 @@ def main(argv):
   def job():
     # pylint: disable=g-import-not-at-top
     from train.rl import gemma_forgetting
+    from train.errors import UsageError
+    try:
+      rhos = tuple(float(r) for r in _RHOS.value)
+    except ValueError:
+      raise UsageError('--rhos', ','.join(_RHOS.value),
+                       'not a list of numbers') from None
     settings = gemma_forgetting.Settings(
-        seeds=_SEEDS.value, variants=tuple(_VARIANTS.value),
+        seeds=_SEEDS.value, rhos=rhos,
         windows=_WINDOWS.value, window_len=_WINDOW_LEN.value)
     settings.check()
     gemma_forgetting.check_config(config)

@@ -148,28 +148,27 @@ class Pretrained(NamedTuple):
   fingerprints: dict[str, str]
 
 
-def gguf_path(config: ml_collections.ConfigDict) -> str:
-  """The Gemma file a config names (the registry's, assembled once into
-  the user's cache, when `model.gguf` is empty)."""
+def check_inputs(config: ml_collections.ConfigDict) -> None:
+  """ConfigError naming the field when a pretrained model's file is not
+  there, or none ships for the shape (cheap: nothing is read)."""
+  if kind(config) != 'gemma':
+    return
   m = config.model
   if m.get('gguf'):
-    return m.gguf
-  if m.shape not in ('270m', FILE_SHAPE):
+    if not os.path.isfile(m.gguf):
+      raise ConfigError('model.gguf', m.gguf, 'no such file (empty: the '
+                        'registry package\'s Gemma 3 270M)')
+  elif m.shape != '270m':
     raise ConfigError('model.shape', m.shape, 'only Gemma 3 270M ships in '
                       'the registry: give model.gguf for another shape (or '
                       'compile it: python -m launch.compile)')
-  return gemma_gguf.registry_file()
 
 
-def check_inputs(config: ml_collections.ConfigDict) -> None:
-  """ConfigError naming `model.gguf` when a pretrained model's file is
-  not there (cheap: nothing is read)."""
-  if kind(config) == 'gemma' and config.model.get('gguf') and not (
-      os.path.isfile(config.model.gguf)):
-    raise ConfigError('model.gguf', config.model.gguf, 'no such file (empty: '
-                      'the registry package\'s Gemma 3 270M)')
-  if kind(config) == 'gemma' and not config.model.get('gguf'):
-    gguf_path(config)  # The shape check; the file is assembled on load.
+def gguf_path(config: ml_collections.ConfigDict) -> str:
+  """The Gemma file a config names (the registry's, assembled once into
+  the user's cache, when `model.gguf` is empty)."""
+  check_inputs(config)
+  return config.model.gguf or gemma_gguf.registry_file()
 
 
 def pretrained(config: ml_collections.ConfigDict) -> Pretrained | None:

@@ -6,9 +6,12 @@ fine-tuned on arithmetic answers (an SFT config, `configs/gemma.py:sft`,
 the GRPO warm start; `train.rl.sft`) by `variant`s of the same recipe, one
 resumable trainer run per (variant, seed) below the study's workdir:
 
-  adamw  the config's optimizer (AdamW) with SAM off;
-  sam    SAM (the config's `optimizer.sam`, e.g. rho) around the same
-         AdamW, with the same learning rate and steps.
+  adamw        the config's optimizer (AdamW) with SAM off;
+  sam_rho<r>   SAM of radius r (the config's `optimizer.sam` otherwise)
+               around the same AdamW, same learning rate and steps, for
+               each r of `rhos`: SAM's radius trades fit for flatness, so
+               more than one shows whether less forgetting only follows
+               from learning less.
 
 Measured per run: the forgetting, i.e. the increase of the model's
 cross-entropy (nats per token) on held-out text it never sees in
@@ -46,7 +49,8 @@ from train.lm import tokenizer as lm_tokenizer
 from train.rl import sft
 from train.rl import tasks
 
-VARIANTS = ('adamw', 'sam')
+REFERENCE = 'adamw'
+SAM_PREFIX = 'sam_rho'
 REPORT = 'forgetting.md'
 RECORDS = 'forgetting.json'
 
@@ -55,17 +59,20 @@ RECORDS = 'forgetting.json'
 class Settings:
   """The study's own settings (flags of `launch.gemma_forgetting`)."""
   seeds: int = 3
-  variants: tuple[str, ...] = VARIANTS
+  rhos: tuple[float, ...] = (0.05,)
   windows: int = 32
   window_len: int = 128
 
+  @property
+  def variants(self) -> tuple[str, ...]:
+    return (REFERENCE,) + tuple(f'{SAM_PREFIX}{r:g}' for r in self.rhos)
+
   def check(self) -> None:
     """UsageError naming the flag, before anything is loaded or trained."""
-    unknown = [v for v in self.variants if v not in VARIANTS]
-    if unknown or 'adamw' not in self.variants:
-      raise UsageError('--variants', ','.join(self.variants),
-                       'needs adamw (the reference) and only known variants',
-                       VARIANTS)
+    if not self.rhos or len(set(self.rhos)) != len(self.rhos) or not all(
+        isinstance(r, (int, float)) and 0 < r < 10 for r in self.rhos):
+      raise UsageError('--rhos', ','.join(map(str, self.rhos)),
+                       'needs distinct SAM radii in (0, 10)')
     for flag, ok, what in (
         ('--seeds', 1 <= self.seeds <= 100, 'in [1, 100]'),
         ('--windows', 2 <= self.windows <= 4096, 'in [2, 4096]'),
@@ -83,10 +90,10 @@ def check_config(base: ml_collections.ConfigDict) -> None:
                      "configs/gemma.py:sft")
   if base.optimizer.sam.enabled:
     raise UsageError('--config.optimizer.sam.enabled', True,
-                     'the study turns SAM on for its sam variant alone')
-  for variant in VARIANTS:
-    sft.check_config(run_config(base, variant, 0))
-    models.check_config(run_config(base, variant, 0))
+                     'the study turns SAM on for its sam_rho<r> variants '
+                     'alone (--rhos)')
+  sft.check_config(base)
+  models.check_config(base)
 
 
 def run_config(base: ml_collections.ConfigDict, variant: str, seed: int
@@ -94,7 +101,9 @@ def run_config(base: ml_collections.ConfigDict, variant: str, seed: int
   """The trainer config of one (variant, seed)."""
   config = ml_collections.ConfigDict(base.to_dict())
   config.seed = seed
-  config.optimizer.sam.enabled = variant == 'sam'
+  if variant.startswith(SAM_PREFIX):
+    config.optimizer.sam.enabled = True
+    config.optimizer.sam.rho = float(variant[len(SAM_PREFIX):])
   return config
 
 
@@ -214,7 +223,7 @@ def summarize(pretrained: dict, records: list[dict]) -> str:
            'answer CE'] + [f'pass@1 {d}' for d in difficulties])
   rows = [['pretrained', f'{pretrained["heldout_ce"]:.4f}', '-', '-'] + [
       f'{100 * pretrained["pass_at_1"][d]:.1f}' for d in difficulties]]
-  for variant in [v for v in VARIANTS if v in by]:
+  for variant in by:
     runs = [by[variant][s] for s in sorted(by[variant])]
     rows.append([
         f'{variant} ({len(runs)} seeds)',
@@ -225,27 +234,34 @@ def summarize(pretrained: dict, records: list[dict]) -> str:
             stats.mean_std([r['pass_at_1'][d] for r in runs], 100)
             for d in difficulties])
   lines = [stats.markdown_table(head, rows), '']
-  if 'sam' in by and 'adamw' in by:
-    seeds = sorted(set(by['sam']) & set(by['adamw']))
-    pair_head = ['seed', 'forgetting adamw', 'forgetting sam',
-                 'sam - adamw', 'reduction', 'answer CE sam - adamw']
-    pair_rows, reductions = [], []
-    for s in seeds:
-      fa = by['adamw'][s]['heldout_ce'] - pretrained['heldout_ce']
-      fs = by['sam'][s]['heldout_ce'] - pretrained['heldout_ce']
-      red = 1 - fs / fa if fa > 0 else None
-      if red is not None:
-        reductions.append(red)
-      pair_rows.append([s, f'{fa:.4f}', f'{fs:.4f}', f'{fs - fa:+.4f}',
-                        '-' if red is None else f'{100 * red:.0f}%',
-                        f'{by["sam"][s]["answer_ce"] - by["adamw"][s]["answer_ce"]:+.4f}'])
-    lines += ['Paired by seed (same data order):', '',
-              stats.markdown_table(pair_head, pair_rows), '',
-              f'Reduction of forgetting by SAM: '
-              f'{stats.mean_std(reductions, 100, 0)}% over the '
-              f'{len(reductions)} of {len(seeds)} seeds where AdamW forgot '
-              '(1 - F_sam / F_adamw per seed).']
+  for variant in [v for v in by if v != REFERENCE and REFERENCE in by]:
+    lines += _paired(pretrained, by[REFERENCE], by[variant], variant)
   return '\n'.join(lines) + '\n'
+
+
+def _paired(pretrained: dict, reference: dict, other: dict, name: str
+            ) -> list[str]:
+  """Per-seed differences of `other` against the reference (same seeds,
+  same data order)."""
+  seeds = sorted(set(reference) & set(other))
+  rows, reductions = [], []
+  for s in seeds:
+    fa = reference[s]['heldout_ce'] - pretrained['heldout_ce']
+    fs = other[s]['heldout_ce'] - pretrained['heldout_ce']
+    red = 1 - fs / fa if fa > 0 else None
+    if red is not None:
+      reductions.append(red)
+    fit = other[s]['answer_ce'] - reference[s]['answer_ce']
+    rows.append([s, f'{fa:.4f}', f'{fs:.4f}', f'{fs - fa:+.4f}',
+                 '-' if red is None else f'{100 * red:.0f}%', f'{fit:+.4f}'])
+  head = ['seed', f'forgetting {REFERENCE}', f'forgetting {name}',
+          'difference', 'reduction', 'answer CE difference']
+  return [f'{name} against {REFERENCE}, paired by seed (same data order):',
+          '', stats.markdown_table(head, rows), '',
+          f'Reduction of forgetting by {name}: '
+          f'{stats.mean_std(reductions, 100, 0)}% over the '
+          f'{len(reductions)} of {len(seeds)} seeds where {REFERENCE} forgot '
+          f'(1 - F_{name} / F_{REFERENCE} per seed).', '']
 
 
 def run(settings: Settings, base: ml_collections.ConfigDict,
