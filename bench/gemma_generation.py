@@ -25,12 +25,11 @@ import jax
 import jax.numpy as jnp
 
 from bench import report
-from bench import steering_generation
+from bench import generation_timing
 from geom import steering as steering_lib
 from train import stats
 from train.lm import gemma
 from train.lm import gemma_gguf
-from train.lm import generate as lm_generate
 
 _STEPS = flags.DEFINE_integer('steps', 32, 'Generated tokens per call.')
 _BATCH = flags.DEFINE_integer('batch', 4, 'Sequences per call.')
@@ -64,7 +63,7 @@ def main(argv):
   model = gemma.Gemma3(loaded.shape, max_len=len(ids) + _STEPS.value)
   params = jax.device_put(loaded.params)
   direction = jax.random.normal(jax.random.key(2), (model.d_model,))
-  times = steering_generation.time_variants(
+  times = generation_timing.time_variants(
       model, params, prompt, valid, variants(direction), LAYER,
       _STEPS.value, _REPEATS.value, calls=1)
   tokens = _BATCH.value * _STEPS.value

@@ -75,7 +75,7 @@ def _timed(exp, compiled, data, params, steps: int) -> float:
 def main(argv):
   del argv
   params = models.pretrained(gemma_config.get_config('sft')).params
-  rows = []
+  rows, sequence = [], {}
   with tempfile.TemporaryDirectory() as workdir:
     for job in JOBS:
       built = {name: _build(job, suffix, os.path.join(workdir, job))
@@ -88,8 +88,8 @@ def main(argv):
           times[name].append(_timed(exp, compiled[name], data, params,
                                     _STEPS.value))
       config = built['AdamW, whole model'][0]
-      tokens = config.batch_size * built['AdamW, whole model'][1].columns[
-          'tokens'][0][0]
+      sequence[job] = built['AdamW, whole model'][1].columns['tokens'][0][0]
+      tokens = config.batch_size * sequence[job]
       base = times['AdamW, whole model']
       for name in VARIANTS:
         ratio = statistics.median(b / t for b, t in zip(base, times[name]))
@@ -97,13 +97,17 @@ def main(argv):
                      f'{tokens / statistics.median(times[name]):.0f}',
                      '1 (baseline)' if name == 'AdamW, whole model'
                      else f'**{ratio:.2f}x**'])
+  shapes = {job: (gemma_config.get_config(job).batch_size,
+                  sequence[job]) for job in JOBS}
   lines = [
       '## Gemma 3 270M fine-tuning',
       '',
       'The trainer\'s compiled step on the registry\'s Gemma 3 270M '
       '(float32 parameters from the Q4_K_M file, one CPU device): '
-      '`finetune` (8 text windows of 65 tokens) and `sft` (16 arithmetic '
-      'problems of 14 tokens), AdamW or SAM around it, the whole model or '
+      f'`finetune` ({shapes["finetune"][0]} text windows of '
+      f'{shapes["finetune"][1]} tokens) and `sft` ({shapes["sft"][0]} '
+      f'arithmetic problems of {shapes["sft"][1]} tokens, padded), AdamW or '
+      'SAM around it, the whole model or '
       f'the tied embedding frozen. Median of {_REPEATS.value} alternating '
       f'repeats of {_STEPS.value} steps; speed-ups are against full-model '
       'AdamW on the same job.',

@@ -19,7 +19,6 @@ each steering method. For information, the reference's 'recompute' mode
 import os
 import platform
 import statistics
-import time
 
 from absl import app
 from absl import flags
@@ -27,12 +26,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from bench import generation_timing
 from bench import report
 from configs import lm as lm_config
 from geom import steering as steering_lib
 from train import stats
 from train.lm import decoder as decoder_lm
-from train.lm import generate as lm_generate
 
 _STEPS = flags.DEFINE_integer('steps', 128, 'Generated tokens per call.')
 _BATCH = flags.DEFINE_integer('batch', 16, 'Sequences per call.')
@@ -64,29 +63,6 @@ def variants(direction):
   }
 
 
-def time_variants(model, params, prompt, valid, steerings: dict, layer: str,
-                  steps: int, repeats: int,
-                  calls: int) -> dict[str, list[float]]:
-  """{variant: per-repeat seconds per call} of one jitted `generate` per
-  (steering, mode) variant, compiled and warmed up first, the variants
-  alternating within each repeat."""
-  compiled = {}
-  for name, (steer, mode) in steerings.items():
-    fn = jax.jit(lambda p, s, mode=mode: lm_generate.generate(
-        model, p, prompt, valid, steps, steering=s, layer_path=layer,
-        mode=mode).tokens)
-    jax.block_until_ready(fn(params, steer))  # Compile and warm up.
-    compiled[name] = (fn, steer)
-  times = {name: [] for name in compiled}
-  for _ in range(repeats):
-    for name, (fn, steer) in compiled.items():
-      start = time.perf_counter()
-      for _ in range(calls):
-        jax.block_until_ready(fn(params, steer))
-      times[name].append((time.perf_counter() - start) / calls)
-  return times
-
-
 def measure(tokenizer: str):
   """(model, {variant: per-repeat seconds per call}) for one vocabulary."""
   config = lm_config.get_config(None if tokenizer == 'byte'
@@ -99,7 +75,7 @@ def measure(tokenizer: str):
   valid = jnp.ones(prompt.shape, bool)
   direction = jax.random.normal(jax.random.key(2), (model.d_model,))
 
-  times = time_variants(model, params, prompt, valid, variants(direction),
+  times = generation_timing.time_variants(model, params, prompt, valid, variants(direction),
                         LAYER, _STEPS.value, _REPEATS.value, _CALLS.value)
   return model, times
 

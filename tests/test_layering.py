@@ -86,3 +86,19 @@ def test_products_depend_on_each_other_only_where_documented():
         target = '.'.join(parts[:3])
         assert edge is None or target in edge, (
             f'train/{product}/{f} imports {module}')
+
+
+def test_benchmarks_import_no_other_benchmark_with_flags():
+  # Each benchmark is a main with its own absl flags: importing another
+  # one defines its flags twice and the importer dies at start-up
+  # (bench.gemma_generation did, through bench.steering_generation's
+  # --steps). Shared code lives in flag-free modules.
+  bench = os.path.join(REPO_ROOT, 'bench')
+  defines = {f[:-3] for f in os.listdir(bench) if f.endswith('.py')
+             and 'flags.DEFINE' in open(os.path.join(bench, f)).read()}
+  for f in sorted(os.listdir(bench)):
+    if not f.endswith('.py'):
+      continue
+    imported = {m.split('.')[1] for m in _imports(os.path.join(bench, f))
+                if m.startswith('bench.')}
+    assert not imported & defines, f'bench/{f} imports {imported & defines}'
