@@ -166,3 +166,18 @@ def test_the_tokenizer_round_trips_with_byte_fallback(tmp_path):
   assert tok.decode(ids) == text
   assert any(tok.piece(i).startswith('<0x') for i in ids)
   assert tok.encode_document('a')[0] == 2
+
+
+def test_a_file_is_decoded_once_and_again_when_it_changes(tmp_path):
+  path = tiny_gemma.model_file(tmp_path / 'm.gguf', seed=0)
+  first = gemma_gguf.load(path)
+  assert gemma_gguf.load(path) is first
+  # Shared between callers, so no caller may change it.
+  with pytest.raises(ValueError, match='read-only'):
+    first.params['embedding'][0, 0] = 1.0
+  assert gemma_gguf.load(path, dtype='bfloat16') is not first
+  tiny_gemma.model_file(path, seed=1)  # Rewritten in place.
+  again = gemma_gguf.load(path)
+  assert not np.array_equal(again.params['embedding'],
+                            first.params['embedding'])
+  assert again.sha256 != first.sha256
