@@ -32,6 +32,11 @@ _RHOS = flags.DEFINE_list('rhos', ['0.05'], 'SAM radii: a SAM variant each, '
 _WINDOWS = flags.DEFINE_integer('windows', 32, 'Held-out text windows.')
 _WINDOW_LEN = flags.DEFINE_integer('window_len', 128,
                                    'Tokens per held-out window.')
+_SHARPNESS_ITERS = flags.DEFINE_integer(
+    'sharpness_iters', 0, 'Power-iteration products for each model\'s top '
+    'Hessian eigenvalue on the fine-tuning loss (0: not measured).')
+_SHARPNESS_PROBLEMS = flags.DEFINE_integer(
+    'sharpness_problems', 32, 'Training problems of that loss.')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
@@ -51,7 +56,9 @@ def main(argv):
                        'not a list of numbers') from None
     settings = gemma_forgetting.Settings(
         seeds=_SEEDS.value, rhos=rhos,
-        windows=_WINDOWS.value, window_len=_WINDOW_LEN.value)
+        windows=_WINDOWS.value, window_len=_WINDOW_LEN.value,
+        sharpness_iters=_SHARPNESS_ITERS.value,
+        sharpness_problems=_SHARPNESS_PROBLEMS.value)
     settings.check()
     gemma_forgetting.check_config(config)
     entry.configure_devices(config)

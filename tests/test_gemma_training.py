@@ -9,6 +9,7 @@ import os
 import shutil
 
 import jax
+import jax.flatten_util
 import ml_collections
 import numpy as np
 import pytest
@@ -245,8 +246,12 @@ def test_the_forgetting_study_measures_reuses_and_refuses(tiny_file,
   from train.rl import gemma_forgetting  # pylint: disable=g-import-not-at-top
   base = tiny_gemma.gemma_config(tiny_file, 'sft')
   base.batch_size = base.eval_batch_size = 8
-  base.optimizer.frozen = '^embedding$'
-  settings = gemma_forgetting.Settings(seeds=1, windows=4, window_len=16)
+  # One matrix trained (2,048 parameters): its dense Hessian is the exact
+  # reference of the study's sharpness.
+  base.optimizer.frozen = '^(?!block_1/mlp/down$)'
+  settings = gemma_forgetting.Settings(seeds=1, windows=4, window_len=16,
+                                      sharpness_iters=40,
+                                      sharpness_problems=4)
   root = str(tmp_path / 'study')
   text = gemma_forgetting.run(settings, base, root)
   records = json.load(open(os.path.join(root, gemma_forgetting.RECORDS)))
@@ -261,6 +266,25 @@ def test_the_forgetting_study_measures_reuses_and_refuses(tiny_file,
   logp = jax.nn.log_softmax(np.asarray(logits, np.float64))
   want = -np.take_along_axis(logp, windows[:, 1:, None], -1).mean()
   assert abs(pre['heldout_ce'] - want) < 1e-4
+  # The sharpness against the top eigenvalue of the dense Hessian of the
+  # same loss in the trained matrix.
+  assert 'lambda_max (fine-tuning loss)' in text
+  batch = gemma_forgetting.sharpness_batch(base, tasks.codec(
+      loaded.tokenizer), 4)
+  exp = sft.build(base, str(tmp_path / 'h'))
+  params = jax.tree.map(np.asarray, loaded.params)
+  flat, unflat = jax.flatten_util.ravel_pytree(
+      params['block_1']['mlp']['down'])
+
+  def sub_loss(x):
+    mlp = dict(params['block_1']['mlp'], down=unflat(x))
+    p = dict(params, block_1=dict(params['block_1'], mlp=mlp))
+    return exp.per_example(exp.model, {'params': p, 'batch_stats': {}},
+                           batch, False)[0].mean()
+  eigenvalues = np.linalg.eigvalsh(np.asarray(jax.hessian(sub_loss)(flat),
+                                              np.float64))
+  top = eigenvalues[np.argmax(np.abs(eigenvalues))]
+  assert pre['lambda_max'] == pytest.approx(top, rel=0.05)
   sam_run = sft.load_policy(os.path.join(root, 'runs', 'sam_rho0.05_seed0'))
   assert sam_run.config.optimizer.sam.enabled
   assert sam_run.config.optimizer.sam.rho == 0.05

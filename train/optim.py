@@ -137,13 +137,13 @@ def check_frozen(cfg: ml_collections.ConfigDict, params: Any) -> None:
   mask = frozen_mask(cfg, params)
   if mask is None:
     return
-  flags = jax.tree.leaves(mask)
+  frozen = jax.tree.leaves(mask)
   names = [path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(
       params)]
-  if not any(flags):
+  if not any(frozen):
     raise ConfigError('optimizer.frozen', cfg.frozen,
                       f'matches no parameter (paths look like {names[0]!r})')
-  if all(flags):
+  if all(frozen):
     raise ConfigError('optimizer.frozen', cfg.frozen,
                       'matches every parameter: nothing would train')
 

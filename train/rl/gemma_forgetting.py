@@ -19,7 +19,12 @@ fine-tuning (`train.lm.data.heldout_windows`: Python's documentation and
 template reviews, test splits) over the pretrained model's; and what the
 fine-tuning bought: the held-out answer cross-entropy and greedy pass@1
 per difficulty. Seeds pair the variants (the same data order), so the
-study reports per-seed paired differences as well as mean +- std.
+study reports per-seed paired differences as well as mean +- std. With
+`sharpness_iters` > 0, also the sharpness of each model (the pretrained
+one included) on the fine-tuning loss: the top eigenvalue of its Hessian
+in the trained parameters (power iteration, `geom.curvature`) on a fixed
+batch of `sharpness_problems` training problems, whether SAM's minima are
+flatter where it matters to SAM.
 
 Which parts are whose: SAM, the claim and its measure (held-out loss of
 the original distribution after post-training) are the papers'; the task,
@@ -39,6 +44,7 @@ import ml_collections
 import numpy as np
 import optax
 
+from geom import curvature
 from train import fileio
 from train import stats
 from train import workdir_lock
@@ -62,6 +68,8 @@ class Settings:
   rhos: tuple[float, ...] = (0.05,)
   windows: int = 32
   window_len: int = 128
+  sharpness_iters: int = 0
+  sharpness_problems: int = 32
 
   @property
   def variants(self) -> tuple[str, ...]:
@@ -76,7 +84,11 @@ class Settings:
     for flag, ok, what in (
         ('--seeds', 1 <= self.seeds <= 100, 'in [1, 100]'),
         ('--windows', 2 <= self.windows <= 4096, 'in [2, 4096]'),
-        ('--window_len', 8 <= self.window_len <= 2048, 'in [8, 2048]')):
+        ('--window_len', 8 <= self.window_len <= 2048, 'in [8, 2048]'),
+        ('--sharpness_iters', 0 <= self.sharpness_iters <= 1000,
+         'in [0, 1000]'),
+        ('--sharpness_problems', 1 <= self.sharpness_problems <= 4096,
+         'in [1, 4096]')):
       if not ok:
         raise UsageError(flag, getattr(self, flag[2:]), f'must be {what}')
 
@@ -128,6 +140,65 @@ def heldout_ce(model, params, windows: np.ndarray, batch: int = 8) -> float:
                                             0)])
     total += float(np.asarray(fn(params, full))[:len(chunk)].sum())
   return total / len(windows)
+
+
+def sharpness_batch(config, codec: tasks.Codec, count: int
+                    ) -> dict[str, np.ndarray]:
+  """`count` training problems, the same for every model of a study
+  (spread over the config's families and difficulties)."""
+  cells = [(f, d) for f in config.data.families
+           for d in config.data.difficulties]
+  problems = [p for i, (f, d) in enumerate(cells)
+              for p in tasks.sample(f, d, count // len(cells)
+                                    + (i < count % len(cells)), 54321)]
+  examples = sft.encode(problems, sft.sequence_length(config.data), codec,
+                        sft.token_dtype(config))
+  return examples.columns()
+
+
+def top_eigenvalue(config, params, codec: tasks.Codec,
+                   settings: Settings, workdir: str) -> dict:
+  """The top Hessian eigenvalue of the fine-tuning loss at `params` in
+  the parameters the config trains (its loss sees frozen ones through
+  stop_gradient, so their rows of the Hessian are zero)."""
+  exp = sft.build(config, workdir, check_data=False)
+  batch = sharpness_batch(config, codec, settings.sharpness_problems)
+
+  def loss(p):
+    losses, _, _ = exp.per_example(exp.model, {'params': p,
+                                               'batch_stats': {}}, batch,
+                                   False)
+    return losses.mean()
+
+  top = jax.jit(lambda p, key: curvature.power_iteration(
+      loss, p, key, settings.sharpness_iters, tol=1e-3))(
+          params, jax.random.key(0))
+  return dict(lambda_max=float(top.eigenvalue),
+              power_iterations=int(top.iterations))
+
+
+def measure_sharpness(settings: Settings, base, root: str, variant: str | None,
+                      seed: int) -> dict:
+  """`top_eigenvalue` of a run's model (the pretrained one for None)."""
+  config = run_config(base, variant or REFERENCE, seed)
+  name = 'pretrained' if variant is None else f'{variant}_seed{seed}'
+  identity = dict(iters=settings.sharpness_iters,
+                  problems=settings.sharpness_problems,
+                  gguf=models.fingerprints(config)[models.GGUF_FINGERPRINT],
+                  config=None if variant is None
+                  else json.loads(config.to_json()))
+
+  def compute():
+    if variant is None:
+      loaded = models.pretrained(config)
+      return top_eigenvalue(config, loaded.params,
+                            tasks.codec(loaded.tokenizer), settings, root)
+    run_dir = os.path.join(root, 'runs', name)
+    policy = sft.load_policy(run_dir)
+    return top_eigenvalue(config, policy.params, policy.codec, settings,
+                          run_dir)
+  return _cached(os.path.join(root, 'measures', f'sharpness_{name}.json'),
+                 identity, compute)
 
 
 def _write_json(path: str, value: Any) -> None:
@@ -219,10 +290,13 @@ def summarize(pretrained: dict, records: list[dict]) -> str:
   for r in records:
     by.setdefault(r['variant'], {})[r['seed']] = r
   difficulties = sorted(pretrained['pass_at_1'])
+  sharp = 'lambda_max' in pretrained
   head = (['variant', 'held-out text CE', 'forgetting (CE increase)',
-           'answer CE'] + [f'pass@1 {d}' for d in difficulties])
+           'answer CE'] + [f'pass@1 {d}' for d in difficulties]
+          + (['lambda_max (fine-tuning loss)'] if sharp else []))
   rows = [['pretrained', f'{pretrained["heldout_ce"]:.4f}', '-', '-'] + [
-      f'{100 * pretrained["pass_at_1"][d]:.1f}' for d in difficulties]]
+      f'{100 * pretrained["pass_at_1"][d]:.1f}' for d in difficulties] + (
+          [f'{pretrained["lambda_max"]:.1f}'] if sharp else [])]
   for variant in by:
     runs = [by[variant][s] for s in sorted(by[variant])]
     rows.append([
@@ -232,7 +306,9 @@ def summarize(pretrained: dict, records: list[dict]) -> str:
                         for r in runs], digits=4),
         stats.mean_std([r['answer_ce'] for r in runs], digits=4)] + [
             stats.mean_std([r['pass_at_1'][d] for r in runs], 100)
-            for d in difficulties])
+            for d in difficulties] + (
+                [stats.mean_std([r['lambda_max'] for r in runs])]
+                if sharp else []))
   lines = [stats.markdown_table(head, rows), '']
   for variant in [v for v in by if v != REFERENCE and REFERENCE in by]:
     lines += _paired(pretrained, by[REFERENCE], by[variant], variant)
@@ -281,6 +357,12 @@ def run(settings: Settings, base: ml_collections.ConfigDict,
     pretrained = measure_pretrained(settings, base, root)
     records = [measure_run(settings, base, root, v, s)
                for v in settings.variants for s in range(settings.seeds)]
+    if settings.sharpness_iters:
+      sharp = lambda v, s: {
+          k: r[k] for r in [measure_sharpness(settings, base, root, v, s)]
+          for k in ('lambda_max', 'power_iterations')}
+      pretrained = {**pretrained, **sharp(None, 0)}
+      records = [{**r, **sharp(r['variant'], r['seed'])} for r in records]
     text = summarize(pretrained, records)
     fileio.write_text_atomic(os.path.join(root, REPORT), text)
     _write_json(os.path.join(root, RECORDS),
