@@ -264,8 +264,9 @@ def gemma_lines(rows, results) -> list[str]:
       '## Estimated from the compiler (not measured): Gemma 3 fine-tuning',
       '',
       'The train, eval and finiteness-check programs of `launch.train '
-      '--config=configs/gemma.py:finetune` (8 windows of 64 tokens for '
-      '270M, 64 for 1B and 4B; AdamW, float32 parameters and moments; 1B '
+      '--config=configs/gemma.py:finetune` (batches of 16 windows of 65 '
+      'tokens for 270M, 64 for 1B and 4B; AdamW, float32 parameters and '
+      'moments; 1B '
       'and 4B compute in bfloat16 with every block rematerialised), FSDP '
       'over the chips (`decoder_blocks.SIZE_RULES`), as the TPU compiler '
       '(libtpu 0.0.42) and the GPU compiler (jax-cuda12-plugin 0.10.2, no '
