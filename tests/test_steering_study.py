@@ -194,3 +194,22 @@ def test_report_gain_over_unsteered_is_the_paired_difference_with_none():
   text = study_report.markdown(summary)
   assert '**cloze: gain over the unsteered model (points, items paired)**' in text
   assert '| spherical_gate - none | 50.0 [50.0, 50.0] | 100.0 [100.0, 100.0] |' in text
+
+
+def test_report_of_a_choices_only_evaluation_has_no_generation_tables():
+  # Generation off (e.g. the gate x geometry ablation): rows carry no
+  # generation measures, and the report still builds, with the ablation.
+  rng = np.random.default_rng(8)
+  runs = [_results(rng, _sweeps(rng)) for _ in range(2)]
+  for r in runs:
+    r['meta']['beta'] = -0.9
+    for row in r['rows']:
+      del row['positive_share'], row['gen_ce']
+      row['trigger_rate'] = 0.3
+  summary = study_report.build(runs, {}, (0.1, 0.2), num_samples=100)
+  assert summary['generation'] == {}
+  assert set(summary['ablation']['cloze']) == {'gate', 'rotation',
+                                               'interaction'}
+  text = study_report.markdown(summary)
+  assert 'Generations' not in text
+  assert '**cloze: gate x geometry (points)**' in text

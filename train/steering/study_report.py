@@ -79,11 +79,14 @@ def build(runs: Sequence[study.Results],
         'accuracy': {t: _dicts(study.matched(rs, 'spherical_gate', t, targets,
                                              num_samples=num_samples))
                      for t in tasks}})
-  for m in ['none'] + methods:
+  # A run with generation off (a choices-only ablation) has no such rows.
+  measured = [key for key, *_ in GENERATION_MEASURES
+              if all(key in row for r in runs for row in r['rows'])]
+  for m in ['none'] + methods if measured else ():
     out['generation'][m] = {
         key: _dicts(study.over_lms(study.scalar_at_kl(runs, m, key, targets),
                                    num_samples))
-        for key, *_ in GENERATION_MEASURES}
+        for key in measured}
   return out
 
 
@@ -139,6 +142,8 @@ def markdown(summary: dict[str, Any]) -> str:
                          for g in summary['gate']], '-' * len(head))]
     lines.append('')
   for key, title, scale, digits in GENERATION_MEASURES:
+    if not summary['generation'] or key not in summary['generation']['none']:
+      continue
     unit = ' (%)' if scale == 100.0 else ''
     lines += [f'**Generations: {title}{unit} at matched KL** (interval over '
               'LMs only; n/a: beyond some LM\'s sweep, or no sentiment word '
