@@ -30,8 +30,10 @@ overridden, e.g. `--config.layer=9 --config.alphas='(0.2,0.6)'
 --config.gguf=/path/x.gguf` (steering) or `--config.model.gguf=/path/x.gguf
 --config.optimizer.learning_rate=3e-5` (training): a Gemma 3 GGUF file;
 empty: the registry package's, assembled once into ~/.cache/geom and
-checked by its SHA-256. `shape=1b` and `shape=4b` (bfloat16) are
-compile-only, for every job:
+checked by its SHA-256; with `--config.shape=gguf` (steering) or
+`--config.model.shape=gguf` (training) the file's own shape, any Gemma 3
+text file. `shape=1b` and `shape=4b` (bfloat16) are compile-only, for
+every job:
 
   python -m launch.compile --config=configs/gemma.py:shape=4b --target=v5e:1x1
   python -m launch.compile --config=configs/gemma.py:finetune,shape=4b \

@@ -459,6 +459,11 @@ def test_the_sam_recipes_compile_full_size(name):
      {'methods': ('spherical_gate',)}, None, True),
     ('configs/gemma.py:shape=4b', 'v5e:1x1',
      {'methods': ('spherical_gate',)}, None, True),
+    # Fine-tuning Gemma 3 (bfloat16, remat, FSDP; BENCHMARKS.md
+    # compile_estimates_gemma): 1B with SAM on a 2x2 slice; 4B not on one
+    # chip.
+    ('configs/gemma.py:finetune,sam,shape=1b', 'v5e:2x2', {}, None, True),
+    ('configs/gemma.py:finetune,shape=4b', 'v5e:1x1', {}, None, False),
 ])
 def test_pod_sizes(spec, target, overrides, model, fits):
   if fits:

@@ -3,7 +3,8 @@
 The economies of `gemma_eval` (a KV-cached context, log-probabilities and
 KL inside the compiled function) are checked against the in-project
 evaluation's full-sequence path on the real model; the study is run end
-to end at `runlocal` size, reused, and refused on another config or file.
+to end at `runlocal` size on the tests' two-layer Gemma 3 file (on the real
+one too, `slow`), reused, and refused on another config or file.
 """
 
 import json
@@ -26,6 +27,8 @@ from train.lm import hooks as steering_hooks
 from train.steering import evaluation
 from train.steering import gemma_eval
 from train.steering import gemma_study
+
+from tests import tiny_gemma
 
 
 @pytest.fixture(scope='module')
@@ -126,12 +129,29 @@ def _config(gemma_file, **overrides) -> ml_collections.ConfigDict:
   return config
 
 
+@pytest.fixture(scope='module')
+def tiny_file(tmp_path_factory):
+  return tiny_gemma.model_file(tmp_path_factory.mktemp('tiny') / 'g.gguf')
+
+
+@pytest.fixture(params=['tiny', pytest.param('270m', marks=pytest.mark.slow)])
+def study_model(request):
+  """(file, config overrides): the tests' two-layer Gemma 3 file (its own
+  shape, steered at block 1), or the registry's 270M (block 6, slow: the
+  mechanics are the same, the agreement tests above use the real file)."""
+  if request.param == 'tiny':
+    return request.getfixturevalue('tiny_file'), dict(shape='gguf', layer=1)
+  return request.getfixturevalue('gemma_file'), {}
+
+
 @pytest.mark.parametrize('field, value, needle', [
     ('layer', 18, 'blocks 0..17'),
     ('window_len', 4, 'window_len'),
     ('gguf', '/nonexistent.gguf', 'no such file'),
     ('alphas', (0.5, 2.0), 'outside [0, 1]'),
     ('methods', ('none', 'rotate'), "unknown method 'rotate'"),
+    ('shape', 'gguf', "own shape needs --config.gguf"),
+    ('shape', '2b', "not a Gemma 3 shape"),
 ])
 def test_bad_config_is_refused_before_loading(tmp_path, field, value, needle):
   config = gemma_config.get_config('runlocal')
@@ -139,6 +159,14 @@ def test_bad_config_is_refused_before_loading(tmp_path, field, value, needle):
   with pytest.raises(ConfigError, match=None) as e:
     gemma_study.run(config, str(tmp_path / 'w'), [0.1])
   assert needle in str(e.value) and field.split('.')[0] in str(e.value)
+  assert not os.path.exists(tmp_path / 'w' / 'layer6')
+
+
+def test_a_files_own_shape_bounds_the_layer(tiny_file, tmp_path):
+  # The two-layer file has blocks 0..1: block 6 is refused before loading.
+  config = _config(tiny_file, shape='gguf')
+  with pytest.raises(ConfigError, match=r'blocks 0\.\.1'):
+    gemma_study.run(config, str(tmp_path / 'w'), [0.1])
   assert not os.path.exists(tmp_path / 'w' / 'layer6')
 
 
@@ -153,11 +181,13 @@ def test_sweep_plan():
   assert steps[0][1] is config
 
 
-def test_study_end_to_end_reuse_and_refusal(gemma_file, tmp_path):
+def test_study_end_to_end_reuse_and_refusal(study_model, tmp_path):
+  gemma_file, overrides = study_model
   workdir = str(tmp_path / 'study')
-  config = _config(gemma_file)
+  config = _config(gemma_file, **overrides)
+  layer = f'layer{config.layer}'
   summary = gemma_study.run(config, workdir, [0.05, 0.2], num_samples=200)
-  with open(os.path.join(workdir, 'layer6', 'results.json')) as f:
+  with open(os.path.join(workdir, layer, 'results.json')) as f:
     results = json.load(f)
   rows = results['rows']
   assert [(r['method'], r['alpha']) for r in rows] == [
@@ -175,26 +205,28 @@ def test_study_end_to_end_reuse_and_refusal(gemma_file, tmp_path):
   assert os.path.exists(os.path.join(workdir, 'pareto_bands.png'))
 
   # A rerun reuses the evaluation: it does not load the model again.
-  mtime = os.path.getmtime(os.path.join(workdir, 'layer6', 'results.json'))
+  mtime = os.path.getmtime(os.path.join(workdir, layer, 'results.json'))
   again = gemma_study.run(config, workdir, [0.05, 0.2], num_samples=200)
   assert again['accuracy'] == summary['accuracy']
-  assert os.path.getmtime(os.path.join(workdir, 'layer6',
+  assert os.path.getmtime(os.path.join(workdir, layer,
                                        'results.json')) == mtime
 
   # The sweep's settings are not the main evaluation's: still reused.
-  gemma_study.run(_config(gemma_file, sweep_items=3), workdir, [0.05],
-                  num_samples=100)
-  assert os.path.getmtime(os.path.join(workdir, 'layer6',
+  gemma_study.run(_config(gemma_file, sweep_items=3, **overrides), workdir,
+                  [0.05], num_samples=100)
+  assert os.path.getmtime(os.path.join(workdir, layer,
                                        'results.json')) == mtime
   with pytest.raises(UsageError, match='another config.*kappa'):
-    gemma_study.run(_config(gemma_file, kappa=5.0), workdir, [0.05])
+    gemma_study.run(_config(gemma_file, kappa=5.0, **overrides), workdir,
+                    [0.05])
   # The report of a sweep, on the finished evaluation as its one layer.
-  layers = gemma_study.layer_sweep({'layer6': results}, [0.05, 0.2], 200)
-  assert [(e['layer'], e['method']) for e in layers] == [(6, 'addition')]
+  layers = gemma_study.layer_sweep({layer: results}, [0.05, 0.2], 200)
+  assert [(e['layer'], e['method']) for e in layers] == [
+      (config.layer, 'addition')]
   assert layers[0]['kl_max'] == pytest.approx(add['kl'])
   assert 'Layer sweep' in gemma_study.layer_markdown(layers, [0.05, 0.2])
   results['meta']['gguf_sha256'] = '0' * 64
-  with open(os.path.join(workdir, 'layer6', 'results.json'), 'w') as f:
+  with open(os.path.join(workdir, layer, 'results.json'), 'w') as f:
     json.dump(results, f)
   with pytest.raises(UsageError, match='another model file'):
     gemma_study.run(config, workdir, [0.05])

@@ -60,6 +60,7 @@ from train.lm import gemma
 from train.lm import gemma_gguf
 from train.lm import generate as lm_generate
 from train.lm import hooks as steering_hooks
+from train.lm import models as lm_models
 from train.lm import tokenizer as lm_tokenizer
 from train.steering import evaluation
 from train.steering import vectors as steering_vectors
@@ -95,10 +96,16 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   if config.dtype not in gemma.DTYPES:
     raise ConfigError('dtype', config.dtype, 'not a parameter dtype',
                       gemma.DTYPES)
-  if config.shape not in gemma.SHAPES:
+  if config.shape not in (*gemma.SHAPES, lm_models.FILE_SHAPE):
     raise ConfigError('shape', config.shape, 'not a Gemma 3 shape',
-                      tuple(gemma.SHAPES))
-  shape = gemma.SHAPES[config.shape]
+                      (*gemma.SHAPES, lm_models.FILE_SHAPE))
+  if config.gguf and not os.path.isfile(config.gguf):
+    raise ConfigError('gguf', config.gguf, 'no such file (empty: the '
+                      'registry package\'s Gemma 3 270M)')
+  if config.shape == lm_models.FILE_SHAPE and not config.gguf:
+    raise ConfigError('shape', config.shape,
+                      "the file's own shape needs --config.gguf")
+  shape = _shape(config)
   for layer in (config.layer, *config.get('sweep_layers', ())):
     if not isinstance(layer, int) or not 0 <= layer < shape.num_layers:
       raise ConfigError('layer' if layer == config.layer else 'sweep_layers',
@@ -117,9 +124,14 @@ def check_config(config: ml_collections.ConfigDict) -> None:
                       f'there are {len(PROMPTS)} prompts')
   if gen.steps > 256:
     raise ConfigError('generation.steps', gen.steps, 'must be at most 256')
-  if config.gguf and not os.path.isfile(config.gguf):
-    raise ConfigError('gguf', config.gguf, 'no such file (empty: the '
-                      'registry package\'s Gemma 3 270M)')
+
+
+def _shape(config: ml_collections.ConfigDict) -> gemma.Shape:
+  """A named Gemma 3 shape, or (`gguf`) the one `config.gguf`'s header
+  gives: any Gemma 3 text file (the tests' small one)."""
+  if config.shape == lm_models.FILE_SHAPE:
+    return gemma_gguf.read_shape(config.gguf)
+  return gemma.SHAPES[config.shape]
 
 
 # --- Multiple choice on a KV-cached context.
@@ -349,13 +361,13 @@ def generation_metrics(model, params, tokenizer, prompt, steering,
 
 # --- The grid.
 def _load(config) -> tuple[gemma.Gemma3, Any, Any, str, str]:
-  if config.shape != '270m' and not config.gguf:
+  if config.shape not in ('270m', lm_models.FILE_SHAPE) and not config.gguf:
     raise ConfigError('shape', config.shape, 'only Gemma 3 270M ships in the '
                       'registry; give --config.gguf for another shape '
                       '(or compile it: python -m launch.compile)')
   path = config.gguf or gemma_gguf.registry_file()
   loaded = gemma_gguf.load(path, config.dtype)
-  if not gemma.same_dims(loaded.shape, gemma.SHAPES[config.shape]):
+  if not gemma.same_dims(loaded.shape, _shape(config)):
     raise ConfigError('shape', config.shape, f'{path} holds another shape')
   model = gemma.Gemma3(loaded.shape, max_len=1024, dtype=config.dtype)
   return model, loaded.params, loaded.tokenizer, loaded.sha256, path
@@ -454,7 +466,7 @@ def programs(config: ml_collections.ConfigDict, devices: list
   no rules, and the programs."""
   check_config(config)
   gen = config.generation
-  model = gemma.Gemma3(gemma.SHAPES[config.shape],
+  model = gemma.Gemma3(_shape(config),
                        max_len=COMPILE_PROMPT_LEN + gen.steps,
                        dtype=config.dtype)
   dtype = jnp.dtype(config.dtype)
