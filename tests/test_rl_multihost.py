@@ -155,9 +155,16 @@ def _latest_checkpoint(workdir) -> int:
                                else ()) if d.isdigit()), default=-1)
 
 
-def _kill_9_after_a_checkpoint(procs, workdir, victim: int, role: str):
+def _kill_9_after_a_checkpoint(procs, workdir, victim: int, role: str,
+                               group: tuple[int, ...] = ()):
   """Kills process `victim` once version 2 is saved; checks that the others
-  stop in one line naming it, exit 1 and keep the checkpoint."""
+  stop in one line naming it, exit 1 and keep the checkpoint. A process of
+  `group` (the victim's learner group, which sums with it through gloo)
+  may instead end by SIGABRT before the heartbeat names the victim: seen
+  once in about ten runs, under the full suite's load, with nothing but
+  "Fatal Python error: Aborted" from it (our reading: gloo aborting on the
+  closed connection of a sum under way). Another process must still say
+  so in one line."""
   deadline = time.monotonic() + 240
   while _latest_checkpoint(workdir) < 2:
     if time.monotonic() > deadline or any(p.poll() is not None
@@ -182,9 +189,11 @@ def _kill_9_after_a_checkpoint(procs, workdir, victim: int, role: str):
   assert reported[0].endswith(
       's ago; stopping the job. The checkpoints written so far are intact: '
       'run the same command on every process to resume.')
-  assert all(code == 1 for code, _, _ in ends), [
-      (code, [l[:100] for l in err.splitlines() if "rror" in l][-3:])
-      for code, _, err in ends]
+  others = [i for i in range(len(procs)) if i != victim]
+  assert all(code == 1 or (code == -signal.SIGABRT and i in group)
+             for i, (code, _, _) in zip(others, ends)), [
+                 (code, [l[:100] for l in err.splitlines() if 'rror' in l][-3:])
+                 for code, _, err in ends]
   assert _latest_checkpoint(workdir) >= 2
 
 
@@ -273,7 +282,7 @@ def test_a_learner_over_two_processes_trains_like_one_and_resumes_exactly(
   workdir = tmp_path / 'killed'
   _kill_9_after_a_checkpoint(
       _start(workdir, sft_workdir, 3, 2, *extra, rollouts=1), workdir, 2,
-      'learner')
+      'learner', group=(1,))
   resumed, _ = _multi(workdir, sft_workdir, 3, 2, *extra, rollouts=1)
   assert resumed['params_sha256'] == whole['params_sha256']
   assert resumed['curve'][-1] == {**whole['curve'][-1],
