@@ -34,6 +34,8 @@ from train import targets
 from train.errors import UsageError
 from train.lm import trainer
 
+from tests import tiny_gemma
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -472,3 +474,23 @@ def test_pod_sizes(spec, target, overrides, model, fits):
   else:
     with pytest.raises(compile_report.DoesNotFit):
       _compile(spec, target, overrides, model)
+
+
+def test_gemma_fine_tuning_compiles_for_a_tpu_slice(tmp_path):
+  """Gemma 3's training step (SAM, FSDP rules; whole, or the embedding
+  frozen) at the tests' two-layer file's shape, for a v5e 2x2 slice:
+  270M's program but for its sizes (those rows are BENCHMARKS.md's; 1B and
+  4B are slow above)."""
+  path = tiny_gemma.model_file(tmp_path / 'g.gguf')
+  state = {}
+  for job in ('finetune,sam', 'finetune,sam,frozen'):
+    rows = _rows(_compile(f'configs/gemma.py:{job},runlocal', 'v5e:2x2',
+                          {'model.shape': 'gguf', 'model.gguf': str(path)}))
+    assert list(rows) == ['train_step', 'eval_step', 'state_is_finite']
+    assert all(r['error'] is None and r['fits'] for r in rows.values()), rows
+    state[job] = rows['state_is_finite']['bytes']['argument']
+  # Frozen, the embedding has no AdamW moments: two float32 copies of it
+  # fewer, FSDP-sharded over the 4 chips (and no more than that is gone).
+  moments = 2 * tiny_gemma.SHAPE.vocab_size * tiny_gemma.SHAPE.d_model * 4 / 4
+  saved = state['finetune,sam'] - state['finetune,sam,frozen']
+  assert moments <= saved < 1.5 * moments, (saved, moments)

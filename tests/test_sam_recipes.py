@@ -120,8 +120,9 @@ def test_training_batches_are_the_configured_views():
 
 # resnet50_imagenet's run is slow (65 s of a 27 min suite on 2 cores):
 # wrn_cifar10's covers the recipe's path (crop/flip data, SAM, the
-# trainer), test_vision_models the ResNet-50 itself, and test_compile the
-# resnet50_imagenet job's steps.
+# trainer), test_vision_models the ResNet-50 itself, and
+# test_full_size_run_builds_from_shapes_alone its full-size job (its
+# compile for a GPU, test_the_sam_recipes_compile_full_size, is slow too).
 @pytest.fixture(scope='module', params=[
     pytest.param(name, marks=pytest.mark.slow)
     if name == 'resnet50_imagenet' else name for name in sorted(RECIPES)])
