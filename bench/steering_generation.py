@@ -75,8 +75,9 @@ def measure(tokenizer: str):
   valid = jnp.ones(prompt.shape, bool)
   direction = jax.random.normal(jax.random.key(2), (model.d_model,))
 
-  times = generation_timing.time_variants(model, params, prompt, valid, variants(direction),
-                        LAYER, _STEPS.value, _REPEATS.value, _CALLS.value)
+  times = generation_timing.time_variants(
+      model, params, prompt, valid, variants(direction), LAYER,
+      _STEPS.value, _REPEATS.value, _CALLS.value)
   return model, times
 
 

@@ -45,11 +45,17 @@ def kind(config: ml_collections.ConfigDict) -> str:
 FILE_SHAPE = 'gguf'
 
 
+def shape_named(name: str, gguf: str) -> gemma.Shape:
+  """Gemma 3's shape `name`, or (FILE_SHAPE) the one file `gguf`'s
+  metadata gives."""
+  if name != FILE_SHAPE:
+    return gemma.SHAPES[name]
+  return gemma_gguf.read_shape(gguf)
+
+
 def gemma_shape(config: ml_collections.ConfigDict) -> gemma.Shape:
   """A Gemma config's shape: a named one, or its file's metadata."""
-  if config.model.shape != FILE_SHAPE:
-    return gemma.SHAPES[config.model.shape]
-  return gemma_gguf.read_shape(config.model.gguf)
+  return shape_named(config.model.shape, config.model.gguf)
 
 
 def vocab_size(config: ml_collections.ConfigDict) -> int:

@@ -179,7 +179,8 @@ def top_eigenvalue(config, params, codec: tasks.Codec,
 
 def measure_sharpness(settings: Settings, base, root: str, variant: str | None,
                       seed: int) -> dict:
-  """`top_eigenvalue` of a run's model (the pretrained one for None)."""
+  """`top_eigenvalue` of a run's model (the pretrained one for None):
+  lambda_max and power_iterations."""
   config = run_config(base, variant or REFERENCE, seed)
   name = 'pretrained' if variant is None else f'{variant}_seed{seed}'
   identity = dict(iters=settings.sharpness_iters,
@@ -197,8 +198,9 @@ def measure_sharpness(settings: Settings, base, root: str, variant: str | None,
     policy = sft.load_policy(run_dir)
     return top_eigenvalue(config, policy.params, policy.codec, settings,
                           run_dir)
-  return _cached(os.path.join(root, 'measures', f'sharpness_{name}.json'),
-                 identity, compute)
+  record = _cached(os.path.join(root, 'measures', f'sharpness_{name}.json'),
+                   identity, compute)
+  return {k: record[k] for k in ('lambda_max', 'power_iterations')}
 
 
 def _write_json(path: str, value: Any) -> None:
@@ -358,11 +360,11 @@ def run(settings: Settings, base: ml_collections.ConfigDict,
     records = [measure_run(settings, base, root, v, s)
                for v in settings.variants for s in range(settings.seeds)]
     if settings.sharpness_iters:
-      sharp = lambda v, s: {
-          k: r[k] for r in [measure_sharpness(settings, base, root, v, s)]
-          for k in ('lambda_max', 'power_iterations')}
-      pretrained = {**pretrained, **sharp(None, 0)}
-      records = [{**r, **sharp(r['variant'], r['seed'])} for r in records]
+      pretrained = {**pretrained,
+                    **measure_sharpness(settings, base, root, None, 0)}
+      records = [{**r, **measure_sharpness(settings, base, root,
+                                           r['variant'], r['seed'])}
+                 for r in records]
     text = summarize(pretrained, records)
     fileio.write_text_atomic(os.path.join(root, REPORT), text)
     _write_json(os.path.join(root, RECORDS),

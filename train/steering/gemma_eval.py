@@ -105,7 +105,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   if config.shape == lm_models.FILE_SHAPE and not config.gguf:
     raise ConfigError('shape', config.shape,
                       "the file's own shape needs --config.gguf")
-  shape = _shape(config)
+  shape = lm_models.shape_named(config.shape, config.gguf)
   for layer in (config.layer, *config.get('sweep_layers', ())):
     if not isinstance(layer, int) or not 0 <= layer < shape.num_layers:
       raise ConfigError('layer' if layer == config.layer else 'sweep_layers',
@@ -124,14 +124,6 @@ def check_config(config: ml_collections.ConfigDict) -> None:
                       f'there are {len(PROMPTS)} prompts')
   if gen.steps > 256:
     raise ConfigError('generation.steps', gen.steps, 'must be at most 256')
-
-
-def _shape(config: ml_collections.ConfigDict) -> gemma.Shape:
-  """A named Gemma 3 shape, or (`gguf`) the one `config.gguf`'s header
-  gives: any Gemma 3 text file (the tests' small one)."""
-  if config.shape == lm_models.FILE_SHAPE:
-    return gemma_gguf.read_shape(config.gguf)
-  return gemma.SHAPES[config.shape]
 
 
 # --- Multiple choice on a KV-cached context.
@@ -367,7 +359,8 @@ def _load(config) -> tuple[gemma.Gemma3, Any, Any, str, str]:
                       '(or compile it: python -m launch.compile)')
   path = config.gguf or gemma_gguf.registry_file()
   loaded = gemma_gguf.load(path, config.dtype)
-  if not gemma.same_dims(loaded.shape, _shape(config)):
+  if not gemma.same_dims(loaded.shape,
+                         lm_models.shape_named(config.shape, config.gguf)):
     raise ConfigError('shape', config.shape, f'{path} holds another shape')
   model = gemma.Gemma3(loaded.shape, max_len=1024, dtype=config.dtype)
   return model, loaded.params, loaded.tokenizer, loaded.sha256, path
@@ -466,7 +459,7 @@ def programs(config: ml_collections.ConfigDict, devices: list
   no rules, and the programs."""
   check_config(config)
   gen = config.generation
-  model = gemma.Gemma3(_shape(config),
+  model = gemma.Gemma3(lm_models.shape_named(config.shape, config.gguf),
                        max_len=COMPILE_PROMPT_LEN + gen.steps,
                        dtype=config.dtype)
   dtype = jnp.dtype(config.dtype)
