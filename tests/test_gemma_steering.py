@@ -2,11 +2,12 @@
 
 The economies of `gemma_eval` (a KV-cached context, log-probabilities and
 KL inside the compiled function) are checked against the in-project
-evaluation's full-sequence path on the real model; the study is run end
-to end at `runlocal` size on the tests' two-layer Gemma 3 file (on the real
-one too, `slow`), reused, and refused on another config or file.
+evaluation's full-sequence path, and the study is run end to end at
+`runlocal` size, reused, and refused on another config or file: on the
+tests' two-layer Gemma 3 files, and on the real 270M one `slow`.
 """
 
+import dataclasses
 import json
 import os
 
@@ -36,11 +37,24 @@ def gemma_file(tmp_path_factory):
   return gemma_gguf.registry_file(str(tmp_path_factory.mktemp('gemma')))
 
 
-@pytest.fixture(scope='module')
-def lm(gemma_file):
-  loaded = gemma_gguf.load(gemma_file)
+# The economies are checked on a two-layer file by default, and on the
+# real 270M file `slow` (docs/slow_tests.md). Both of the small file's
+# layers are local (Gemma 3 makes every sixth global): its window of 64
+# tokens reaches the left padding of the shorter contexts from their
+# choices, and the longer contexts run past it.
+@pytest.fixture(scope='module', params=[
+    'tiny', pytest.param('270m', marks=pytest.mark.slow)])
+def lm(request, tmp_path_factory):
+  if request.param == 'tiny':
+    path, layer = tiny_gemma.write(
+        tmp_path_factory.mktemp('lm') / 'g.gguf',
+        tiny_gemma.tensors(np.random.default_rng(0)),
+        dataclasses.replace(tiny_gemma.SHAPE, sliding_window=64)), 0
+  else:
+    path, layer = request.getfixturevalue('gemma_file'), 6
+  loaded = gemma_gguf.load(path)
   model = gemma.Gemma3(loaded.shape, max_len=256)
-  layer_path = steering_hooks.resolve_layer(loaded.params, 6)
+  layer_path = steering_hooks.resolve_layer(loaded.params, layer)
   pairs = text_corpus.contrastive_pairs(8, 1)
   direction, coefficient = evaluation.extract(
       model, loaded.params, layer_path, pairs, 'mean_diff', 'mean',
