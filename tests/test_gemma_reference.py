@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests import tiny_gemma
 from tests.gemma_reference import texts
 from train import errors
 from train.lm import decoder
@@ -233,18 +234,28 @@ def test_a_truncated_or_foreign_file_is_one_line(tmp_path, gemma_file):
   assert 'GGUF' in str(e.value) and '\n' not in str(e.value)
 
 
-def test_steering_hooks_run_unchanged_on_gemma(loaded):
+@pytest.mark.parametrize('model_file', [
+    'tiny', pytest.param('270m', marks=pytest.mark.slow)])
+def test_steering_hooks_run_unchanged_on_gemma(request, tmp_path,
+                                               model_file):
   """train.lm.hooks steers a Gemma block as it does the in-project decoder:
   the spherical rotation keeps each token's norm at the steered layer and
   turns it toward the direction (a mean-difference vector of two prompts'
-  states), later layers see it, and cached generation runs steered."""
+  states), later layers see it, and cached generation runs steered. On the
+  tests' two-layer file (block 0 steered, block 1 watched), and on the
+  real 270M (blocks 6 and 12) `slow`."""
   from geom import steering as steering_lib  # pylint: disable=g-import-not-at-top
   from train.lm import hooks  # pylint: disable=g-import-not-at-top
+  if model_file == 'tiny':
+    loaded = gemma_gguf.load(tiny_gemma.model_file(tmp_path / 'g.gguf'))
+    layer, watched = hooks.resolve_layer(loaded.params, 0), 'block_1'
+    width = 40  # Its pieces are bytes, mostly.
+  else:
+    loaded = request.getfixturevalue('loaded')
+    layer, watched = hooks.resolve_layer(loaded.params, 6), 'block_12'
+    width = 16
   tok = loaded.tokenizer
-  model = gemma.Gemma3(loaded.shape, max_len=48)
-  layer = hooks.resolve_layer(loaded.params, 6)
-  assert layer == 'block_6'
-  width = 16
+  model = gemma.Gemma3(loaded.shape, max_len=width + 8)
 
   def left_pad(text):
     ids = tok.encode_document(text)
@@ -256,9 +267,9 @@ def test_steering_hooks_run_unchanged_on_gemma(loaded):
   def run(params, tokens, valid, steer):
     # alpha = 0 steers nothing: one program for the steered and plain runs.
     with hooks.steered(steer, layer, valid, capture=(layer,),
-                       watch=('block_12',)) as rec:
+                       watch=(watched,)) as rec:
       logits, _ = model.apply({'params': params}, tokens, valid)
-    return logits, rec.hidden[layer][0], rec.norms['block_12'], rec.stats
+    return logits, rec.hidden[layer][0], rec.norms[watched], rec.stats
 
   def steering(direction, alpha):
     return steering_lib.Steering('spherical', direction, alpha=alpha,
