@@ -79,6 +79,9 @@ def _rows(result):
   return {r['function']: r for r in result['rows']}
 
 
+# Stands for the path of a two-layer Gemma 3 file the fixture writes.
+TINY_GEMMA = '<tiny gemma file>'
+
 # (config, target, overrides, model config, the functions it must compile).
 JOBS = {
     # SAM with a plain-SGD warm-up: two kinds of train step.
@@ -106,10 +109,15 @@ JOBS = {
                  'configs/lm.py:runlocal',
                  ['generate (none, cached, 8 tokens)',
                   'generate (spherical_gate, cached, 8 tokens)']),
-    # Gemma 3 270M's steering evaluation (the real shape, no weights read).
+    # Gemma 3's steering evaluation at the shape of the tests' two-layer
+    # file (its header is read, no weights): 270M's programs but for their
+    # sizes, which are slow (test_gemma_270m_steering_compiles_with_its_
+    # parameters; 25-37 s of compiles here).
     'gemma_steering': ('configs/gemma.py:runlocal', 'v5e:2x2',
                        {'methods': ('spherical_gate',),
-                        'generation.steps': 2}, None,
+                        'generation.steps': 2, 'shape': 'gguf',
+                        'gguf': TINY_GEMMA, 'layer': 1, 'sweep_layers': ()},
+                       None,
                        ['generate (spherical_gate, cached, 2 tokens)',
                         'held-out log-probs (spherical_gate, 64 x 16 '
                         'tokens)']),
@@ -125,8 +133,17 @@ RECIPES = {
 
 
 @pytest.fixture(scope='module')
-def compiled_jobs():
-  return {name: _compile(spec, target, overrides, model)
+def tiny_gemma_file(tmp_path_factory):
+  return tiny_gemma.model_file(tmp_path_factory.mktemp('gemma') / 'g.gguf',
+                               shape=tiny_gemma.TILED_SHAPE)
+
+
+@pytest.fixture(scope='module')
+def compiled_jobs(tiny_gemma_file):
+  def fill(overrides):
+    return {k: tiny_gemma_file if v == TINY_GEMMA else v
+            for k, v in overrides.items()}
+  return {name: _compile(spec, target, fill(overrides), model)
           for name, (spec, target, overrides, model, _) in JOBS.items()}
 
 
@@ -151,13 +168,35 @@ def test_every_job_compiles_and_fits_on_a_small_target(compiled_jobs, name):
   assert result['devices'] == targets.parse(JOBS[name][1]).num_chips
 
 
+def _check_gemma_arguments(rows, parameters, slack):
+  """In float32 the model's `parameters` are the arguments, with `slack`
+  bytes at most of prompt, windows, direction and key."""
+  for row in rows.values():
+    extra = row['bytes']['argument'] - parameters * 4
+    assert 0 <= extra < slack, row
+
+
 def test_gemma_programs_take_the_models_parameters(compiled_jobs):
-  """Gemma 3 270M holds 268,098,176 parameters (the registry file's count,
-  dequantized): in float32 they are the arguments, with a few kB of prompt,
-  direction and key."""
-  for row in _rows(compiled_jobs['gemma_steering']).values():
-    extra = row['bytes']['argument'] - 268_098_176 * 4
-    assert 0 <= extra < 2**20, row
+  """The two-layer file's 433,280 parameters (its tensors' sizes, counted
+  here; 1.7 MB) with 16 kB at most besides (7-12 kB)."""
+  count = sum(x.size for x in tiny_gemma.tensors(
+      np.random.default_rng(0), tiny_gemma.TILED_SHAPE).values())
+  _check_gemma_arguments(_rows(compiled_jobs['gemma_steering']), count,
+                         2**14)
+
+
+@pytest.mark.slow
+def test_gemma_270m_steering_compiles_with_its_parameters():
+  """The steering evaluation at Gemma 3 270M's shape (no weights read):
+  both programs fit a v5e 2x2 slice, and their arguments are its
+  268,098,176 parameters (the registry file's count, dequantized)."""
+  spec, target, overrides, _, functions = JOBS['gemma_steering']
+  overrides = {k: v for k, v in overrides.items()
+               if k not in ('shape', 'gguf', 'layer', 'sweep_layers')}
+  rows = _rows(_compile(spec, target, overrides))
+  assert list(rows) == functions
+  assert all(r['error'] is None and r['fits'] for r in rows.values()), rows
+  _check_gemma_arguments(rows, 268_098_176, 2**20)
 
 
 def test_donated_state_is_aliased_in_train_steps(compiled_jobs):

@@ -8,6 +8,8 @@ SFT, GRPO) runs on it in seconds. `gemma_config(path, job)` is a
 configs/gemma.py training config pointed at such a file.
 """
 
+import dataclasses
+
 import gguf
 import numpy as np
 
@@ -93,9 +95,16 @@ def write(path, tensors, shape=SHAPE, arch='gemma3', quantize=(),
   return str(path)
 
 
-def model_file(path, seed: int = 0) -> str:
-  """A small Gemma 3 GGUF at `path` with random weights of `seed`."""
-  return write(path, tensors(np.random.default_rng(seed)))
+# SHAPE widened to TPU tiles (128 lanes): a compiler for TPU pads SHAPE's
+# 32-wide arrays to 128, so its argument bytes are not the parameters'.
+TILED_SHAPE = dataclasses.replace(SHAPE, d_model=128, head_dim=128,
+                                  mlp_dim=256)
+
+
+def model_file(path, seed: int = 0, shape: gemma.Shape = SHAPE) -> str:
+  """A small Gemma 3 GGUF of `shape` at `path` with random weights of
+  `seed`."""
+  return write(path, tensors(np.random.default_rng(seed), shape), shape)
 
 
 def gemma_config(path: str, job: str = 'sft'):
