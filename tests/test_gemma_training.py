@@ -98,8 +98,9 @@ def test_the_loss_sees_frozen_parameters_as_constants(tiny_file, tmp_path):
                    (2, 1)).astype(np.uint32)
   batch = {'tokens': tokens,
            'loss_mask': np.ones((2, tokens.shape[1] - 1), np.uint8)}
-  grads = jax.grad(lambda p: exp.per_example(
-      exp.model, {'params': p, 'batch_stats': {}}, batch, True)[0].mean())(
+  # Under jit: one compile, where op-by-op took 10 s.
+  grads = jax.jit(jax.grad(lambda p: exp.per_example(
+      exp.model, {'params': p, 'batch_stats': {}}, batch, True)[0].mean()))(
           params)
   for path, g in _leaves(grads).items():
     frozen = "['embedding']" in path or "['final_norm']" in path
@@ -281,8 +282,8 @@ def test_the_forgetting_study_measures_reuses_and_refuses(tiny_file,
     p = dict(params, block_1=dict(params['block_1'], mlp=mlp))
     return exp.per_example(exp.model, {'params': p, 'batch_stats': {}},
                            batch, False)[0].mean()
-  eigenvalues = np.linalg.eigvalsh(np.asarray(jax.hessian(sub_loss)(flat),
-                                              np.float64))
+  hessian = jax.jit(jax.hessian(sub_loss))(flat)
+  eigenvalues = np.linalg.eigvalsh(np.asarray(hessian, np.float64))
   top = eigenvalues[np.argmax(np.abs(eigenvalues))]
   assert pre['lambda_max'] == pytest.approx(top, rel=0.05)
   sam_run = sft.load_policy(os.path.join(root, 'runs', 'sam_rho0.05_seed0'))
