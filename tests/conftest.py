@@ -187,3 +187,12 @@ _LONGEST_FIRST = ('test_battery.py', 'test_workdir_faults.py',
 def pytest_collection_modifyitems(items):
   rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+# The tests this session left out (`-m 'not slow'`, `-k`): test_slow_tests_
+# doc checks that docs/slow_tests.md lists every slow one.
+DESELECTED: list = []
+
+
+def pytest_deselected(items):
+  DESELECTED.extend(items)

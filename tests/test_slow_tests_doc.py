@@ -1,0 +1,38 @@
+"""docs/slow_tests.md lists every `slow` test once, with the fast test that
+covers it and what that one leaves out, and no test that is not slow."""
+
+import glob
+import os
+
+from tests import conftest
+
+DOC = os.path.join(conftest.REPO_ROOT, 'docs', 'slow_tests.md')
+
+
+def _rows() -> list[list[str]]:
+  with open(DOC) as f:
+    return [[cell.strip() for cell in line.strip().strip('|').split('|')]
+            for line in f if line.startswith('| test')]
+
+
+def _test_id(item) -> str:
+  return os.path.relpath(str(item.path), os.path.join(conftest.REPO_ROOT,
+                                                      'tests')) + (
+                                                          '::' + item.name)
+
+
+def test_every_slow_test_has_one_row_with_its_cover(request):
+  items = list(request.session.items) + conftest.DESELECTED
+  slow = {_test_id(i) for i in items if i.get_closest_marker('slow')}
+  rows = _rows()
+  listed = [row[0] for row in rows]
+  assert len(listed) == len(set(listed)), 'a test listed twice'
+  assert all(len(row) == 4 and all(row) for row in rows), [
+      row[0] for row in rows if len(row) != 4 or not all(row)]
+  assert not slow - set(listed), sorted(slow - set(listed))
+  # Rows of tests that are not slow (or gone) only show when every test
+  # file was collected.
+  files = {str(i.path) for i in items}
+  if files >= set(glob.glob(os.path.join(conftest.REPO_ROOT, 'tests',
+                                         'test_*.py'))):
+    assert not set(listed) - slow, sorted(set(listed) - slow)
