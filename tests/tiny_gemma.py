@@ -16,6 +16,8 @@ import numpy as np
 from configs import gemma as gemma_config_module
 from train.lm import gemma
 
+# A GGUF file holds no global_every (llama.cpp fixes Gemma 3's at 6): a
+# loaded file's two layers are both local, whatever SHAPE says.
 SHAPE = gemma.Shape(vocab_size=300, d_model=32, num_layers=2, num_heads=2,
                     num_kv_heads=1, head_dim=16, mlp_dim=64,
                     sliding_window=4, local_base=10_000.0,
