@@ -227,8 +227,8 @@ def test_the_configs_name_their_jobs():
 @pytest.mark.slow
 def test_a_real_gemma_fine_tunes_and_serves_grpo(tmp_path):
   """The registry's 270M through launch.train (SFT, frozen embedding, 4
-  steps) and launch.rl (2 versions) from it: both finish, the RL run with
-  its 2 versions (the forgetting study measures what the SFT learns)."""
+  steps), then launch.rl from it: both finish and the RL run makes its 2
+  versions (what the SFT learns is the forgetting study's to measure)."""
   sft_dir, rl_dir = str(tmp_path / 'sft'), str(tmp_path / 'rl')
   out = launch_runs.run_module(
       'launch.train', '--config=configs/gemma.py:sft,runlocal,frozen',

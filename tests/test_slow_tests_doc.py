@@ -15,15 +15,10 @@ def _rows() -> list[list[str]]:
             for line in f if line.startswith('| test')]
 
 
-def _test_id(item) -> str:
-  return os.path.relpath(str(item.path), os.path.join(conftest.REPO_ROOT,
-                                                      'tests')) + (
-                                                          '::' + item.name)
-
-
 def test_every_slow_test_has_one_row_with_its_cover(request):
   items = list(request.session.items) + conftest.DESELECTED
-  slow = {_test_id(i) for i in items if i.get_closest_marker('slow')}
+  slow = {i.nodeid.removeprefix('tests/') for i in items
+          if i.get_closest_marker('slow')}
   rows = _rows()
   listed = [row[0] for row in rows]
   assert len(listed) == len(set(listed)), 'a test listed twice'
