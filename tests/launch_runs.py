@@ -80,3 +80,38 @@ def communicate_all(procs: list[subprocess.Popen], timeout: float,
         p.kill()
         p.communicate()
   return [(p.returncode, out, err) for p, (out, err) in zip(wait_for, outs)]
+
+
+def run_measured(args: list[str], timeout: float = 120, **popen_kw
+                 ) -> tuple[subprocess.CompletedProcess, int]:
+  """`args` run from the repository root: (its result, its peak resident
+  memory in bytes; that of its largest process where it started others).
+
+  The peak is the kernel's (wait4's rusage of this child and its waited-for
+  descendants, not of the test process's other children). A run past
+  `timeout` s is killed and raises subprocess.TimeoutExpired.
+  """
+  import tempfile  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryFile('w+') as out, tempfile.TemporaryFile('w+') as err:
+    proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=out, stderr=err,
+                            text=True, **popen_kw)
+    killed = threading.Event()
+
+    def kill():
+      killed.set()
+      proc.kill()
+    timer = threading.Timer(timeout, kill)
+    timer.start()
+    try:
+      _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+      timer.cancel()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    out.seek(0)
+    err.seek(0)
+    if killed.is_set():
+      raise subprocess.TimeoutExpired(args, timeout, out.read(), err.read())
+    result = subprocess.CompletedProcess(args, proc.returncode, out.read(),
+                                         err.read())
+  return result, usage.ru_maxrss * 1024
