@@ -182,7 +182,7 @@ def _check_batch_memory(config: ml_collections.ConfigDict, columns: Columns,
   allocated before anything said no."""
   example = sum(math.prod(shape) * np.dtype(dtype).itemsize
                 for shape, dtype in columns.values())
-  memory = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  memory = host_memory_bytes()
   for field in ('batch_size', 'eval_batch_size'):
     need = config[field] * example / hosts
     if need > memory / 2:
@@ -190,6 +190,60 @@ def _check_batch_memory(config: ml_collections.ConfigDict, columns: Columns,
           field, config[field], f'its input alone is {need / 2**30:.1f} GiB '
           f'per host, more than half of this host\'s memory '
           f'({memory / 2**30:.1f} GiB)')
+
+
+def _device_bytes(tree: Any) -> int:
+  """The bytes one device holds of `tree` (ShapeDtypeStructs with
+  shardings), in Python integers: a declared shape's product can pass
+  int64."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shape = leaf.sharding.shard_shape(leaf.shape)
+    total += math.prod(int(n) for n in shape) * np.dtype(leaf.dtype).itemsize
+  return total
+
+
+def host_memory_bytes() -> int:
+  """This host's physical memory."""
+  return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+
+
+def _check_state_memory(config: ml_collections.ConfigDict,
+                        abstract_state: steps.TrainState, mesh: Mesh) -> None:
+  """ConfigError naming the model when the train state and its gradient
+  (the parameters' size again), a lower bound of what training holds,
+  cannot fit: per device against an accelerator's memory, or all of this
+  host's devices against its memory on CPU, where they share it. A d_model of 2**30 otherwise died in
+  XLA (an abort) after the workdir was written; 2**16 took the host's
+  memory."""
+  per_device = (_device_bytes(abstract_state)
+                + _device_bytes(abstract_state.params))
+  local = [d for d in mesh.devices.flat
+           if d.process_index == jax.process_index()]
+  if local[0].platform == 'cpu':
+    need, have = per_device * len(local), host_memory_bytes()
+    where = f'this host\'s memory ({have / 2**30:.1f} GiB)'
+  else:
+    stats = local[0].memory_stats() or {}
+    if 'bytes_limit' not in stats:
+      return
+    need, have = per_device, stats['bytes_limit']
+    where = (f'the {have / 2**30:.1f} GiB of a {local[0].device_kind} '
+             'device')
+  if need > have:
+    raise ConfigError(
+        'model', _model_summary(config),
+        f'its train state and gradient alone need {need / 2**30:,.1f} GiB '
+        f'{"per device" if local[0].platform != "cpu" else "on this host"}, '
+        f'more than {where}; make the model smaller or shard it over more '
+        'devices (mesh, logical_axis_rules)')
+
+
+def _model_summary(config: ml_collections.ConfigDict) -> Any:
+  model = config.get('model')
+  if isinstance(model, ml_collections.ConfigDict):
+    return {k: v for k, v in model.items() if isinstance(v, (int, str))}
+  return model
 
 
 # True while another run's experiment is rebuilt to read its checkpoints
@@ -304,9 +358,6 @@ def assemble(config: ml_collections.ConfigDict, workdir: str, *,
   _check_batch_memory(config, columns,
                       len({d.process_index for d in mesh.devices.flat}))
   _check_hooks(optimizer, rules)
-  workdir = check_workdir(workdir)
-  if check_data is not None:
-    check_data()
 
   boxed = jax.eval_shape(init_variables, jax.random.key(0))
   frozen = optim.frozen_mask(config.optimizer, nn.meta.unbox(boxed['params']))
@@ -330,6 +381,14 @@ def assemble(config: ml_collections.ConfigDict, workdir: str, *,
   abstract_state = jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
       abstract, state_shardings)
+  if devices is None:
+    # Compile-only devices (`launch.compile`) are another machine's: its
+    # report says whether the programs fit.
+    _check_state_memory(config, abstract_state, mesh)
+  # Only now, so that a run refused above leaves no workdir behind.
+  workdir = check_workdir(workdir)
+  if check_data is not None:
+    check_data()
   return Experiment(
       config=config, workdir=workdir, mesh=mesh, model=model,
       init_variables=init_variables, per_example=per_example,
