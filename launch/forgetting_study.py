@@ -108,8 +108,7 @@ def check_settings(pretrain) -> None:
   if 'baseline' not in _VARIANTS.value:
     raise UsageError('--variants', ','.join(_VARIANTS.value),
                      'must include baseline (forgetting is relative to it)')
-  if _SEEDS.value < 1:
-    raise UsageError('--seeds', _SEEDS.value, 'must be >= 1')
+  stats.check_seed_count('--seeds', _SEEDS.value)
   n = pretrain.num_steps
   if 'sam_mid' in _VARIANTS.value and not 0 < _MID_STEPS.value < n:
     raise UsageError('--mid_steps', _MID_STEPS.value,
@@ -352,10 +351,10 @@ def main(argv):
                for s in range(_SEEDS.value)]
     root = _WORKDIR.value
     text = summarize(records, {'post': 31, 'quant': 40})
-    with open(os.path.join(root, 'forgetting.md'), 'w') as f:
-      f.write(text)
-    with open(os.path.join(root, 'forgetting.json'), 'w') as f:
-      json.dump(records, f, indent=1)
+    # Atomic writes replace what is there (a FIFO would block an open).
+    metrics.write_text_atomic(os.path.join(root, 'forgetting.md'), text)
+    metrics.write_text_atomic(os.path.join(root, 'forgetting.json'),
+                              json.dumps(records, indent=1))
     plot(records, os.path.join(root, 'forgetting.png'))
     print(text)
 

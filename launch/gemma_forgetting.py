@@ -47,8 +47,10 @@ def main(argv):
 
   def job():
     # pylint: disable=g-import-not-at-top
+    from train import stats
     from train.rl import gemma_forgetting
     from train.errors import UsageError
+    stats.check_seed_count('--seeds', _SEEDS.value)
     try:
       rhos = tuple(float(r) for r in _RHOS.value)
     except ValueError:

@@ -122,7 +122,7 @@ def check_flags() -> None:
       if value not in choices:
         raise UsageError(f'--{flag.name}', value, 'unknown', choices)
 
-  integers(_SEEDS, 1)
+  stats.check_seed_count('--seeds', _SEEDS.value)
   integers(_BOUNDS, 1)  # The synchronous run (0) is always in the study.
   integers(_GAS_BOUND, 1)
   integers(_VERSIONS, 1)

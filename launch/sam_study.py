@@ -50,6 +50,7 @@ from absl import logging
 
 from launch import entry
 from launch import trainers
+from train import metrics
 from train import stats
 from train.errors import UsageError
 from train.vision import datasets
@@ -85,6 +86,7 @@ _NUM_STEPS = flags.DEFINE_integer(
 
 def check_flags() -> None:
   """UsageError naming the flag, before anything is trained."""
+  stats.check_seed_count('--seeds', _SEEDS.value)
   if _EXPERIMENT.value not in EXPERIMENTS:
     raise UsageError('--experiment', _EXPERIMENT.value, 'unknown experiment',
                      EXPERIMENTS)
@@ -138,8 +140,7 @@ def run_config(method: str, rho: float, seed: int):
 
 
 def train_records(workdir: str) -> list[dict]:
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    records = [json.loads(line) for line in f]
+  records = metrics.read_jsonl(os.path.join(workdir, 'metrics.jsonl'), workdir)
   return [r for r in records if 'train_loss' in r]
 
 
@@ -230,11 +231,12 @@ def main(argv):
     entry.configure_devices(run_config('sgd', 0.0, 0))
     results = run_study()
     text = summarize(results)
-    with open(os.path.join(_WORKDIR.value, 'study.md'), 'w') as f:
-      f.write(text)
-    with open(os.path.join(_WORKDIR.value, 'study.json'), 'w') as f:
-      json.dump({f'{m}/{r}': v for (m, r), v in results.items()}, f,
-                indent=1)
+    # Atomic writes replace what is there (a FIFO would block an open).
+    metrics.write_text_atomic(os.path.join(_WORKDIR.value, 'study.md'), text)
+    metrics.write_text_atomic(
+        os.path.join(_WORKDIR.value, 'study.json'),
+        json.dumps({f'{m}/{r}': v for (m, r), v in results.items()},
+                   indent=1))
     print(text)
 
   entry.run_job(job)

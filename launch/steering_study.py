@@ -41,6 +41,8 @@ from configs import lm
 from configs import steering
 from launch import entry
 from train import experiment
+from train import fileio
+from train import stats
 from train.errors import RunError
 from train.errors import UsageError
 from train.steering import evaluation
@@ -82,13 +84,8 @@ def _numbers(flag: str, values: list[str], kind, check, problem: str):
 
 def check_flags() -> dict:
   """The parsed settings; UsageError naming the flag, before any compute."""
-  lm_seeds = _numbers('--lm_seeds', _LM_SEEDS.value, int, lambda v: v >= 0,
-                      'seeds are integers >= 0')
-  item_seeds = _numbers('--item_seeds', _ITEM_SEEDS.value, int,
-                        lambda v: v >= 0, 'seeds are integers >= 0')
-  if not lm_seeds or not item_seeds:
-    raise UsageError('--lm_seeds' if not lm_seeds else '--item_seeds', '',
-                     'give at least one seed')
+  lm_seeds = stats.check_seed_list('--lm_seeds', _LM_SEEDS.value)
+  item_seeds = stats.check_seed_list('--item_seeds', _ITEM_SEEDS.value)
   targets = _numbers('--targets', _TARGETS.value, float, lambda v: v > 0,
                      'a target KL is > 0')
   if not targets or targets != sorted(targets):
@@ -136,12 +133,14 @@ def train_lm(seed: int) -> None:
          f'--config.seed={seed}', f'--workdir={workdir}']
   log = os.path.join(_WORKDIR.value, f'lm_seed{seed}.log')
   logging.info('LM seed %d: %s (log %s)', seed, ' '.join(cmd), log)
-  with open(log, 'a') as f:
+  # The study's own files are opened through fileio: a FIFO put in their
+  # place would block an open.
+  with fileio.open_local(log, 'a', root=_WORKDIR.value) as f:
     proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
                           cwd=os.path.dirname(os.path.dirname(
                               os.path.abspath(__file__))))
   if proc.returncode:
-    with open(log) as f:
+    with fileio.open_local(log, root=_WORKDIR.value) as f:
       errors = [l.strip() for l in f if l.startswith('error:')]
     raise RunError(f'training LM seed {seed} failed (exit {proc.returncode}): '
                    f'{errors[-1] if errors else "see " + log}')
@@ -153,8 +152,7 @@ def finished(config, name: str) -> dict | None:
   path = os.path.join(_WORKDIR.value, name, 'results.json')
   if not os.path.exists(path):
     return None
-  with open(path) as f:
-    results = json.load(f)
+  results = json.loads(fileio.read_text(path, _WORKDIR.value))
   wanted = json.loads(config.to_json())
   have = results['meta'].get('config') or {}
   if have == wanted:
@@ -174,8 +172,8 @@ def evaluate(config, name: str) -> dict:
     return results
   workdir = os.path.join(_WORKDIR.value, name)
   evaluation.evaluate(config, workdir)
-  with open(os.path.join(workdir, 'results.json')) as f:
-    return json.load(f)
+  return json.loads(fileio.read_text(os.path.join(workdir, 'results.json'),
+                                     workdir))
 
 
 def main(argv):

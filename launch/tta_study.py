@@ -116,7 +116,7 @@ def check_flags() -> None:
         raise UsageError(f'--{flag.name}', value, 'unknown', choices)
 
   at_least_1 = lambda v: v >= 1
-  numbers(_SEEDS, int, at_least_1, 'an integer >= 1')
+  stats.check_seed_count('--seeds', _SEEDS.value)
   numbers(_SEVERITIES, int, lambda v: 1 <= v <= 5, 'an integer in 1-5')
   among(_PROTOCOLS, streams.PROTOCOLS)
   if _MEAN_PROTOCOLS.value:

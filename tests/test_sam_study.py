@@ -51,6 +51,9 @@ def test_the_lm_experiment_trains_the_config_and_steps_it_is_given(tmp_path):
     (['--num_steps=0'], "error: --num_steps=0: must be >= 1"),
     (['--num_steps=50', '--warmstart_steps=50'],
      "error: --warmstart_steps=50: must lie in [0, num_steps)"),
+    # It was a StatisticsError traceback (exit 1) after the empty study.
+    (['--seeds=0'], 'error: --seeds=0: must be an integer >= 1: a study '
+     'needs at least 1 seed'),
 ])
 def test_a_bad_flag_is_one_line_before_any_run(tmp_path, flags, start):
   result = _study(tmp_path, *flags, timeout=120)

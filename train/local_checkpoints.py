@@ -132,8 +132,10 @@ class LocalCheckpoints(checkpointing.Checkpoints):
   def _index(self, step: int) -> dict[str, Any]:
     path = os.path.join(self.directory, str(step), META)
     try:
-      with open(path, 'rb') as f:
+      with fileio.open_local(path, 'rb', root=self.workdir) as f:
         index = json.loads(f.read())
+    except fileio.SpecialFile:
+      raise  # Not damage: a file put there, refused in one line.
     except (OSError, ValueError) as e:
       raise DamagedCheckpoint(step, f'{META} does not load ({e})') from e
     if not isinstance(index, dict) or index.get('format') != FORMAT:
@@ -152,9 +154,12 @@ class LocalCheckpoints(checkpointing.Checkpoints):
       raise DamagedCheckpoint(step, f'holds {len(index["leaves"])} arrays, '
                               f'the run {len(targets)}')
     try:
-      with np.load(os.path.join(self.directory, str(step), ARRAYS),
-                   allow_pickle=False) as npz:
+      with fileio.open_local(os.path.join(self.directory, str(step), ARRAYS),
+                             'rb', root=self.workdir) as f, np.load(
+                                 f, allow_pickle=False) as npz:
         host = [npz[f'arr_{i}'] for i in range(len(targets))]
+    except fileio.SpecialFile:
+      raise
     except Exception as e:  # pylint: disable=broad-except
       raise DamagedCheckpoint(step, f'{ARRAYS} does not load '
                               f'({type(e).__name__}: {e})') from e

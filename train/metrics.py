@@ -60,21 +60,23 @@ def parse_jsonl(data: str | bytes) -> tuple[list[dict], int]:
   return records, dropped
 
 
-def read_jsonl(path: str) -> list[dict[str, float]]:
+def read_jsonl(path: str, root: str | None = None) -> list[dict[str, float]]:
   """The complete records of `path` ([] if it does not exist); non-finite
-  values are None."""
+  values are None. `root`: the workdir `path` must lie in
+  (`fileio.check_local`)."""
   if not fileio.exists(path):
     return []
-  records, dropped = parse_jsonl(fileio.read_bytes(path))
+  records, dropped = parse_jsonl(fileio.read_bytes(path, root))
   if dropped:
     logging.warning('%s: %d damaged line(s) ignored (a crash mid-write)',
                     path, dropped)
   return records
 
 
-def read_json(path: str) -> dict:
-  """A JSON object from `path`; ValueError if it is not one."""
-  value = json.loads(fileio.read_text(path))
+def read_json(path: str, root: str | None = None) -> dict:
+  """A JSON object from `path`; ValueError if it is not one. `root`: the
+  workdir `path` must lie in (`fileio.check_local`)."""
+  value = json.loads(fileio.read_text(path, root))
   if not isinstance(value, dict):
     raise ValueError(f'{path} holds {type(value).__name__}, not an object')
   return value
@@ -116,7 +118,8 @@ class MetricWriter:
     if resume_step is None:
       kept = []
     else:
-      kept = [r for r in read_jsonl(self.path) if r['step'] <= resume_step]
+      kept = [r for r in read_jsonl(self.path, workdir)
+              if r['step'] <= resume_step]
       if keep_records is not None:
         kept = kept[:keep_records]
     self.records = len(kept)
@@ -124,7 +127,7 @@ class MetricWriter:
     self._lines = [dumps(r) + '\n' for r in kept]
     write_text_atomic(self.path, ''.join(self._lines))
     self._file = (None if fileio.is_remote(self.path)
-                  else open(self.path, 'a'))
+                  else fileio.open_local(self.path, 'a', root=workdir))
     # Imported here: only process 0 needs it.
     from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
     self._tb = SummaryWriter(

@@ -154,7 +154,7 @@ class Run:
     if latest != total:
       return None
     try:
-      results = metrics_lib.read_json(self._results_path)
+      results = metrics_lib.read_json(self._results_path, self.workdir)
     except ValueError as e:
       logging.warning('%s is unreadable (%s); computing it again',
                       self._results_path, e)

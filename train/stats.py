@@ -37,7 +37,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from train.errors import UsageError
+
 Nested = Any  # A 1-D array of item scores, or a list of Nested.
+
+# A study's tables give the mean over its seeds: one seed is the least that
+# gives one (the spread then reads as absent, not as 0; RESULTS.md's
+# studies use 3 or more, the tests' small runs 1).
+MIN_SEEDS = 1
+_SEEDS_NEEDED = (f'a study needs at least {MIN_SEEDS} seed for its means (2 '
+                 'for a spread; its results use 3 or more)')
 
 
 class Interval(NamedTuple):
@@ -57,6 +66,53 @@ def mean_std(values: Sequence[float], scale: float = 1.0,
     return f'{values[0]:.{digits}f}'
   return (f'{statistics.mean(values):.{digits}f} ± '
           f'{statistics.stdev(values):.{digits}f}')
+
+
+def check_seed_count(flag: str, value: Any) -> int:
+  """The seed count of a study's `--seeds=N` (seeds 0 to N-1).
+
+  Raises:
+    UsageError: `value` is not an integer >= MIN_SEEDS (named `flag`);
+      checked before anything is trained, since a study of no seeds ends
+      in a failed mean after all its runs.
+  """
+  count = None
+  if isinstance(value, (int, str)) and not isinstance(value, bool):
+    try:
+      count = int(value)
+    except ValueError:
+      pass
+  if count is None or count < MIN_SEEDS:
+    raise UsageError(flag, value, f'must be an integer >= {MIN_SEEDS}: '
+                     f'{_SEEDS_NEEDED}')
+  return count
+
+
+def check_seed_list(flag: str, values: Sequence[Any]) -> list[int]:
+  """The seeds of a study's list flag (`--lm_seeds=0,1,2`), as integers.
+
+  Raises:
+    UsageError: a value is not an integer >= 0, one repeats (a repeated
+      seed would count one run twice in a mean and its spread), or fewer
+      than MIN_SEEDS are given; named `flag`.
+  """
+  seeds = []
+  for value in values:
+    try:
+      seed = int(value)
+    except (TypeError, ValueError):
+      raise UsageError(flag, value,
+                       'not a number; seeds are integers >= 0') from None
+    if seed < 0:
+      raise UsageError(flag, value, 'seeds are integers >= 0')
+    seeds.append(seed)
+  if len(set(seeds)) != len(seeds):
+    raise UsageError(flag, ','.join(map(str, values)),
+                     'has a repeated value; each seed counts once')
+  if len(seeds) < MIN_SEEDS:
+    raise UsageError(flag, ','.join(map(str, values)),
+                     f'give at least one seed: {_SEEDS_NEEDED}')
+  return seeds
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]],

@@ -31,6 +31,8 @@ from train import process_group
 from train.errors import UsageError
 
 LOCK_FILE = '.lock'
+# `hold`'s status from process 0 to the others: 0 busy, 1 held, or this.
+_REFUSED = 2
 
 
 class WorkdirBusy(UsageError):
@@ -69,7 +71,8 @@ def _try_lock(path: str):
   os.makedirs(os.path.dirname(path), exist_ok=True)
   # 'a+' creates the file without truncating what a holder wrote.
   try:
-    f = open(path, 'a+')  # pylint: disable=consider-using-with
+    f = fileio.open_local(  # pylint: disable=consider-using-with
+        path, 'a+', root=os.path.dirname(path))
   except IsADirectoryError:
     raise UsageError('--workdir', os.path.dirname(path),
                      f'its lock file {path} is a directory, not a file '
@@ -102,14 +105,29 @@ def hold(workdir: str) -> Iterator[None]:
   Raises:
     WorkdirBusy: another live process holds it (on every process of the
       run, so that none waits for the others at a collective).
+    fileio.SpecialFile: a file in the workdir is a FIFO, a socket, a
+      device or a symlink out of it (looked for before anything there is
+      opened: a run would block on it, or read or write outside).
+    UsageError: the lock file is a directory.
   """
-  f = info = None
+  f = info = refused = None
   if process_group.is_writer():
-    f, info = _try_lock(lock_path(workdir))
-  held = f is not None
+    try:
+      fileio.check_tree(fileio.absolute(workdir))
+      f, info = _try_lock(lock_path(workdir))
+    except UsageError as e:
+      refused = e
+  status = _REFUSED if refused is not None else int(f is not None)
   if process_group.count() > 1:
-    held = bool(multihost_utils.broadcast_one_to_all(np.int32(held)))
-  if not held:
+    # Every process ends alike; the others would wait at their first
+    # collective for a process 0 that has left.
+    status = int(multihost_utils.broadcast_one_to_all(np.int32(status)))
+  if refused is not None:
+    raise refused
+  if status == _REFUSED:
+    raise UsageError('--workdir', workdir, 'refused by process 0 (its error '
+                     'names the file)')
+  if not status:
     raise WorkdirBusy(workdir, info or {})
   if f is None:  # Another process of the run holds it.
     yield
