@@ -10,7 +10,8 @@ pass_at_1.png. A mistake in the config (an unknown family or correction,
 a bad staleness bound, a missing or foreign SFT checkpoint): one line and
 exit status 2 before any compute. The workdir in use by another run: 75;
 no checkpoint in it that loads and verifies: 4; actors failing beyond
-`runtime.max_actor_restarts`: 1. SIGTERM saves a checkpoint and exits 0,
+`runtime.max_actor_restarts`: 1; with --multihost, a process that did not
+join within --multihost_start_timeout: 1. SIGTERM saves a checkpoint and exits 0,
 SIGINT saves one and exits 130; the same command resumes the run.
 
 Several processes (`--multihost`, flags in `launch.multihost`) with
@@ -25,6 +26,12 @@ e.g. on one machine:
     --config.cpu_devices=4 --config.rollout_processes=2 --multihost \
     --coordinator_address=127.0.0.1:8476 --num_processes=3 \
     --process_id=$i & done
+
+A refusal is the job's: when one process refuses or fails (a busy
+workdir, a wrong workdir kind, a full disk, bad input), it tells the
+others, and every process exits with its code and one line naming the
+cause and the process that found it. Flags and every config check that
+needs no device are checked before the processes meet.
 """
 
 from absl import app
@@ -48,13 +55,20 @@ def main(argv):
 
   def job():
     entry.configure_devices(config)
-    from train.rl import processes  # pylint: disable=g-import-not-at-top
+    # pylint: disable=g-import-not-at-top
+    from train.rl import processes
+    from train.rl import run
+    # pylint: enable=g-import-not-at-top
+    multihost.check_flags()
+    if multihost.MULTIHOST.value and multihost.NUM_PROCESSES.value:
+      # Whatever needs no peer is refused here, by every process alike,
+      # not after waiting for the others to join.
+      run.check_config(config, processes=multihost.NUM_PROCESSES.value)
     # Each process's programs run on its own devices, but for the update
     # of a learner over several processes (learner_group).
     multihost.initialize(collectives=processes.learner_group_size(
         config.get('rollout_processes'), multihost.NUM_PROCESSES.value
         or 1) > 1)
-    from train.rl import run  # pylint: disable=g-import-not-at-top
     return run.train_and_evaluate(config, _WORKDIR.value)
 
   results = entry.run_job(job)

@@ -48,6 +48,42 @@ class ProcessDied(RunError):
         'the same command on every process to resume.')
 
 
+class PeerStopped(RunError):
+  """Another process of the job refused or failed: this one ends as that
+  one did, with its exit status and a line naming it and its cause."""
+
+  def __init__(self, process: int, role: str, code: int, line: str):
+    self.process = process
+    self.exit_code = code
+    super().__init__(f'process {process} ({role}) stopped the job: {line}')
+
+
+def exit_code(error: BaseException) -> int:
+  """The exit status `launch.entry.run_job` gives `error`, which the job's
+  other processes then exit with too."""
+  # pylint: disable=g-import-not-at-top
+  from train.errors import Interrupted, UsageError
+  from train.workdir_lock import WorkdirBusy
+  # pylint: enable=g-import-not-at-top
+  if isinstance(error, WorkdirBusy):
+    return 75
+  if isinstance(error, UsageError):
+    return 2
+  if isinstance(error, Interrupted):
+    return 128 + error.signum
+  return getattr(error, 'exit_code', 1) if isinstance(error, RunError) else 1
+
+
+def told(error: BaseException) -> dict[str, Any]:
+  """What the other processes are told of `error`: its line and exit
+  status (a library's exception by its type, as a traceback would)."""
+  from train.errors import Interrupted, UsageError  # pylint: disable=g-import-not-at-top
+  plain = isinstance(error, (RunError, UsageError, Interrupted))
+  line = str(error) if plain else f'{type(error).__name__}: {error}'
+  return {'line': line.strip().splitlines()[0] if line.strip() else line,
+          'code': exit_code(error)}
+
+
 def client():
   """jax.distributed's client of the coordination service (None without it)."""
   from jax._src import distributed  # pylint: disable=g-import-not-at-top

@@ -96,18 +96,24 @@ def roles(config) -> Roles | None:
   """
   count = jax.process_count()
   r = config.get('rollout_processes')
+  check_roles(r, count)
+  return None if r is None else Roles(jax.process_index(), count, r)
+
+
+def check_roles(r: Any, count: int) -> None:
+  """ConfigError unless `rollout_processes = r` fits a job of `count`
+  processes (known before JAX starts: `--num_processes`)."""
   if r is None:
     if count > 1:
       raise ConfigError('rollout_processes', r,
                         f'required with {count} processes: how many of them '
                         'generate (the others learn)')
-    return None
+    return
   if count == 1:
     raise ConfigError('rollout_processes', r,
                       'needs launch.rl --multihost with several processes '
                       '(unset for one process)')
   check_rollout_processes(r, count)
-  return Roles(jax.process_index(), count, r)
 
 
 def check_rollout_processes(r: Any, count: int) -> None:
@@ -247,22 +253,28 @@ def remote_claim(channel_: control.Channel, start: int, window: int,
 
 
 def check_peers(transport: transport_lib.Transport,
-                liveness: control.Liveness) -> None:
+                liveness: control.Liveness,
+                ended: Callable[[], Any] = lambda: None) -> None:
   """Raises `ProcessDied` for a process that stopped, else what the
   transport found.
 
   A process killed in the middle of a transfer breaks its connection at
   once, while its heartbeats take `liveness.dead_after` s to go stale: a
   failed transfer waits that long for the watch to name the process.
+  `ended()` raises the refusal the learner told before it went (e.g.
+  `control.PeerStopped`): the cause, where a broken transfer or a silent
+  heartbeat would only be its echo.
   """
   try:
     transport.check()
   except transport_lib.TransferFailed:
     deadline = time.monotonic() + liveness.dead_after + 2
     while time.monotonic() < deadline:
+      ended()
       liveness.check()
       time.sleep(0.1)
     raise
+  ended()
   liveness.check()
 
 
@@ -373,7 +385,8 @@ class LearnerServices:
       failed = (None if p == self._roles.learner
                 else self._channel.try_get(f'failed/{p}'))
       if failed is not None:
-        raise RolloutFailed(p, failed, self._roles.role(p))
+        raise RolloutFailed(p, failed['line'], self._roles.role(p),
+                            failed['code'])
     if not self._stop_seen:
       stop = self._channel.try_get('stop')
       if stop is not None:
@@ -396,8 +409,11 @@ class LearnerServices:
 
 
 class RolloutFailed(RunError):
-  """A rollout (or following learner) process stopped with an error."""
+  """A rollout (or following learner) process stopped with an error; the
+  learner ends with its exit status `code`."""
   exit_code = 1
 
-  def __init__(self, process: int, line: str, role: str = 'rollout'):
+  def __init__(self, process: int, line: str, role: str = 'rollout',
+               code: int = 1):
+    self.exit_code = code
     super().__init__(f'{role} process {process} stopped: {line}')

@@ -193,10 +193,14 @@ def learner_shardings(config, model: nn.Module,
 
 def check_config(config: ml_collections.ConfigDict,
                  devices: list | None = None,
-                 require_sft: bool = True) -> None:
+                 require_sft: bool = True,
+                 processes: int | None = None) -> None:
   """ConfigError naming the field, before anything is read or computed.
   `devices`: the job's (default: this process's); `require_sft=False`
-  lets the SFT workdir be unset (compiling needs its config only)."""
+  lets the SFT workdir be unset (compiling needs its config only);
+  `processes`: the job's process count before JAX starts (`launch.rl
+  --multihost --num_processes`): checks everything that needs no device,
+  `rollout_processes` against that count, and starts nothing."""
   if config.get('task') != TASK:
     raise ConfigError('task', config.get('task'), f'must be {TASK!r}')
   if require_sft:
@@ -241,12 +245,15 @@ def check_config(config: ml_collections.ConfigDict,
         0 < value < math.inf):
       raise ConfigError(f'runtime.{field}', value,
                         'must be a finite number of seconds > 0')
-  if devices is None:
-    processes_lib.roles(config)
   for field in ('learning_rate', 'grad_clip_norm'):
     value = config.optimizer[field]
     if not (isinstance(value, (int, float)) and 0 < value < math.inf):
       raise ConfigError(f'optimizer.{field}', value, 'must be finite and > 0')
+  if processes is not None:
+    processes_lib.check_roles(config.get('rollout_processes'), processes)
+    return
+  if devices is None:
+    processes_lib.roles(config)
   count = jax.device_count() if devices is None else len(devices)
   rollout_mesh, learner_mesh = meshes(config, devices)
   rows = config.prompts_per_batch * config.grpo.group_size
@@ -393,7 +400,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     DiskFull: a write ran out of space (earlier checkpoints are intact).
     Preempted: SIGTERM or SIGINT arrived; a checkpoint was saved first.
   """
-  check_config(config)
+  if not multi_process(config):
+    check_config(config)  # Refuses rollout_processes on one process.
   roles = processes_lib.roles(config)
   if roles is None:
     workdir = check_workdir(workdir)
@@ -404,6 +412,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       return _train(config, run)
   job = _Job(config, roles)
   try:
+    # Under the job's channel: a process that refuses (its SFT workdir
+    # missing on its host, say) tells the others.
+    check_config(config)
     if roles.is_follower:
       return _follow(config, job)
     if not roles.is_learner:
@@ -426,11 +437,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       job.tell('done', {'stop': e.signal_name, 'step': e.step})
     raise
   except BaseException as e:
-    line = str(e) if isinstance(e, RunError) else f'{type(e).__name__}: {e}'
-    if roles.is_learner:
-      job.tell('done', {'error': line})
+    # Every process ends with the refusing one's exit status and line:
+    # the learner tells the run's end, any other process the learner.
+    # The echo of another's refusal is not told again.
+    if isinstance(e, control.PeerStopped):
+      pass
+    elif roles.is_learner:
+      told = control.told(e)
+      job.tell('done', {'error': told['line'], 'code': told['code']})
     else:
-      job.tell(f'failed/{roles.process}', line)
+      job.tell(f'failed/{roles.process}', control.told(e))
     job.close(error=True, dead=getattr(e, 'process', None))
     raise
   finally:
@@ -470,9 +486,13 @@ class _Job:
   def __init__(self, config, roles: processes_lib.Roles):
     self.roles = roles
     self.halt = threading.Event()
-    self.timeout = config.runtime.get('transfer_timeout', TRANSFER_TIMEOUT)
+    # The defaults stand in for values check_config (run under the job,
+    # so that a refusal reaches the others) has still to refuse.
+    self.timeout = _seconds(config.runtime.get('transfer_timeout'),
+                            TRANSFER_TIMEOUT)
     self.channel = processes_lib.channel(self.timeout, self.halt.is_set)
-    self.peer_timeout = config.runtime.get('peer_timeout', PEER_TIMEOUT)
+    self.peer_timeout = _seconds(config.runtime.get('peer_timeout'),
+                                 PEER_TIMEOUT)
     self._closed = False
     self.liveness = control.Liveness(
         self.channel, roles.process, roles.names,
@@ -480,6 +500,19 @@ class _Job:
     self.liveness.start()
     self.transport = transport_lib.DevicePutTransport(
         self.channel, roles.process, self.timeout)
+
+  def ended(self) -> dict[str, Any] | None:
+    """The learner's end of the run (None while it goes on).
+
+    Raises:
+      control.PeerStopped: the learner refused or failed (its exit status
+        and line).
+    """
+    done = self.channel.try_get('done')
+    if done is not None and 'error' in done:
+      raise control.PeerStopped(self.roles.learner, 'learner',
+                                done.get('code', 1), done['error'])
+    return done
 
   def tell(self, key: str, value: Any) -> None:
     """Sets `key` if the control plane is still there (a failure to tell
@@ -510,6 +543,13 @@ class _Job:
         self.channel.try_get(f'exited/{p}') is None for p in others):
       time.sleep(0.05)
     time.sleep(0.5)  # Their last line is being printed.
+
+
+def _seconds(value: Any, default: float) -> float:
+  """`value` if it is a finite number of seconds > 0, else `default`."""
+  ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+        and 0 < value < math.inf)
+  return value if ok else default
 
 
 def _counters(bound: int, saved: dict | None = None
@@ -901,6 +941,7 @@ def _rollout(config, job: _Job) -> dict[str, Any]:
 
   job.transport.start(receive)
   while (start := ch.try_get('start')) is None:  # The learner restores.
+    job.ended()  # Or refused: its workdir busy, say.
     job.liveness.check()
     if job.halt.wait(0.05):
       raise runtime_lib.Stopped()
@@ -935,13 +976,16 @@ def _rollout(config, job: _Job) -> dict[str, Any]:
   with process_group.alone(), stop.installed():
     actors.start()
     try:
-      while (done := ch.try_get('done')) is None:
+      while (done := job.ended()) is None:
         actors.check()
-        processes_lib.check_peers(job.transport, job.liveness)
+        processes_lib.check_peers(job.transport, job.liveness, job.ended)
         if stop.event.is_set() and not forwarded:
           ch.set('stop', stop.signal_name)
           forwarded = True
         time.sleep(0.05)
+    except RunError:
+      job.ended()  # A failure here may be the echo of the learner's end.
+      raise
     finally:
       job.halt.set()
       actors.stop()
@@ -952,9 +996,6 @@ def _rollout(config, job: _Job) -> dict[str, Any]:
         logging.warning('%s', e)
   if 'stop' in done:
     raise Preempted(done['step'], done['stop'])
-  if 'error' in done:
-    raise RunError(f'the learner (process {roles.learner}) stopped: '
-                   f'{done["error"]}')
   return {'role': 'rollout', 'process': roles.process,
           'batches_sent': job.transport.sent}
 
@@ -983,13 +1024,13 @@ def _follow(config, job: _Job) -> dict[str, Any]:
 
   def check() -> None:
     nonlocal forwarded
-    processes_lib.check_peers(job.transport, job.liveness)
+    processes_lib.check_peers(job.transport, job.liveness, job.ended)
     if stop.event.is_set() and not forwarded:
       ch.set('stop', stop.signal_name)
       forwarded = True
 
   with stop.installed():
-    while (done := ch.try_get('done')) is None:
+    while (done := job.ended()) is None:
       message = inbox.next(check)
       if message is None:
         continue
@@ -1008,9 +1049,6 @@ def _follow(config, job: _Job) -> dict[str, Any]:
   job.halt.set()
   if 'stop' in done:
     raise Preempted(done['step'], done['stop'])
-  if 'error' in done:
-    raise RunError(f'the learner (process {roles.learner}) stopped: '
-                   f'{done["error"]}')
   return {'role': 'follower', 'process': roles.process, 'updates': updates}
 
 

@@ -160,7 +160,9 @@ class DevicePutTransport(Transport):
     except runtime.Stopped:
       return
     except Exception as e:  # pylint: disable=broad-except
-      logging.warning('transport failed: %s\n%s', e, traceback.format_exc())
+      # `check()` reports it in one line; the traceback (most often the
+      # echo of a peer that ended) stays out of the console.
+      logging.info('transport failed: %s\n%s', e, traceback.format_exc())
       self._failure = e
 
   def _collect_acks(self, unacked: list[int]) -> None:
