@@ -68,6 +68,7 @@ from train.rl import control
 from train.rl import grpo
 from train.rl import learner as learner_lib
 from train.rl import learner_group
+from train.rl import limits
 from train.rl import rollout as rollout_lib
 from train.rl import processes as processes_lib
 from train.rl import runtime as runtime_lib
@@ -102,11 +103,6 @@ def loss_settings(config) -> learner_lib.LearnerSettings:
                              aggregation=g.aggregation,
                              temperature=config.temperature),
       group_size=g.group_size, iterations=g.iterations)
-
-
-# Bounds checked before anything is allocated.
-MAX_BATCH_ROWS = 1 << 16
-MAX_EVAL_EXAMPLES = 100_000
 
 
 def runtime_settings(config) -> runtime_lib.RuntimeSettings:
@@ -225,19 +221,8 @@ def check_config(config: ml_collections.ConfigDict,
   loss_settings(config).check('grpo')
   runtime_settings(config).check('runtime')
   # Sizes, before anything is allocated: a billion of any of these takes
-  # the process past the host's memory (18 GB when measured).
-  if config.runtime.max_staleness > config.num_versions:
-    raise ConfigError('runtime.max_staleness', config.runtime.max_staleness,
-                      f'must be <= num_versions ({config.num_versions}): '
-                      'the learner keeps that many past policies')
-  rows = config.prompts_per_batch * config.grpo.group_size
-  if rows > MAX_BATCH_ROWS:
-    raise ConfigError('prompts_per_batch', config.prompts_per_batch,
-                      f'times grpo.group_size ({config.grpo.group_size}) '
-                      f'must be at most {MAX_BATCH_ROWS} sequences a batch')
-  if config.eval_examples > MAX_EVAL_EXAMPLES:
-    raise ConfigError('eval_examples', config.eval_examples,
-                      f'must be at most {MAX_EVAL_EXAMPLES} per difficulty')
+  # the process past the host's memory (14-18 GB when measured).
+  limits.check_sizes(config)
   scheduler_lib.check_config(config)
   for field in ('shutdown_timeout', 'transfer_timeout', 'peer_timeout'):
     value = config.runtime.get(field, 1.0)
