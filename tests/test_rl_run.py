@@ -281,11 +281,12 @@ def _launched_config(sft_workdir):
     ({'optimizer.learning_rate': float('inf')}, 'optimizer.learning_rate'),
     ({'seed': -1}, 'config.seed=-1: must be an integer in [0, 2**32)'),
     # A billion of these grew the process to 18 GB before it was killed.
-    ({'runtime.max_staleness': 10**9}, 'must be <= num_versions (10)'),
+    ({'runtime.max_staleness': 10**9}, 'config.runtime.max_staleness='
+     '1000000000: must be an integer in [0, 10]'),
     ({'prompts_per_batch': 10**9}, 'config.prompts_per_batch=1000000000: '
      'times grpo.group_size'),
-    ({'eval_examples': 10**9}, 'config.eval_examples=1000000000: must be at '
-     'most 100000'),
+    ({'eval_examples': 10**9}, 'config.eval_examples=1000000000: must be an '
+     'integer in [1, 100000]'),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_input_is_one_line_before_any_work(sft_workdir, tmp_path,
                                                changes, field):

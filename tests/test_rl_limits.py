@@ -1,0 +1,106 @@
+"""The RL run's size bounds (train.rl.limits): each at its limit passes, one
+past it is one line naming the field and the limit; the issue's billion
+versions and staleness end in exit 2 before anything is written."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import rl as rl_config
+from tests import config_edits
+from tests import launch_runs
+from train.errors import ConfigError
+from train.rl import limits
+
+
+def _config(changes: dict):
+  return config_edits.apply(rl_config.get_config('runlocal'), changes)
+
+
+# (changes at the limit, the one change one past it, the refusal's text).
+_LIMITS = [
+    ({'num_versions': 2**31 - 1, 'eval_every': 2**31 - 1},
+     {'num_versions': 2**31},
+     'config.num_versions=2147483648: must be an integer in [1, 2147483647]'),
+    ({'num_versions': 1000, 'runtime.max_staleness': 64},
+     {'runtime.max_staleness': 65},
+     'config.runtime.max_staleness=65: must be an integer in [0, 64]'),
+    # Below 64 versions the run's length bounds it.
+    ({'num_versions': 6, 'runtime.max_staleness': 6},
+     {'runtime.max_staleness': 7},
+     'config.runtime.max_staleness=7: must be an integer in [0, 6]'),
+    ({'runtime.num_actors': 64}, {'runtime.num_actors': 65},
+     'config.runtime.num_actors=65: must be an integer in [1, 64]'),
+    ({'runtime.buffer_capacity': 1024}, {'runtime.buffer_capacity': 1025},
+     'config.runtime.buffer_capacity=1025: must be an integer in [1, 1024]'),
+    ({'grpo.iterations': 16}, {'grpo.iterations': 17},
+     'config.grpo.iterations=17: must be an integer in [1, 16]'),
+    ({'num_versions': 30_000, 'eval_every': 3}, {'num_versions': 30_003},
+     'config.eval_every=3: gives 10001 evaluations of num_versions=30003; '
+     'at most 10000 (eval_every >= 4)'),
+    ({'difficulties': (1,) * 64}, {'difficulties': (1,) * 65},
+     "config.difficulties='65 entries': must have at most 64"),
+    ({'prompts_per_batch': 16384, 'grpo.group_size': 4},
+     {'prompts_per_batch': 16385},
+     'config.prompts_per_batch=16385: times grpo.group_size (4) must be at '
+     'most 65536'),
+    ({'eval_examples': 100_000}, {'eval_examples': 100_001},
+     'config.eval_examples=100001: must be an integer in [1, 100000]'),
+]
+
+
+@pytest.mark.parametrize('at, past, text', _LIMITS, ids=[
+    'num_versions', 'max_staleness', 'max_staleness_by_num_versions',
+    'num_actors', 'buffer_capacity', 'iterations', 'evaluations',
+    'difficulties', 'batch_rows', 'eval_examples'])
+def test_each_size_passes_at_its_limit_and_is_refused_one_past_it(
+    at, past, text):
+  limits.check_sizes(_config(at))
+  with pytest.raises(ConfigError) as e:
+    limits.check_sizes(_config({**at, **past}))
+  assert str(e.value).startswith(text), str(e.value)
+  assert '\n' not in str(e.value)
+
+
+def test_a_billion_versions_and_staleness_exit_2_in_one_line_at_once(
+    sft_policy_run, tmp_path):
+  # Issue 48: 14.2 GB, then killed by the kernel (rc 137).
+  workdir = tmp_path / 'rl'
+  result, peak = launch_runs.run_measured([
+      sys.executable, '-m', 'launch.rl', '--config=configs/rl.py:runlocal',
+      f'--config.sft_workdir={sft_policy_run[0]}', f'--workdir={workdir}',
+      '--config.num_versions=1000000000',
+      '--config.runtime.max_staleness=1000000000'], timeout=120)
+  lines = launch_runs.error_lines(result)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert lines == ['error: config.runtime.max_staleness=1000000000: must be '
+                   'an integer in [0, 64]: at most num_versions (1000000000) '
+                   'and 64: the learner keeps and checkpoints that many past '
+                   'policies'], lines
+  assert not os.path.exists(workdir)
+  assert peak < 1 << 30, peak
+
+
+_FINGERPRINT_MEMORY = '''
+import resource
+import jax.numpy as jnp
+from train import checksums
+tree = [jnp.full((1 << 23,), i, jnp.float32) for i in range(16)]
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+checksums.fingerprint(tree)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+'''
+
+
+def test_fingerprinting_a_state_needs_twice_its_largest_leaf_not_the_state():
+  # A checkpoint's fingerprints were one program over the whole state,
+  # whose temporary buffers held two words per element of every leaf: the
+  # real Gemma's RL run peaked there (15.9 GiB; 1 GiB over these 512 MiB).
+  result = subprocess.run([sys.executable, '-c', _FINGERPRINT_MEMORY],
+                          cwd=launch_runs.REPO_ROOT, capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]
+  grown = int(result.stdout.split()[-1]) * 1024
+  assert grown < 256 << 20, f'{grown / 2**20:.0f} MiB over 16 x 32 MiB'
