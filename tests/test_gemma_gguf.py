@@ -4,6 +4,7 @@ its layout and the norms' offset, quantized tensors decode, and each kind of
 bad file is refused in one line naming the problem."""
 
 import dataclasses
+import struct
 
 import gguf
 import jax
@@ -181,3 +182,204 @@ def test_a_file_is_decoded_once_and_again_when_it_changes(tmp_path):
   assert not np.array_equal(again.params['embedding'],
                             first.params['embedding'])
   assert again.sha256 != first.sha256
+
+
+# --- A model file is untrusted input: each bound at its limit and one past.
+_U8, _U32, _I32, _F32, _BOOL, _U64 = 0, 4, 5, 6, 7, 10
+_STR, _ARR = tiny_gemma.STRING, tiny_gemma.ARRAY
+
+
+def _write_bytes(tmp_path, data: bytes, name: str = 'x.gguf') -> str:
+  path = tmp_path / name
+  path.write_bytes(data)
+  return str(path)
+
+
+def _bare(tmp_path, fields=(), tensors=(), data=b'', name='x.gguf',
+          **counts) -> str:
+  """A file of just `fields` and `tensors`; with no tensors, unpadded (so
+  the bytes after the metadata are exactly `data`)."""
+  parts = tiny_gemma.Layout(list(fields), list(tensors), data)
+  return _write_bytes(tmp_path, tiny_gemma.to_bytes(
+      parts, alignment=32 if tensors else 1, **counts), name)
+
+
+def _refused(path: str, *expect: str) -> str:
+  with pytest.raises(errors.DamagedModelFile) as e:
+    gemma_gguf.check_file(path)
+  message = str(e.value)
+  assert '\n' not in message and path in message, message
+  for text in expect:
+    assert text in message, message
+  return message
+
+
+def _parse_refused(path: str, *expect: str) -> None:
+  with pytest.raises(gguf_file.GGUFFormatError) as e:
+    gguf_file.read(path)
+  for text in expect:
+    assert text in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize('limit, make, expect', [
+    (gguf_file.MAX_NESTING,
+     lambda n: [('a', _ARR, tiny_gemma.nested(n))], 'nested deeper than 4'),
+    (gguf_file.MAX_ARRAY_LENGTH,
+     lambda n: [('a', _ARR, struct.pack('<IQ', _U8, n) + bytes(n))],
+     'more than the limit 16777216'),
+    (gguf_file.MAX_FIELDS,
+     lambda n: [(f'k{i}', _U8, 0) for i in range(n)],
+     'metadata count: 16385'),
+])
+def test_metadata_bounds_at_the_limit_and_one_past(tmp_path, limit, make,
+                                                   expect):
+  gguf_file.read(_bare(tmp_path, make(limit), name='at.gguf'))
+  _parse_refused(_bare(tmp_path, make(limit + 1), name='past.gguf'), expect)
+
+
+def test_deep_nesting_is_refused_without_recursing(tmp_path):
+  _parse_refused(_bare(tmp_path, [('a', _ARR, tiny_gemma.nested(5000))]),
+                 'nested deeper than 4')
+
+
+@pytest.mark.parametrize('item, width', [(_U32, 4), (_STR, 8), (_ARR, 12)])
+def test_an_array_length_is_bounded_by_the_bytes_left(tmp_path, item, width):
+  # Empty strings and arrays: the fewest bytes an element takes.
+  element = {_U32: bytes(4), _STR: bytes(8),
+             _ARR: struct.pack('<IQ', _U8, 0)}[item]
+  body = lambda n: [('a', _ARR, struct.pack('<IQ', item, n) + element * 3)]
+  gguf_file.read(_bare(tmp_path, body(3), name='at.gguf'))
+  _parse_refused(_bare(tmp_path, body(4), name='past.gguf'),
+                 f'need at least {4 * width} bytes, past the end')
+
+
+@pytest.mark.parametrize('limit, make, expect', [
+    (gguf_file.MAX_TENSORS, lambda n: [(f't{i}', (0,), 0, 0)
+                                       for i in range(n)],
+     'tensor count: 16385'),
+    (gguf_file.MAX_DIMS, lambda n: [('t', (1,) * n, 0, 0)], '5 dims'),
+    (gguf_file.MAX_TENSOR_NAME_BYTES, lambda n: [('x' * n, (0,), 0, 0)],
+     'longer than 63 bytes'),
+])
+def test_tensor_bounds_at_the_limit_and_one_past(tmp_path, limit, make,
+                                                 expect):
+  gguf_file.read(_bare(tmp_path, tensors=make(limit), data=bytes(4),
+                       name='at.gguf'))
+  _parse_refused(_bare(tmp_path, tensors=make(limit + 1), data=bytes(4),
+                       name='past.gguf'), expect)
+
+
+@pytest.mark.parametrize('dims', [(2**32, 2**32), (2**63,), (2**64 - 1, 2)])
+def test_a_dimension_product_does_not_wrap(tmp_path, dims):
+  # In int64, 2**32 * 2**32 is 0: a tensor of no bytes.
+  _parse_refused(_bare(tmp_path, tensors=[('t', dims, 0, 0)], data=bytes(64)),
+                 'truncated: tensor \'t\'')
+
+
+def test_a_repeated_key_tensor_or_misaligned_offset_is_refused(tmp_path):
+  _parse_refused(_bare(tmp_path, [('k', _U8, 0), ('k', _U8, 1)],
+                       name='key.gguf'), "metadata 'k' appears twice")
+  _parse_refused(_bare(tmp_path, tensors=[('t', (1,), 0, 0)] * 2,
+                       data=bytes(4), name='tensor.gguf'),
+                 "tensor 't' appears twice")
+  _parse_refused(_bare(tmp_path, tensors=[('t', (1,), 0, 4)], data=bytes(64),
+                       name='offset.gguf'),
+                 'offset 4 is not a multiple of the alignment 32')
+
+
+def _parts(tmp_path) -> tiny_gemma.Layout:
+  return tiny_gemma.layout(tiny_gemma.model_file(tmp_path / 'm.gguf'))
+
+
+@pytest.mark.parametrize('kind, value, ok', [
+    (_U32, 1, True), (_U32, 16, True), (_U64, 32, True),
+    (_U32, 0, False), (_U32, 3, False), (_I32, -32, False),
+    (_STR, '32', False), (_F32, 32.0, False), (_BOOL, True, False),
+])
+def test_alignment_is_an_integer_power_of_two(tmp_path, kind, value, ok):
+  parts = tiny_gemma.set_field(_parts(tmp_path), 'general.alignment', kind,
+                               value)
+  path = _write_bytes(tmp_path, tiny_gemma.to_bytes(
+      parts, alignment=value if ok else 32))
+  if ok:
+    assert gemma_gguf.load(path).shape.num_layers == 2
+  else:
+    _refused(path, 'general.alignment', 'power of two' if kind in (_U32, _I32)
+             else 'is not an integer')
+
+
+def _with(tmp_path, key: str, kind: int, value) -> str:
+  parts = tiny_gemma.set_field(_parts(tmp_path), key, kind, value)
+  return _write_bytes(tmp_path, tiny_gemma.to_bytes(parts),
+                      f'{key}-{kind}-{value}.gguf'[:60])
+
+
+def test_the_layer_count_is_bounded_by_the_tensors_present(tmp_path):
+  # 28 tensors: 2 for the embedding and final norm, 13 a layer.
+  assert gemma_gguf.check_file(_with(tmp_path, 'gemma3.block_count', _U32,
+                                     2)).shape.num_layers == 2
+  for layers in (3, 10**9):
+    _refused(_with(tmp_path, 'gemma3.block_count', _U32, layers),
+             f'gemma3.block_count={layers} needs 13 tensors a layer; the '
+             'file holds 28 tensors')
+
+
+@pytest.mark.parametrize('key, kind, value, expect', [
+    ('block_count', _U32, 0, 'block_count=0 is not a positive integer'),
+    ('attention.head_count', _U32, 0, 'head_count=0 is not a positive'),
+    ('attention.head_count_kv', _U32, 0, 'head_count_kv=0 is not a positive'),
+    ('embedding_length', _I32, -1, 'embedding_length=-1 is not a positive'),
+    ('block_count', _STR, '2', "block_count='2' is not an integer"),
+    ('block_count', _F32, 2.0, 'block_count=2.0 is not an integer'),
+    ('block_count', _BOOL, True, 'block_count=True is not an integer'),
+    ('feed_forward_length', _ARR, (_U32, [64]),
+     'feed_forward_length=array([64], dtype=uint32) is not an integer'),
+    ('attention.head_count_kv', _U32, 3, 'head_count=2 is not divisible by '
+     'head_count_kv=3'),
+    ('attention.sliding_window', _U64, 2**31,
+     'sliding_window=2147483648 is not a positive integer of at most '
+     '2147483647'),
+    ('rope.freq_base', _F32, float('nan'), 'freq_base=nan is outside'),
+    ('rope.freq_base', _F32, 0.0, 'freq_base=0.0 is outside'),
+    ('rope.freq_base', _STR, 'x', "freq_base='x' is not a number"),
+    ('attention.layer_norm_rms_epsilon', _F32, 1.0,
+     'layer_norm_rms_epsilon=1.0 is outside (0, 1.0)'),
+])
+def test_the_shape_metadata_is_checked(tmp_path, key, kind, value, expect):
+  _refused(_with(tmp_path, f'gemma3.{key}', kind, value), expect)
+
+
+def test_shape_bounds_at_the_limit(tmp_path):
+  window = gemma_gguf.check_file(_with(
+      tmp_path, 'gemma3.attention.sliding_window', _U64,
+      gemma_gguf.MAX_SLIDING_WINDOW))
+  assert window.shape.sliding_window == 2**31 - 1
+  eps = gemma_gguf.check_file(_with(
+      tmp_path, 'gemma3.attention.layer_norm_rms_epsilon', _F32, 0.5))
+  assert eps.shape.rms_eps == 0.5
+
+
+def test_the_decoded_size_is_bounded_by_memory(tmp_path, monkeypatch):
+  path = tiny_gemma.model_file(tmp_path / 'm.gguf')
+  shape, tensors = gemma_gguf.read_shape(path), gguf_file.read(path).tensors
+  decoded = 4 * sum(x.data.size // 4 for x in tensors.values())  # float32.
+  monkeypatch.setattr(gemma_gguf, 'host_memory_bytes', lambda: 2 * decoded)
+  gemma_gguf.check_tensors(shape, tensors, path)
+  monkeypatch.setattr(gemma_gguf, 'host_memory_bytes',
+                      lambda: 2 * decoded - 2)
+  with pytest.raises(errors.DamagedModelFile, match='more than half of this '
+                     'host\'s memory'):
+    gemma_gguf.check_tensors(shape, tensors, path)
+
+
+@pytest.mark.parametrize('key, kind, value', [
+    ('tokenizer.ggml.tokens', _ARR, (_U32, [1, 2])),
+    ('tokenizer.ggml.token_type', _ARR, (_I32, [9] * 300)),
+    ('tokenizer.ggml.scores', _ARR, (_STR, ['a'] * 300)),
+    ('tokenizer.ggml.bos_token_id', _STR, '2'),
+    ('tokenizer.ggml.model', _U32, 1),
+    ('tokenizer.ggml.add_space_prefix', _ARR, (_U8, [1, 0])),
+])
+def test_tokenizer_metadata_of_the_wrong_type_is_refused(tmp_path, key, kind,
+                                                         value):
+  _refused(_with(tmp_path, key, kind, value), key)

@@ -9,6 +9,7 @@ configs/gemma.py training config pointed at such a file.
 """
 
 import dataclasses
+import struct
 
 import gguf
 import numpy as np
@@ -116,3 +117,90 @@ def gemma_config(path: str, job: str = 'sft'):
   config.model.gguf = str(path)
   config.model.shape = 'gguf'
   return config
+
+
+# --- Raw files: a GGUF taken apart and put back together byte by byte, so
+# that tests can write what no writer would (hostile values, lying counts).
+_PACK = {0: '<B', 1: '<b', 2: '<H', 3: '<h', 4: '<I', 5: '<i', 6: '<f',
+         7: '<?', 10: '<Q', 11: '<q', 12: '<d'}
+STRING, ARRAY = 8, 9
+WRITER_ALIGNMENT = 32  # gguf.GGUFWriter's, which `write` uses.
+
+
+@dataclasses.dataclass
+class Layout:
+  """A GGUF file's parts as llama.cpp's reader sees them.
+
+  `fields`: [key, GGUF value type, value]; an array's value is (item type,
+  [items]), and a `bytes` value is written as it is after the type (for
+  values no encoder would write). `tensors`: [name, dims (innermost
+  first), GGML type, offset into `data`].
+  """
+  fields: list[list]
+  tensors: list[list]
+  data: bytes
+  version: int = 3
+
+
+def layout(path) -> Layout:
+  """`path` taken apart by llama.cpp's `gguf.GGUFReader`."""
+  reader = gguf.GGUFReader(str(path))
+  fields = []
+  for key, field in reader.fields.items():
+    if key.startswith('GGUF.'):
+      continue
+    kinds = [int(t) for t in field.types]
+    value = field.contents()
+    fields.append([key, kinds[0], (kinds[1], value) if kinds[0] == ARRAY
+                   else value])
+  tensors = [[x.name, tuple(int(n) for n in x.shape), int(x.tensor_type),
+              int(x.data_offset) - reader.data_offset] for x in reader.tensors]
+  with open(path, 'rb') as f:
+    data = f.read()[reader.data_offset:]
+  return Layout(fields, tensors, data)
+
+
+def encode(kind: int, value) -> bytes:
+  """One metadata value of GGUF type `kind`, as GGUF writes it."""
+  if isinstance(value, bytes):
+    return value
+  if kind == STRING:
+    raw = value.encode()
+    return struct.pack('<Q', len(raw)) + raw
+  if kind == ARRAY:
+    item, items = value
+    return struct.pack('<IQ', item, len(items)) + b''.join(
+        encode(item, x) for x in items)
+  return struct.pack(_PACK[kind], value)
+
+
+def nested(depth: int) -> bytes:
+  """An array value holding arrays `depth` deep (the innermost empty),
+  written without recursion."""
+  return struct.pack('<IQ', ARRAY, 1) * (depth - 1) + struct.pack('<IQ', 0, 0)
+
+
+def to_bytes(parts: Layout, n_fields: int | None = None,
+             n_tensors: int | None = None,
+             alignment: int = WRITER_ALIGNMENT) -> bytes:
+  """The file of `parts`; `n_fields` / `n_tensors` override the counts the
+  header declares, `alignment` the padding before the data."""
+  out = [b'GGUF', struct.pack('<IQQ', parts.version,
+                              len(parts.tensors) if n_tensors is None
+                              else n_tensors,
+                              len(parts.fields) if n_fields is None
+                              else n_fields)]
+  for key, kind, value in parts.fields:
+    out += [encode(STRING, key), struct.pack('<I', kind), encode(kind, value)]
+  for name, dims, ggml_type, offset in parts.tensors:
+    out += [encode(STRING, name), struct.pack('<I', len(dims)),
+            b''.join(struct.pack('<Q', n) for n in dims),
+            struct.pack('<IQ', ggml_type, offset)]
+  header = b''.join(out)
+  return header + bytes(-len(header) % alignment) + parts.data
+
+
+def set_field(parts: Layout, key: str, kind: int, value) -> Layout:
+  """`parts` with metadata `key` set (added where absent)."""
+  fields = [f for f in parts.fields if f[0] != key] + [[key, kind, value]]
+  return dataclasses.replace(parts, fields=fields)

@@ -230,7 +230,7 @@ class Gemma3(nn.Module):
 
   def setup(self):
     sh = self.shape
-    if sh.num_heads % sh.num_kv_heads:
+    if sh.num_kv_heads < 1 or sh.num_heads % sh.num_kv_heads:
       raise ValueError(f'num_heads={sh.num_heads} is not divisible by '
                        f'num_kv_heads={sh.num_kv_heads}')
     self.embed = self.param(

@@ -26,6 +26,7 @@ and the problem (`DamagedModelFile`, exit 6), before anything is built.
 
 import functools
 import hashlib
+import math
 import os
 import shutil
 import tempfile
@@ -114,33 +115,85 @@ def _field(fields, key: str, path: str):
   return fields[key]
 
 
-def shape_of(fields: dict[str, Any], path: str) -> gemma.Shape:
-  """The model's shape from a GGUF file's metadata."""
-  arch = _field(fields, 'general.architecture', path)
-  if arch != 'gemma3':
+# Positions and window offsets are int32 in the model's programs.
+MAX_SLIDING_WINDOW = 2**31 - 1
+# SentencePiece's piece types, which GGUF's token types number alike
+# (normal, unknown, control, user-defined, unused, byte).
+_PIECE_TYPES = range(1, 7)
+
+
+def _integer(fields, key: str, path: str, high: int | None = None) -> int:
+  """The positive integer metadata `key` (`high` at most)."""
+  value = _field(fields, key, path)
+  if isinstance(value, bool) or not isinstance(value, int):
     raise errors.DamagedModelFile(
-        path, f'general.architecture={arch!r}; only gemma3 is supported')
-  get = lambda k: _field(fields, f'gemma3.{k}', path)
+        path, f'metadata {key}={gguf_file._short(value)} is not an integer')
+  if value < 1 or (high is not None and value > high):
+    raise errors.DamagedModelFile(
+        path, f'metadata {key}={value} is not a positive integer'
+        + ('' if high is None else f' of at most {high}'))
+  return value
+
+
+def _positive(fields, key: str, path: str, default: float | None = None,
+              high: float = float('inf')) -> float:
+  """The positive number metadata `key` below `high` (`default` if
+  absent)."""
+  value = fields.get(key, default) if default is not None else _field(
+      fields, key, path)
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise errors.DamagedModelFile(
+        path, f'metadata {key}={gguf_file._short(value)} is not a number')
+  if not 0 < float(value) < high:
+    raise errors.DamagedModelFile(
+        path, f'metadata {key}={value} is outside (0, {high})')
+  return float(value)
+
+
+def shape_of(fields: dict[str, Any], path: str) -> gemma.Shape:
+  """The model's shape from a GGUF file's metadata: every size a positive
+  integer, the heads divisible into key/value groups, the rotary bases
+  finite and positive (`check_tensors` bounds the sizes by the file)."""
+  arch = _field(fields, 'general.architecture', path)
+  if not isinstance(arch, str) or arch != 'gemma3':
+    raise errors.DamagedModelFile(
+        path, f'general.architecture={gguf_file._short(arch)}; only gemma3 '
+        'is supported')
+  get = lambda k, high=None: _integer(fields, f'gemma3.{k}', path, high)
   key_length, value_length = get('attention.key_length'), get(
       'attention.value_length')
   if key_length != value_length:
     raise errors.DamagedModelFile(
         path, f'key_length={key_length} != value_length={value_length}')
-  optional = lambda k, default: fields.get(f'gemma3.{k}', default)
-  scaling = optional('rope.scaling.factor', 1.0)
-  vocab = len(_field(fields, 'tokenizer.ggml.tokens', path))
+  if key_length % 2:
+    raise errors.DamagedModelFile(
+        path, f'metadata gemma3.attention.key_length={key_length} is odd '
+        '(rotary embeddings rotate pairs)')
+  heads, kv_heads = get('attention.head_count'), get(
+      'attention.head_count_kv')
+  if heads % kv_heads:
+    raise errors.DamagedModelFile(
+        path, f'metadata gemma3.attention.head_count={heads} is not '
+        f'divisible by head_count_kv={kv_heads}')
+  real = lambda k, default=None, high=float('inf'): _positive(
+      fields, f'gemma3.{k}', path, default, high)
+  tokens = _field(fields, 'tokenizer.ggml.tokens', path)
+  if not isinstance(tokens, list) or not tokens:
+    raise errors.DamagedModelFile(
+        path, f'metadata tokenizer.ggml.tokens={gguf_file._short(tokens)} '
+        'is not a list of pieces')
   return gemma.Shape(
-      vocab_size=vocab, d_model=int(get('embedding_length')),
-      num_layers=int(get('block_count')),
-      num_heads=int(get('attention.head_count')),
-      num_kv_heads=int(get('attention.head_count_kv')),
-      head_dim=int(key_length), mlp_dim=int(get('feed_forward_length')),
-      sliding_window=int(get('attention.sliding_window')),
+      vocab_size=len(tokens), d_model=get('embedding_length'),
+      num_layers=get('block_count'), num_heads=heads,
+      num_kv_heads=kv_heads, head_dim=key_length,
+      mlp_dim=get('feed_forward_length'),
+      sliding_window=get('attention.sliding_window', MAX_SLIDING_WINDOW),
       # llama.cpp's default where the file names no local base.
-      local_base=float(optional('rope.freq_base_swa', 10_000.0)),
-      global_base=float(get('rope.freq_base')),
-      global_scale=float(scaling),
-      rms_eps=float(np.float32(get('attention.layer_norm_rms_epsilon'))))
+      local_base=real('rope.freq_base_swa', 10_000.0),
+      global_base=real('rope.freq_base'),
+      global_scale=real('rope.scaling.factor', 1.0),
+      rms_eps=float(np.float32(real('attention.layer_norm_rms_epsilon',
+                                    high=1.0))))
 
 
 def _expected(shape: gemma.Shape) -> dict[str, tuple[int, ...]]:
@@ -202,29 +255,136 @@ def _read(path: str) -> gguf_file.GGUF:
                                   ) from None
 
 
-def read_shape(path: str) -> gemma.Shape:
-  """The shape a Gemma 3 GGUF file's metadata gives (nothing decoded).
+# Gemma 3's tensors: the embedding and final norm, and 13 a layer.
+_TENSORS_A_LAYER = 13
+
+
+def host_memory_bytes() -> int:
+  """This host's physical memory."""
+  return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+
+
+def check_tensors(shape: gemma.Shape, tensors: dict[str, gguf_file.Tensor],
+                  path: str) -> None:
+  """DamagedModelFile unless `tensors` are exactly those of a Gemma 3 of
+  `shape` (names and shapes; nothing decoded) and their float32 values fit
+  in half of this host's memory (the loader holds them while it casts).
+
+  The layer count is bounded by the tensors present before the expected
+  names are listed: a file declaring 10**9 layers is refused here, not
+  after 13 * 10**9 names.
+  """
+  if shape.num_layers > len(tensors) // _TENSORS_A_LAYER:
+    raise errors.DamagedModelFile(
+        path, f'metadata gemma3.block_count={shape.num_layers} needs '
+        f'{_TENSORS_A_LAYER} tensors a layer; the file holds '
+        f'{len(tensors)} tensors')
+  expected = _expected(shape)
+  missing = sorted(set(expected) - set(tensors))
+  extra = sorted(set(tensors) - set(expected) - {'output.weight'})
+  if missing or extra:
+    raise errors.DamagedModelFile(
+        path, f'tensors do not match a Gemma 3 of {shape.num_layers} '
+        f'layers: missing {missing[:3]}{"..." if len(missing) > 3 else ""}, '
+        f'unexpected {extra[:3]}{"..." if len(extra) > 3 else ""}')
+  if 'output.weight' in tensors:
+    raise errors.DamagedModelFile(
+        path, 'an untied output.weight; Gemma 3 ties the output head to '
+        'the embedding')
+  for name, want in expected.items():
+    if tensors[name].shape != want:
+      raise errors.DamagedModelFile(
+          path, f'tensor {name} has shape {tensors[name].shape}, expected '
+          f'{want}')
+  decoded = 4 * sum(math.prod(want) for want in expected.values())
+  limit = host_memory_bytes() // 2
+  if decoded > limit:
+    raise errors.DamagedModelFile(
+        path, f'its {decoded // 4:,} parameters take {decoded / 2**30:.1f} '
+        f'GiB in float32, more than half of this host\'s memory '
+        f'({limit / 2**30:.1f} GiB)')
+
+
+def _tokenizer(fields: dict[str, Any], path: str
+               ) -> gemma_tokenizer.GemmaTokenizer:
+  """The tokenizer of checked metadata: pieces strings, scores numbers and
+  types SentencePiece's, one each a piece; special ids integers."""
+  key = 'tokenizer.ggml.'
+  checks = {'model': lambda v: isinstance(v, str),
+            'tokens': lambda v: isinstance(v, list) and all(
+                isinstance(x, str) for x in v),
+            'scores': lambda v: isinstance(v, np.ndarray) and v.dtype.kind in
+                      'iuf',
+            'token_type': lambda v: isinstance(v, np.ndarray) and
+                          v.dtype.kind in 'iu' and np.isin(
+                              v, _PIECE_TYPES).all(),
+            'add_space_prefix': lambda v: isinstance(v, bool)}
+  for name in ('padding', 'eos', 'bos', 'unknown'):
+    checks[f'{name}_token_id'] = lambda v: isinstance(v, int) and not (
+        isinstance(v, bool))
+  for name, ok in checks.items():
+    if key + name in fields and not ok(fields[key + name]):
+      raise errors.DamagedModelFile(
+          path, f'metadata {key}{name}={gguf_file._short(fields[key + name])}'
+          ' is not a tokenizer\'s')
+  try:
+    return gemma_tokenizer.from_gguf_fields(fields, path)
+  except RuntimeError as e:  # SentencePiece refusing the pieces.
+    raise errors.DamagedModelFile(
+        path, f'its vocabulary is not a SentencePiece model '
+        f'({errors.cause_line(e)})') from None
+
+
+class Checked(NamedTuple):
+  """A Gemma 3 GGUF file's shape and tokenizer, all of it checked but the
+  tensors' values (nothing decoded)."""
+  shape: gemma.Shape
+  tokenizer: gemma_tokenizer.GemmaTokenizer
+
+
+def check_file(path: str) -> Checked:
+  """Reads and checks a Gemma 3 GGUF file (header, metadata, tokenizer,
+  every tensor's name, shape and bytes) without decoding the weights: what
+  a run does before it opens its workdir (under a second for 270M).
 
   Raises:
     UsageError: no such file.
     errors.DamagedModelFile: not a readable Gemma 3 GGUF.
   """
-  st = os.stat(path) if os.path.isfile(path) else None
-  return _shape_of_file(os.path.realpath(path), st and st.st_size,
-                        st and st.st_mtime_ns)
+  if not os.path.isfile(path):
+    raise errors.UsageError('gguf path', path, 'no such file')
+  st = os.stat(path)
+  return _check_file(os.path.realpath(path), st.st_size, st.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=8)
-def _shape_of_file(path: str, size, mtime_ns) -> gemma.Shape:
+def _check_file(path: str, size: int, mtime_ns: int) -> Checked:
   del size, mtime_ns  # The cache key: a rewritten file is read again.
-  return shape_of(_read(path).fields, path)
+  contents = _read(path)
+  return _checked(contents, path)
+
+
+def _checked(contents: gguf_file.GGUF, path: str) -> Checked:
+  shape = shape_of(contents.fields, path)
+  check_tensors(shape, contents.tensors, path)
+  return Checked(shape, _tokenizer(contents.fields, path))
+
+
+def read_shape(path: str) -> gemma.Shape:
+  """The shape a Gemma 3 GGUF file's metadata gives, the file checked
+  (`check_file`).
+
+  Raises:
+    UsageError: no such file.
+    errors.DamagedModelFile: not a readable Gemma 3 GGUF.
+  """
+  return check_file(path).shape
 
 
 def read_tokenizer(path: str) -> gemma_tokenizer.GemmaTokenizer:
-  """The tokenizer of a Gemma 3 GGUF file (its metadata only)."""
-  contents = _read(path)
-  shape_of(contents.fields, path)  # A Gemma 3 file, or one line.
-  return gemma_tokenizer.from_gguf_fields(contents.fields, path)
+  """The tokenizer of a Gemma 3 GGUF file (its metadata only), the file
+  checked (`check_file`)."""
+  return check_file(path).tokenizer
 
 
 def load(path: str, dtype: str = 'float32') -> Loaded:
@@ -262,29 +422,12 @@ def _load(path: str, real: str, size: int, mtime_ns: int, dtype: str
   import ml_dtypes  # pylint: disable=g-import-not-at-top
   np_dtype = ml_dtypes.bfloat16 if dtype == 'bfloat16' else np.float32
   contents = _read(path)
-  shape = shape_of(contents.fields, path)
-  expected = _expected(shape)
-  tensors = contents.tensors
-  missing = sorted(set(expected) - set(tensors))
-  extra = sorted(set(tensors) - set(expected) - {'output.weight'})
-  if missing or extra:
-    raise errors.DamagedModelFile(
-        path, f'tensors do not match a Gemma 3 of {shape.num_layers} '
-        f'layers: missing {missing[:3]}{"..." if len(missing) > 3 else ""}, '
-        f'unexpected {extra[:3]}{"..." if len(extra) > 3 else ""}')
-  if 'output.weight' in tensors:
-    raise errors.DamagedModelFile(
-        path, 'an untied output.weight; Gemma 3 ties the output head to '
-        'the embedding')
+  shape, tokenizer = _checked(contents, path)
   arrays = {}
-  for name, want in expected.items():
-    if tensors[name].shape != want:
-      raise errors.DamagedModelFile(
-          path, f'tensor {name} has shape {tensors[name].shape}, expected '
-          f'{want}')
-  for name, want in expected.items():
+  for name in _expected(shape):
+    tensor = contents.tensors[name]
     try:
-      values = gguf_file.dequantize(tensors[name])
+      values = gguf_file.dequantize(tensor)
     except (ValueError, NotImplementedError) as e:
       raise errors.DamagedModelFile(
           path, f'tensor {name} cannot be decoded '
@@ -293,7 +436,6 @@ def _load(path: str, real: str, size: int, mtime_ns: int, dtype: str
       raise errors.DamagedModelFile(path, f'tensor {name} holds non-finite '
                                     'values')
     arrays[name] = values
-  tokenizer = gemma_tokenizer.from_gguf_fields(contents.fields, path)
   params = _layout(arrays, shape, np_dtype)
   for leaf in jax.tree.leaves(params):
     leaf.flags.writeable = False

@@ -9,12 +9,18 @@ machine; this parser reads the same structure with `struct` in well under a
 second, and leaves the decoding of quantized blocks to `gguf.quants`
 (llama.cpp's). tests/test_gemma_gguf.py checks it against GGUFReader.
 
-Anything that does not parse (wrong magic or version, a length past the
-end, tensor data beyond the file) raises `GGUFFormatError` naming the
-place.
+The file is untrusted input: anything that does not parse (wrong magic or
+version, a length past the end, tensor data beyond the file) or declares
+more than the bounds below allow raises `GGUFFormatError` naming the place
+and the limit, before anything of the declared size is allocated. Counts
+are bounded by the bytes they would occupy (an element takes at least
+its encoded size), so what the reader holds grows with the file's size,
+never with a number the file states; sizes are Python ints, which do not
+wrap.
 """
 
 import dataclasses
+import math
 import mmap
 import struct
 from typing import Any
@@ -31,6 +37,28 @@ _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32,
           5: np.int32, 6: np.float32, 7: np.bool_, 10: np.uint64,
           11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct('<Q')
+_STRUCTS = {}  # format -> struct.Struct, for `_Cursor.take`.
+_INTEGERS = (0, 1, 2, 3, 4, 5, 10, 11)
+
+# Bounds on what a file may declare. llama.cpp writes arrays of numbers or
+# strings (one level); deeper nesting only serves to exhaust the stack.
+MAX_NESTING = 4
+# Gemma 3's vocabulary is 262,144 pieces; the largest published ones are
+# under a million.
+MAX_ARRAY_LENGTH = 1 << 24
+# Gemma 3 4B has 444 tensors and 40 metadata keys; llama.cpp's largest
+# models (experts merged a layer) about 1,100 tensors.
+MAX_TENSORS = 1 << 14
+MAX_FIELDS = 1 << 14
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS.
+MAX_TENSOR_NAME_BYTES = 63  # ggml's GGML_MAX_NAME, less its NUL.
+# The fewest bytes one element occupies: a string's length, an array's
+# item type and count, a field's key length, type and smallest value, a
+# tensor's name length, dims count, type and offset.
+_MIN_BYTES = {_STRING: 8, _ARRAY: 12}
+_MIN_FIELD_BYTES = 8 + 4 + 1
+_MIN_TENSOR_BYTES = 8 + 4 + 4 + 8
 
 
 class GGUFFormatError(ValueError):
@@ -64,13 +92,26 @@ class _Cursor:
     self.buf, self.size, self.at = buf, size, 0
 
   def take(self, fmt: str):
-    n = struct.calcsize(fmt)
+    unpack = _STRUCTS.get(fmt) or _STRUCTS.setdefault(fmt, struct.Struct(fmt))
+    n = unpack.size
     if self.at + n > self.size:
       raise GGUFFormatError(f'ends at byte {self.size} inside the header '
                             f'(needs {self.at + n})')
-    value = struct.unpack_from(fmt, self.buf, self.at)[0]
+    value = unpack.unpack_from(self.buf, self.at)[0]
     self.at += n
     return value
+
+  def count(self, n: int, min_bytes: int, limit: int, what: str) -> int:
+    """`n` elements of at least `min_bytes` each, if the rest of the file
+    can hold them and `n` <= `limit`."""
+    if n > limit:
+      raise GGUFFormatError(f'{what}: {n} at byte {self.at}, more than the '
+                            f'limit {limit}')
+    if self.at + n * min_bytes > self.size:
+      raise GGUFFormatError(f'{what}: {n} at byte {self.at} need at least '
+                            f'{n * min_bytes} bytes, past the end '
+                            f'({self.size})')
+    return n
 
   def string(self) -> str:
     n = self.take('<Q')
@@ -81,23 +122,70 @@ class _Cursor:
     self.at += n
     return raw.decode('utf-8', errors='replace')
 
-  def value(self, kind: int):
+  def strings(self, count: int) -> list[str]:
+    """`count` strings; `string` inlined, for a vocabulary's 262,144."""
+    buf, size, at, out = self.buf, self.size, self.at, []
+    for _ in range(count):
+      if at + 8 > size:
+        raise GGUFFormatError(f'ends at byte {size} inside the header '
+                              f'(needs {at + 8})')
+      n = _U64.unpack_from(buf, at)[0]
+      at += 8
+      if at + n > size:
+        raise GGUFFormatError(f'a string of {n} bytes at byte {at} runs '
+                              f'past the end ({size})')
+      out.append(str(buf[at:at + n], 'utf-8', 'replace'))
+      at += n
+    self.at = at
+    return out
+
+  def value(self, kind: int, depth: int = 0):
     if kind in _SCALARS:
       return self.take(_SCALARS[kind])
     if kind == _STRING:
       return self.string()
     if kind == _ARRAY:
-      item, count = self.take('<I'), self.take('<Q')
+      if depth >= MAX_NESTING:
+        raise GGUFFormatError(f'arrays nested deeper than {MAX_NESTING} '
+                              f'at byte {self.at}')
+      item = self.take('<I')
+      if item not in _NUMPY and item not in _MIN_BYTES:
+        raise GGUFFormatError(f'unknown array item type {item} at byte '
+                              f'{self.at - 4}')
+      width = (np.dtype(_NUMPY[item]).itemsize if item in _NUMPY
+               else _MIN_BYTES[item])
+      count = self.count(self.take('<Q'), width, MAX_ARRAY_LENGTH,
+                         'array length')
       if item in _NUMPY:
-        width = np.dtype(_NUMPY[item]).itemsize
-        if self.at + count * width > self.size:
-          raise GGUFFormatError(f'an array of {count} values at byte '
-                                f'{self.at} runs past the end')
         out = np.frombuffer(self.buf, _NUMPY[item], count, self.at).copy()
         self.at += count * width
         return out
-      return [self.value(item) for _ in range(count)]
+      if item == _STRING:
+        return self.strings(count)
+      return [self.value(item, depth + 1) for _ in range(count)]
     raise GGUFFormatError(f'unknown metadata type {kind} at byte {self.at}')
+
+
+def _alignment(fields: dict[str, Any], kinds: dict[str, int]) -> int:
+  """`general.alignment`: a power of two stored as an integer."""
+  key = 'general.alignment'
+  if key not in fields:
+    return _DEFAULT_ALIGNMENT
+  value = fields[key]
+  if kinds[key] not in _INTEGERS:
+    raise GGUFFormatError(f'{key} is not an integer '
+                          f'({_short(value)}, GGUF type {kinds[key]})')
+  if value <= 0 or value & (value - 1):
+    raise GGUFFormatError(f'{key}={value} is not a power of two')
+  return value
+
+
+def _short(value: Any) -> str:
+  """`value` for a one-line message: a file's strings and arrays may be
+  long and hold newlines."""
+  text = ' '.join(repr(value).split())
+  return text if len(text) <= 60 else text[:57] + '...'
+
 
 
 def read(path: str) -> GGUF:
@@ -116,37 +204,56 @@ def read(path: str) -> GGUF:
   version = c.take('<I')
   if version not in _VERSIONS:
     raise GGUFFormatError(f'version {version}; readable: {_VERSIONS}')
-  n_tensors, n_fields = c.take('<Q'), c.take('<Q')
-  fields = {}
+  n_tensors = c.take('<Q')
+  n_fields = c.count(c.take('<Q'), _MIN_FIELD_BYTES, MAX_FIELDS,
+                     'metadata count')
+  fields, kinds = {}, {}
   for _ in range(n_fields):
     key = c.string()
-    fields[key] = c.value(c.take('<I'))
+    if key in fields:
+      raise GGUFFormatError(f'metadata {_short(key)} appears twice')
+    kinds[key] = c.take('<I')
+    fields[key] = c.value(kinds[key])
+  n_tensors = c.count(n_tensors, _MIN_TENSOR_BYTES, MAX_TENSORS,
+                      'tensor count')
   infos = []
   for _ in range(n_tensors):
     name = c.string()
-    dims = tuple(c.take('<Q') for _ in range(c.take('<I')))
+    if len(name.encode()) > MAX_TENSOR_NAME_BYTES:
+      raise GGUFFormatError(f'tensor name {_short(name)} is longer than '
+                            f'{MAX_TENSOR_NAME_BYTES} bytes')
+    n_dims = c.take('<I')
+    if n_dims > MAX_DIMS:
+      raise GGUFFormatError(f'tensor {_short(name)}: {n_dims} dims, more '
+                            f'than {MAX_DIMS}')
+    dims = tuple(c.take('<Q') for _ in range(n_dims))
     infos.append((name, dims, c.take('<I'), c.take('<Q')))
-  alignment = int(fields.get('general.alignment', _DEFAULT_ALIGNMENT))
+  alignment = _alignment(fields, kinds)
   start = -(-c.at // alignment) * alignment
   data = np.frombuffer(buf, np.uint8)
   tensors = {}
   for name, dims, kind, offset in infos:
+    if name in tensors:
+      raise GGUFFormatError(f'tensor {_short(name)} appears twice')
+    if offset % alignment:
+      raise GGUFFormatError(f'tensor {_short(name)}: offset {offset} is not '
+                            f'a multiple of the alignment {alignment}')
     try:
       block, width = constants.GGML_QUANT_SIZES[constants.GGMLQuantizationType(
           kind)]
     except (KeyError, ValueError):
-      raise GGUFFormatError(f'tensor {name}: unknown GGML type {kind}'
-                            ) from None
-    count = int(np.prod(dims, dtype=np.int64))
+      raise GGUFFormatError(f'tensor {_short(name)}: unknown GGML type '
+                            f'{kind}') from None
+    count = math.prod(dims)  # A Python int: numpy's int64 would wrap.
     if dims and dims[0] % block:
-      raise GGUFFormatError(f'tensor {name}: {dims[0]} values a row is not '
-                            f'a whole number of {block}-value blocks')
+      raise GGUFFormatError(f'tensor {_short(name)}: {dims[0]} values a row '
+                            f'is not a whole number of {block}-value blocks')
     n_bytes = count // block * width
     begin = start + offset
     if begin + n_bytes > size:
       raise GGUFFormatError(
-          f'truncated: tensor {name} needs bytes {begin}..{begin + n_bytes}, '
-          f'the file has {size}')
+          f'truncated: tensor {_short(name)} needs bytes '
+          f'{begin}..{begin + n_bytes}, the file has {size}')
     tensors[name] = Tensor(name, dims, kind, data[begin:begin + n_bytes])
   return GGUF(version, fields, tensors)
 

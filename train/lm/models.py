@@ -156,7 +156,10 @@ class Pretrained(NamedTuple):
 
 def check_inputs(config: ml_collections.ConfigDict) -> None:
   """ConfigError naming the field when a pretrained model's file is not
-  there, or none ships for the shape (cheap: nothing is read)."""
+  there, holds another shape, or none ships for the shape;
+  DamagedModelFile when the file is not a Gemma 3 GGUF. The file is
+  checked whole (`gemma_gguf.check_file`: under a second, nothing
+  decoded), so that a run refuses it before it opens its workdir."""
   if kind(config) != 'gemma':
     return
   m = config.model
@@ -164,6 +167,10 @@ def check_inputs(config: ml_collections.ConfigDict) -> None:
     if not os.path.isfile(m.gguf):
       raise ConfigError('model.gguf', m.gguf, 'no such file (empty: the '
                         'registry package\'s Gemma 3 270M)')
+    held = gemma_gguf.check_file(m.gguf).shape
+    if not gemma.same_dims(held, shape_named(m.shape, m.gguf)):
+      raise ConfigError('model.shape', m.shape,
+                        f'{m.gguf} holds another shape')
   elif m.shape != '270m':
     raise ConfigError('model.shape', m.shape, 'only Gemma 3 270M ships in '
                       'the registry: give model.gguf for another shape (or '

@@ -105,8 +105,10 @@ def run(config, workdir: str, targets: Sequence[float],
         num_samples: int = 2000) -> dict[str, Any]:
   """The study (see the module docstring); returns its summary."""
   _check(config, targets, num_samples)
-  workdir = experiment_lib.check_workdir(workdir)
   path = config.gguf or gemma_gguf.registry_file()
+  # A damaged model file is refused before the study's workdir is made.
+  gemma_gguf.check_file(path)
+  workdir = experiment_lib.check_workdir(workdir)
   sha = gemma_gguf.file_sha256(path)
   with workdir_lock.hold(workdir):
     steps = plan(config)
