@@ -12,10 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import gemma as gemma_configs
 from train import errors
 from train.lm import gemma
 from train.lm import gemma_gguf
 from train.lm import gguf_file
+from train.lm import trainer as lm_trainer
+from train.steering import gemma_study
+from tests import launch_runs
 from tests import tiny_gemma
 
 SHAPE = tiny_gemma.SHAPE
@@ -383,3 +387,59 @@ def test_the_decoded_size_is_bounded_by_memory(tmp_path, monkeypatch):
 def test_tokenizer_metadata_of_the_wrong_type_is_refused(tmp_path, key, kind,
                                                          value):
   _refused(_with(tmp_path, key, kind, value), key)
+
+
+# --- Refused before the run or study touches its workdir.
+@pytest.mark.parametrize('damage, model_shape, expect', [
+    ('missing', 'gguf', "missing ['blk.1.ffn_up.weight']"),
+    ('missing', '270m', "missing ['blk.1.ffn_up.weight']"),
+    ('zero_heads', 'gguf', 'head_count=0 is not a positive integer'),
+])
+def test_a_damaged_file_is_refused_before_the_workdir(tmp_path, damage,
+                                                      model_shape, expect):
+  t = _tensors(np.random.default_rng(7))
+  shape = SHAPE
+  if damage == 'missing':
+    del t['blk.1.ffn_up.weight']
+  else:
+    shape = dataclasses.replace(SHAPE, num_heads=0)
+  path = _write(tmp_path / 'bad.gguf', t, shape)
+  config = tiny_gemma.gemma_config(path, 'finetune')
+  config.model.shape = model_shape
+  config.batch_size = config.eval_batch_size = 8  # 8 simulated devices.
+  workdir = tmp_path / 'w'
+  with pytest.raises(errors.DamagedModelFile) as e:
+    lm_trainer.build(config, str(workdir))
+  assert expect in str(e.value)
+  assert not workdir.exists()
+
+
+def test_the_steering_study_refuses_deep_nesting_before_its_workdir(tmp_path):
+  parts = tiny_gemma.set_field(_parts(tmp_path), 'general.tags', _ARR,
+                               tiny_gemma.nested(5000))
+  path = _write_bytes(tmp_path, tiny_gemma.to_bytes(parts))
+  config = gemma_configs.get_config('runlocal')
+  config.gguf, config.shape = path, 'gguf'
+  workdir = tmp_path / 'w'
+  with pytest.raises(errors.DamagedModelFile, match='nested deeper than 4'):
+    gemma_study.run(config, str(workdir), [0.1])
+  assert not workdir.exists()
+
+
+def test_launch_train_refuses_a_billion_layers_in_one_line(tmp_path):
+  path = _write(tmp_path / 'big.gguf', _tensors(np.random.default_rng(8)),
+                dataclasses.replace(SHAPE, num_layers=10**9))
+  workdir = tmp_path / 'w'
+  result, peak = launch_runs.run_measured(launch_runs.command(
+      str(workdir), f'--config.model.gguf={path}',
+      '--config.model.shape=gguf',
+      config='configs/gemma.py:finetune,runlocal'), timeout=120)
+  assert result.returncode == errors.DamagedModelFile.exit_code, (
+      result.stderr[-2000:])
+  lines = launch_runs.error_lines(result)
+  assert len(lines) == 1, lines
+  assert (f'error: cannot load the model file {path}: metadata '
+          'gemma3.block_count=1000000000 needs 13 tensors a layer; the file '
+          'holds 28 tensors') == lines[0]
+  assert not workdir.exists()
+  assert peak < 2**30, peak
