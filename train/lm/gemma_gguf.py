@@ -19,9 +19,14 @@ reads any Gemma 3 text GGUF:
   the norms' `scale` is the stored weight minus 1;
 - the tokenizer (`train.lm.gemma_tokenizer`) from `tokenizer.ggml.*`.
 
-A file that is not GGUF, truncated, of another architecture or with a
-tensor of the wrong name or shape is refused in one line naming the file
-and the problem (`DamagedModelFile`, exit 6), before anything is built.
+A model file is untrusted input. A file that is not GGUF, truncated, of
+another architecture, with a size that is not a positive integer, a layer
+count above what its tensors hold, a tensor of the wrong name or shape,
+weights whose float32 values would not fit in half of this host's memory,
+or a tokenizer of the wrong types is refused in one line naming the file
+and the problem (`DamagedModelFile`, exit 6). `check_file` does all of
+that without decoding a weight (under a second for 270M); runs call it
+before they open their workdir, so nothing is built or written first.
 """
 
 import functools
@@ -115,6 +120,7 @@ def _field(fields, key: str, path: str):
   return fields[key]
 
 
+_shown = gguf_file.short_repr  # A file's value in a one-line message.
 # Positions and window offsets are int32 in the model's programs.
 MAX_SLIDING_WINDOW = 2**31 - 1
 # SentencePiece's piece types, which GGUF's token types number alike
@@ -127,7 +133,7 @@ def _integer(fields, key: str, path: str, high: int | None = None) -> int:
   value = _field(fields, key, path)
   if isinstance(value, bool) or not isinstance(value, int):
     raise errors.DamagedModelFile(
-        path, f'metadata {key}={gguf_file._short(value)} is not an integer')
+        path, f'metadata {key}={_shown(value)} is not an integer')
   if value < 1 or (high is not None and value > high):
     raise errors.DamagedModelFile(
         path, f'metadata {key}={value} is not a positive integer'
@@ -143,7 +149,7 @@ def _positive(fields, key: str, path: str, default: float | None = None,
       fields, key, path)
   if isinstance(value, bool) or not isinstance(value, (int, float)):
     raise errors.DamagedModelFile(
-        path, f'metadata {key}={gguf_file._short(value)} is not a number')
+        path, f'metadata {key}={_shown(value)} is not a number')
   if not 0 < float(value) < high:
     raise errors.DamagedModelFile(
         path, f'metadata {key}={value} is outside (0, {high})')
@@ -157,7 +163,7 @@ def shape_of(fields: dict[str, Any], path: str) -> gemma.Shape:
   arch = _field(fields, 'general.architecture', path)
   if not isinstance(arch, str) or arch != 'gemma3':
     raise errors.DamagedModelFile(
-        path, f'general.architecture={gguf_file._short(arch)}; only gemma3 '
+        path, f'general.architecture={_shown(arch)}; only gemma3 '
         'is supported')
   get = lambda k, high=None: _integer(fields, f'gemma3.{k}', path, high)
   key_length, value_length = get('attention.key_length'), get(
@@ -180,7 +186,7 @@ def shape_of(fields: dict[str, Any], path: str) -> gemma.Shape:
   tokens = _field(fields, 'tokenizer.ggml.tokens', path)
   if not isinstance(tokens, list) or not tokens:
     raise errors.DamagedModelFile(
-        path, f'metadata tokenizer.ggml.tokens={gguf_file._short(tokens)} '
+        path, f'metadata tokenizer.ggml.tokens={_shown(tokens)} '
         'is not a list of pieces')
   return gemma.Shape(
       vocab_size=len(tokens), d_model=get('embedding_length'),
@@ -325,7 +331,7 @@ def _tokenizer(fields: dict[str, Any], path: str
   for name, ok in checks.items():
     if key + name in fields and not ok(fields[key + name]):
       raise errors.DamagedModelFile(
-          path, f'metadata {key}{name}={gguf_file._short(fields[key + name])}'
+          path, f'metadata {key}{name}={_shown(fields[key + name])}'
           ' is not a tokenizer\'s')
   try:
     return gemma_tokenizer.from_gguf_fields(fields, path)

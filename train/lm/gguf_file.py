@@ -174,13 +174,13 @@ def _alignment(fields: dict[str, Any], kinds: dict[str, int]) -> int:
   value = fields[key]
   if kinds[key] not in _INTEGERS:
     raise GGUFFormatError(f'{key} is not an integer '
-                          f'({_short(value)}, GGUF type {kinds[key]})')
+                          f'({short_repr(value)}, GGUF type {kinds[key]})')
   if value <= 0 or value & (value - 1):
     raise GGUFFormatError(f'{key}={value} is not a power of two')
   return value
 
 
-def _short(value: Any) -> str:
+def short_repr(value: Any) -> str:
   """`value` for a one-line message: a file's strings and arrays may be
   long and hold newlines."""
   text = ' '.join(repr(value).split())
@@ -211,7 +211,7 @@ def read(path: str) -> GGUF:
   for _ in range(n_fields):
     key = c.string()
     if key in fields:
-      raise GGUFFormatError(f'metadata {_short(key)} appears twice')
+      raise GGUFFormatError(f'metadata {short_repr(key)} appears twice')
     kinds[key] = c.take('<I')
     fields[key] = c.value(kinds[key])
   n_tensors = c.count(n_tensors, _MIN_TENSOR_BYTES, MAX_TENSORS,
@@ -220,11 +220,11 @@ def read(path: str) -> GGUF:
   for _ in range(n_tensors):
     name = c.string()
     if len(name.encode()) > MAX_TENSOR_NAME_BYTES:
-      raise GGUFFormatError(f'tensor name {_short(name)} is longer than '
+      raise GGUFFormatError(f'tensor name {short_repr(name)} is longer than '
                             f'{MAX_TENSOR_NAME_BYTES} bytes')
     n_dims = c.take('<I')
     if n_dims > MAX_DIMS:
-      raise GGUFFormatError(f'tensor {_short(name)}: {n_dims} dims, more '
+      raise GGUFFormatError(f'tensor {short_repr(name)}: {n_dims} dims, more '
                             f'than {MAX_DIMS}')
     dims = tuple(c.take('<Q') for _ in range(n_dims))
     infos.append((name, dims, c.take('<I'), c.take('<Q')))
@@ -233,26 +233,27 @@ def read(path: str) -> GGUF:
   data = np.frombuffer(buf, np.uint8)
   tensors = {}
   for name, dims, kind, offset in infos:
+    shown = short_repr(name)
     if name in tensors:
-      raise GGUFFormatError(f'tensor {_short(name)} appears twice')
+      raise GGUFFormatError(f'tensor {shown} appears twice')
     if offset % alignment:
-      raise GGUFFormatError(f'tensor {_short(name)}: offset {offset} is not '
+      raise GGUFFormatError(f'tensor {shown}: offset {offset} is not '
                             f'a multiple of the alignment {alignment}')
     try:
       block, width = constants.GGML_QUANT_SIZES[constants.GGMLQuantizationType(
           kind)]
     except (KeyError, ValueError):
-      raise GGUFFormatError(f'tensor {_short(name)}: unknown GGML type '
+      raise GGUFFormatError(f'tensor {shown}: unknown GGML type '
                             f'{kind}') from None
     count = math.prod(dims)  # A Python int: numpy's int64 would wrap.
     if dims and dims[0] % block:
-      raise GGUFFormatError(f'tensor {_short(name)}: {dims[0]} values a row '
+      raise GGUFFormatError(f'tensor {shown}: {dims[0]} values a row '
                             f'is not a whole number of {block}-value blocks')
     n_bytes = count // block * width
     begin = start + offset
     if begin + n_bytes > size:
       raise GGUFFormatError(
-          f'truncated: tensor {_short(name)} needs bytes '
+          f'truncated: tensor {shown} needs bytes '
           f'{begin}..{begin + n_bytes}, the file has {size}')
     tensors[name] = Tensor(name, dims, kind, data[begin:begin + n_bytes])
   return GGUF(version, fields, tensors)
