@@ -16,6 +16,7 @@ import time
 import pytest
 
 from tests import launch_runs
+from train import checkpointing
 from train import errors
 from train import fileio
 from train import metrics
@@ -125,6 +126,15 @@ def test_holding_a_workdir_with_a_fifo_refuses_before_writing(tmp_path):
   _fifo(tmp_path / workdir_lock.LOCK_FILE)
   with pytest.raises(fileio.SpecialFile, match='.lock is a FIFO'):
     workdir_lock.holder(str(tmp_path))
+
+
+def test_another_runs_checkpoints_are_scanned_before_they_are_read(tmp_path):
+  # A source model's workdir is read, not held: nothing else scans it.
+  (tmp_path / 'checkpoints' / '20' / 'state').mkdir(parents=True)
+  _fifo(tmp_path / 'checkpoints' / '20' / 'state' / 'manifest.ocdbt')
+  with pytest.raises(fileio.SpecialFile, match='manifest.ocdbt is a FIFO'):
+    checkpointing.Checkpoints(str(tmp_path), every_steps=1, keep=1,
+                              read_only=True)
 
 
 # --- A resumed run, as a user launches it ------------------------------------

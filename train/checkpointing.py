@@ -98,6 +98,10 @@ class Checkpoints:
     checkpoints may be that run's saves in progress."""
     self.workdir = fileio.absolute(workdir)
     self.directory = fileio.join(self.workdir, CHECKPOINTS)
+    if read_only:
+      # Another run's directory is not scanned by `workdir_lock.hold`, and
+      # Orbax's reads of a FIFO there would block.
+      fileio.check_tree(self.directory)
     # A run alone on part of a job (process_group) reads with Orbax as a
     # job of one process; Orbax cannot write there (its numpy and scalar
     # writers run on process 0 only): such a run saves LocalCheckpoints.
