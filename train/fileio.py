@@ -111,10 +111,13 @@ def open_local(path: str, mode: str = 'r', root: str | None = None, **kw):
     fd = os.open(real, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
                  0o666)
   except OSError as e:
-    # ENXIO: a FIFO without a reader, or a socket, opened for writing;
-    # ELOOP: a symlink made since the check.
-    if e.errno in (errno.ENXIO, errno.ELOOP):
-      raise SpecialFile(path, 'not a regular file (it changed while it '
+    # ENXIO: a FIFO without a reader, or a socket, opened for writing
+    # (put there since the check); ELOOP: a symlink loop, or a symlink
+    # made since the check.
+    if e.errno == errno.ENXIO:
+      raise SpecialFile(path, 'a FIFO or a socket') from None
+    if e.errno == errno.ELOOP:
+      raise SpecialFile(path, 'a symlink loop (or a symlink made while it '
                         'was opened)') from None
     raise
   try:
