@@ -6,8 +6,8 @@ a crash leaves the old file or the new one. Remote paths go through
 workers), where one object upload is already all-or-nothing. Checkpoints
 do not come through here: Orbax writes them (tensorstore speaks gs://).
 
-A local file is opened only through `open_local`, which refuses what is not
-a regular file (or a directory): opening a FIFO blocks until a writer
+The run core opens a workdir's local files through `open_local`, which
+refuses what is not a regular file (or a directory): opening a FIFO blocks until a writer
 comes, a device such as /dev/zero reads without end, and a symlink that
 leads out of the workdir would have the run read or overwrite someone
 else's file. `check_tree` looks over a whole workdir before a run holds
