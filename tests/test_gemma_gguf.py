@@ -17,6 +17,7 @@ from train import errors
 from train.lm import gemma
 from train.lm import gemma_gguf
 from train.lm import gguf_file
+from train.lm import models
 from train.lm import trainer as lm_trainer
 from train.steering import gemma_study
 from tests import launch_runs
@@ -365,15 +366,21 @@ def test_shape_bounds_at_the_limit(tmp_path):
 
 def test_the_decoded_size_is_bounded_by_memory(tmp_path, monkeypatch):
   path = tiny_gemma.model_file(tmp_path / 'm.gguf')
-  shape, tensors = gemma_gguf.read_shape(path), gguf_file.read(path).tensors
+  tensors = gguf_file.read(path).tensors
   decoded = 4 * sum(x.data.size // 4 for x in tensors.values())  # float32.
   monkeypatch.setattr(gemma_gguf, 'host_memory_bytes', lambda: 2 * decoded)
-  gemma_gguf.check_tensors(shape, tensors, path)
+  assert gemma_gguf.load(path).shape.num_layers == 2
   monkeypatch.setattr(gemma_gguf, 'host_memory_bytes',
                       lambda: 2 * decoded - 2)
+  gemma_gguf.check_file(path)  # The shape alone (compiling) needs no memory.
+  # A new file: `load` caches the last one.
+  path = tiny_gemma.model_file(tmp_path / 'again.gguf')
   with pytest.raises(errors.DamagedModelFile, match='more than half of this '
                      'host\'s memory'):
-    gemma_gguf.check_tensors(shape, tensors, path)
+    gemma_gguf.load(path)
+  config = tiny_gemma.gemma_config(path, 'finetune')
+  with pytest.raises(errors.DamagedModelFile, match='more than half'):
+    models.check_inputs(config)
 
 
 @pytest.mark.parametrize('key, kind, value', [

@@ -273,8 +273,7 @@ def host_memory_bytes() -> int:
 def check_tensors(shape: gemma.Shape, tensors: dict[str, gguf_file.Tensor],
                   path: str) -> None:
   """DamagedModelFile unless `tensors` are exactly those of a Gemma 3 of
-  `shape` (names and shapes; nothing decoded) and their float32 values fit
-  in half of this host's memory (the loader holds them while it casts).
+  `shape` (names and shapes; nothing decoded).
 
   The layer count is bounded by the tensors present before the expected
   names are listed: a file declaring 10**9 layers is refused here, not
@@ -302,7 +301,14 @@ def check_tensors(shape: gemma.Shape, tensors: dict[str, gguf_file.Tensor],
       raise errors.DamagedModelFile(
           path, f'tensor {name} has shape {tensors[name].shape}, expected '
           f'{want}')
-  decoded = 4 * sum(math.prod(want) for want in expected.values())
+
+
+def check_memory(shape: gemma.Shape, path: str) -> None:
+  """DamagedModelFile unless the float32 values of a checked file of
+  `shape` fit in half of this host's memory (the loader holds them while
+  it casts). Only what decodes the weights asks: compiling for another
+  machine reads the shape alone."""
+  decoded = 4 * sum(math.prod(want) for want in _expected(shape).values())
   limit = host_memory_bytes() // 2
   if decoded > limit:
     raise errors.DamagedModelFile(
@@ -351,7 +357,8 @@ class Checked(NamedTuple):
 def check_file(path: str) -> Checked:
   """Reads and checks a Gemma 3 GGUF file (header, metadata, tokenizer,
   every tensor's name, shape and bytes) without decoding the weights: what
-  a run does before it opens its workdir (under a second for 270M).
+  a run does before it opens its workdir (under a second for 270M), with
+  `check_memory` where it will decode them.
 
   Raises:
     UsageError: no such file.
@@ -429,6 +436,7 @@ def _load(path: str, real: str, size: int, mtime_ns: int, dtype: str
   np_dtype = ml_dtypes.bfloat16 if dtype == 'bfloat16' else np.float32
   contents = _read(path)
   shape, tokenizer = _checked(contents, path)
+  check_memory(shape, path)
   arrays = {}
   for name in _expected(shape):
     tensor = contents.tensors[name]

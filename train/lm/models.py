@@ -171,6 +171,7 @@ def check_inputs(config: ml_collections.ConfigDict) -> None:
     if not gemma.same_dims(held, shape_named(m.shape, m.gguf)):
       raise ConfigError('model.shape', m.shape,
                         f'{m.gguf} holds another shape')
+    gemma_gguf.check_memory(held, m.gguf)
   elif m.shape != '270m':
     raise ConfigError('model.shape', m.shape, 'only Gemma 3 270M ships in '
                       'the registry: give model.gguf for another shape (or '

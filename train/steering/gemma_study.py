@@ -107,7 +107,7 @@ def run(config, workdir: str, targets: Sequence[float],
   _check(config, targets, num_samples)
   path = config.gguf or gemma_gguf.registry_file()
   # A damaged model file is refused before the study's workdir is made.
-  gemma_gguf.check_file(path)
+  gemma_gguf.check_memory(gemma_gguf.check_file(path).shape, path)
   workdir = experiment_lib.check_workdir(workdir)
   sha = gemma_gguf.file_sha256(path)
   with workdir_lock.hold(workdir):
