@@ -232,6 +232,10 @@ def _parse_refused(path: str, *expect: str) -> None:
     (gguf_file.MAX_ARRAY_LENGTH,
      lambda n: [('a', _ARR, struct.pack('<IQ', _U8, n) + bytes(n))],
      'more than the limit 16777216'),
+    (gguf_file.MAX_ARRAYS_IN_ARRAY,
+     lambda n: [('a', _ARR, struct.pack('<IQ', _ARR, n)
+                 + struct.pack('<IQ', _U8, 0) * n)],
+     'more than the limit 65536'),
     (gguf_file.MAX_FIELDS,
      lambda n: [(f'k{i}', _U8, 0) for i in range(n)],
      'metadata count: 16385'),

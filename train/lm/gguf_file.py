@@ -47,6 +47,9 @@ MAX_NESTING = 4
 # Gemma 3's vocabulary is 262,144 pieces; the largest published ones are
 # under a million.
 MAX_ARRAY_LENGTH = 1 << 24
+# An array of arrays holds a Python object (about 100 bytes) per 12-byte
+# item: fewer of them keeps memory near the file's size.
+MAX_ARRAYS_IN_ARRAY = 1 << 16
 # Gemma 3 4B has 444 tensors and 40 metadata keys; llama.cpp's largest
 # models (experts merged a layer) about 1,100 tensors.
 MAX_TENSORS = 1 << 14
@@ -154,8 +157,9 @@ class _Cursor:
                               f'{self.at - 4}')
       width = (np.dtype(_NUMPY[item]).itemsize if item in _NUMPY
                else _MIN_BYTES[item])
-      count = self.count(self.take('<Q'), width, MAX_ARRAY_LENGTH,
-                         'array length')
+      count = self.count(self.take('<Q'), width,
+                         MAX_ARRAYS_IN_ARRAY if item == _ARRAY
+                         else MAX_ARRAY_LENGTH, 'array length')
       if item in _NUMPY:
         out = np.frombuffer(self.buf, _NUMPY[item], count, self.at).copy()
         self.at += count * width
