@@ -252,6 +252,8 @@ def check_config(config: ml_collections.ConfigDict,
                         f'x group_size={config.grpo.group_size} = {rows} '
                         f'rows must split over the {size} {name} devices '
                         f'(of {count})')
+  if require_sft and devices is None:
+    limits.check_host_memory(config, sequence_length(config))
 
 
 def check_policy(config, policy_config, max_len: int) -> None:
@@ -666,6 +668,11 @@ def _train(config, run: resumable.Run, job: '_Job | None' = None
                                 can_skip=False)
   learner = _Learner(config, model, codec, run, layout, reference=params,
                      restored=found or (0, fresh, {}), job=job)
+  # The learner holds what it needs: a name kept here would hold the warm
+  # start's host copy, the first policy (the reference, unless beta = 0)
+  # and, on resume, a fresh optimizer state through the run (up to 4 GiB
+  # of the real Gemma's).
+  del sft_params, params, fresh, found
   if job is not None:
     for p in job.roles.followers:  # They start from the lead's state.
       job.transport.send('state', {'version': learner.version},
@@ -699,7 +706,9 @@ class _Learner:
                job: '_Job | None' = None):
     self.config, self.model, self.run, self.layout = config, model, run, layout
     self.codec = codec
-    self.reference = reference
+    # The update reads the reference only when beta > 0; held for nothing
+    # it is a policy's copy once the first update replaced the weights.
+    self.reference = reference if config.grpo.beta > 0 else None
     self.version, self.state, meta = restored
     s = self.bound = config.runtime.max_staleness
     rsettings = runtime_settings(config)
@@ -830,7 +839,8 @@ class _Learner:
     batch = jax.device_put(host_batch, self.layout.learner_rows)
     begin = time.perf_counter()
     params, opt_state, m = self.layout.update(
-        self.state['params'], self.state['opt_state'], batch, self.reference)
+        self.state['params'], self.state['opt_state'], batch,
+        self.state['params'] if self.reference is None else self.reference)
     m = jax.device_get(m)
     busy = time.perf_counter() - begin
     bad = sorted(key for key, x in m.items() if not np.all(np.isfinite(x)))
