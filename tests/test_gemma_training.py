@@ -237,6 +237,13 @@ def test_a_real_gemma_fine_tunes_and_serves_grpo(tmp_path):
   out = launch_runs.run_module(
       'launch.rl', '--config=configs/rl.py:gemma,runlocal',
       f'--config.sft_workdir={sft_dir}', f'--workdir={rl_dir}', timeout=600)
+  # Its estimated peak is 9.1 GiB (8.9 measured, BENCHMARKS.md): on a host
+  # with less free (tests beside it), the run is refused in one line
+  # before it starts, where it was killed by the kernel before.
+  lines = launch_runs.error_lines(out)
+  if out.returncode == 2 and 'GiB this host has free' in lines[-1]:
+    assert not os.path.exists(rl_dir)
+    pytest.skip(lines[-1])
   assert out.returncode == 0, out.stderr[-2000:]
   assert json.load(open(os.path.join(rl_dir, 'results.json')))[
       'versions'] == 2

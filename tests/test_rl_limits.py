@@ -104,3 +104,45 @@ def test_fingerprinting_a_state_needs_twice_its_largest_leaf_not_the_state():
   assert result.returncode == 0, result.stderr[-2000:]
   grown = int(result.stdout.split()[-1]) * 1024
   assert grown < 256 << 20, f'{grown / 2**20:.0f} MiB over 8 x 32 MiB'
+
+
+def _estimated(changes: dict, available: int, policy=1 << 30, vocab=256):
+  config = _config(changes)
+  return limits.check_memory(config, policy, vocab, 20, available=available)
+
+
+def test_a_run_estimated_past_the_free_memory_is_refused_naming_what_to_lower():
+  changes = {'num_versions': 100, 'runtime.max_staleness': 8,
+             'rollout_devices': 1}
+  peak = limits.estimate(_config(changes), 1 << 30, 256, 20).peak
+  # A 1 GiB policy: with Adam 3 held, the 9 versions kept, and at a
+  # checkpoint the 8 past ones on the learner and a host copy of the 11
+  # saved; 1 GiB of overhead.
+  assert peak == (3 + 9 + 8 + 11 + 1) * 2**30
+  _estimated(changes, available=peak)
+  with pytest.raises(ConfigError) as e:
+    _estimated(changes, available=peak - 1)
+  text = str(e.value)
+  assert text.startswith('config.runtime.max_staleness=8: estimated peak '
+                         '32.0 GiB (a policy of 1.00 GiB'), text
+  assert 'exceeds the 32.0 GiB this host has free; lower it' in text
+  # A batch whose logits are most of it: prompts_per_batch is named.
+  with pytest.raises(ConfigError, match=r'^config\.prompts_per_batch=512: '):
+    _estimated({'prompts_per_batch': 512}, 8 << 30, policy=1 << 20,
+               vocab=262_144)
+  # Nothing lowerable makes room: the policy (its workdir) is named.
+  with pytest.raises(ConfigError, match=r'^config\.sft_workdir=.*a smaller '
+                     'policy, or a host with more memory'):
+    _estimated({'rollout_devices': 1}, 4 << 30)
+
+
+def test_check_config_refuses_a_run_past_the_hosts_free_memory(
+    sft_policy_run, monkeypatch):
+  from train.rl import run  # pylint: disable=g-import-not-at-top
+  config = _config({'num_versions': 10, 'runtime.max_staleness': 2})
+  config.sft_workdir = sft_policy_run[0]
+  run.check_config(config)
+  monkeypatch.setattr(limits, 'available_bytes', lambda: 1 << 29)
+  with pytest.raises(ConfigError, match='exceeds the 0.5 GiB this host has '
+                     'free; a smaller policy'):
+    run.check_config(config)
