@@ -231,7 +231,12 @@ def test_kill_9_of_a_process_stops_the_job_in_one_line_and_it_resumes(
     assert learner_err.strip().splitlines()[-1].startswith(
         'error: config.rollout_processes=1: ') and 'one-process run' in (
             learner_err), learner_err[-2000:]
-    assert all(code != 0 for code, _, _ in refused)
+    # The rollout process ends as the learner did, in one line naming it.
+    assert refused[0][0] == 2, refused[0][2][-2000:]
+    assert launch_runs.error_lines(subprocess.CompletedProcess(
+        [], 2, '', refused[0][2])) == [
+            'error: process 1 (learner) stopped the job: '
+            + learner_err.strip().splitlines()[-1][len('error: '):]]
     assert _results(single_workdir) == single
   # One process does not read a multi-process run's checkpoints, nor the
   # other way round: one line each, nothing changed.
@@ -298,3 +303,23 @@ def test_a_bucket_url_workdir_is_refused_before_anything_is_written():
                      'checkpoints alone'):
     run._check_local_workdir('gs://b/rl')  # pylint: disable=protected-access
   run._check_local_workdir('/tmp/rl')  # pylint: disable=protected-access
+
+
+def test_a_refusal_ends_every_process_with_its_code_and_line(
+    sft_workdir, tmp_path):
+  # The learner (process 1) finds the workdir held: the rollout process
+  # ends as it does, before either read or wrote anything.
+  holder = launch_runs.hold_workdir(str(tmp_path))
+  try:
+    ends = _finish(_start(tmp_path, sft_workdir, 2, 0), timeout=120)
+  finally:
+    holder.kill()
+    holder.wait()
+  busy = f"--workdir='{tmp_path}': in use by another run (host "
+  lines = [[l for l in err.splitlines() if l.strip()] for _, _, err in ends]
+  assert [code for code, _, _ in ends] == [75, 75], lines
+  assert [len(l) for l in lines] == [1, 1], lines
+  assert lines[1][0].startswith(f'error: {busy}'), lines
+  assert lines[0][0].startswith(
+      f'error: process 1 (learner) stopped the job: {busy}'), lines
+  assert os.listdir(tmp_path) == ['.lock']

@@ -5,12 +5,14 @@ answers is pinned down where a live job would only hang now and then.
 """
 
 import json
+import signal
 import threading
 import time
 
 import numpy as np
 import pytest
 
+from train import errors
 from train.rl import control
 from train.rl import processes
 
@@ -130,3 +132,53 @@ def test_a_transfer_broken_by_a_dead_process_names_the_process():
   with pytest.raises(processes.transport_lib.TransferFailed):
     processes.check_peers(_FailedTransport(), _Liveness(dies_at=None))
   assert time.monotonic() - begin >= 0.2  # It waited for the watch first.
+
+
+def _workdir_busy():
+  from train.workdir_lock import WorkdirBusy  # pylint: disable=g-import-not-at-top
+  return WorkdirBusy('/w', {'host': 'h', 'pid': '7', 'started': 't'})
+
+
+@pytest.mark.parametrize('error,code,line', [
+    (_workdir_busy(), 75, "--workdir='/w': in use by another run (host h"),
+    (errors.ConfigError('num_versions', 0, 'must be > 0'), 2,
+     'config.num_versions=0: must be > 0'),
+    (errors.DiskFull('/w/checkpoints', None, 0, 3), 5, 'disk full writing'),
+    (errors.Interrupted(signal.SIGTERM, 'SIGTERM'), 143, 'stopped by SIGTERM'),
+    (ValueError('bad\nsecond line'), 1, 'ValueError: bad'),
+])
+def test_a_refusal_is_told_with_its_exit_status_and_line(error, code, line):
+  told = control.told(error)
+  assert told['code'] == code and told['line'].startswith(line), told
+  assert '\n' not in told['line']
+
+
+def test_the_learners_refusal_comes_before_its_echo():
+  # The learner told its refusal and ended: the broken transfer and the
+  # silent heartbeat that follow are not what the rollout process reports.
+  def ended():
+    raise control.PeerStopped(1, 'learner', 75, 'workdir busy')
+  with pytest.raises(control.PeerStopped) as e:
+    processes.check_peers(_FailedTransport(), _Liveness(dies_at=1), ended)
+  assert e.value.exit_code == 75
+  assert str(e.value) == 'process 1 (learner) stopped the job: workdir busy'
+
+
+def test_the_learner_ends_with_a_rollout_process_refusal_code():
+  store = _Store()
+  channel, services = _services(store, _Snapshots({}), _Transport())
+  services._transport = _OkTransport()  # pylint: disable=protected-access
+  services._liveness = _Liveness(dies_at=None)  # pylint: disable=protected-access
+  channel.set('failed/0', control.told(errors.DamagedDataFile(
+      'the SFT policy', ['/s/1'], OSError('truncated'))))
+  with pytest.raises(processes.RolloutFailed) as e:
+    services.check()
+  assert e.value.exit_code == 6
+  assert str(e.value).startswith('rollout process 0 stopped: cannot read '
+                                 'the SFT policy')
+
+
+class _OkTransport:
+
+  def check(self):
+    pass

@@ -416,6 +416,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
           config, workdir, check_config=functools.partial(
               _check_resume, config, workdir), results_name=RESULTS,
           checkpoints=local_checkpoints.LocalCheckpoints) as run:
+        job.tell('admitted', True)
         results = _train(config, run, job)
     job.tell('done', {'ok': True})
     return results
@@ -500,6 +501,21 @@ class _Job:
       raise control.PeerStopped(self.roles.learner, 'learner',
                                 done.get('code', 1), done['error'])
     return done
+
+  def wait_admitted(self) -> None:
+    """Waits until the learner holds the workdir and found it fit to
+    resume: a refusal of it (busy, another kind of run, another config)
+    then ends every process before it read or printed anything.
+
+    Raises:
+      control.PeerStopped: the learner refused.
+      control.ProcessDied: the learner stopped beating.
+    """
+    while self.channel.try_get('admitted') is None:
+      self.ended()
+      self.liveness.check()
+      if self.halt.wait(0.05):
+        raise runtime_lib.Stopped()
 
   def tell(self, key: str, value: Any) -> None:
     """Sets `key` if the control plane is still there (a failure to tell
@@ -913,6 +929,11 @@ def _rollout(config, job: _Job) -> dict[str, Any]:
   the learner failed.
   """
   roles, ch = job.roles, job.channel
+  # Until its loop handles them, signals end this process in one line:
+  # jax.distributed's notifier, which owns SIGTERM otherwise, is answered
+  # only at the learner's next step (the loop's handlers replace it too).
+  with preemption.raise_on_signals():
+    job.wait_admitted()
   with process_group.alone():  # Read with this process's devices only.
     sft_config, model, sft_params, codec = sft.load_policy(
         config.sft_workdir)
@@ -935,11 +956,12 @@ def _rollout(config, job: _Job) -> dict[str, Any]:
         treedef, [jax.device_put(a, replicated) for a in arrays]))
 
   job.transport.start(receive)
-  while (start := ch.try_get('start')) is None:  # The learner restores.
-    job.ended()  # Or refused: its workdir busy, say.
-    job.liveness.check()
-    if job.halt.wait(0.05):
-      raise runtime_lib.Stopped()
+  with preemption.raise_on_signals():
+    while (start := ch.try_get('start')) is None:  # The learner restores.
+      job.ended()  # Or refused: a damaged checkpoint, say.
+      job.liveness.check()
+      if job.halt.wait(0.05):
+        raise runtime_lib.Stopped()
   base_key = jax.random.key(config.seed)
   plans: dict[int, tuple[int, int]] = {}
 
@@ -1003,6 +1025,7 @@ def _follow(config, job: _Job) -> dict[str, Any]:
   stopped for a signal, `RunError` when it failed.
   """
   roles, ch = job.roles, job.channel
+  job.wait_admitted()
   with process_group.alone():  # Read with this process's devices only.
     sft_config, model, sft_params, _ = sft.load_policy(config.sft_workdir)
   check_policy(config, sft_config, model.max_len)
