@@ -4,7 +4,10 @@ Overrides: `--config.a.b=value`. Multi-host (TPU pods, or several processes
 on one machine): `--multihost` (`launch.multihost`) calls
 `jax.distributed.initialize()`, which finds the coordinator by itself on
 Cloud TPU; elsewhere pass `--coordinator_address`, `--num_processes` and
-`--process_id`.
+`--process_id`. Those flags are checked before the processes meet (exit
+2); a process that is not joined by every other within
+`--multihost_start_timeout` (60 s) says which it waited for (exit 1), and
+SIGTERM or SIGINT ends that wait at once.
 
 A mistake in the config or flags ends the run before any compute with one
 line naming the setting, the value and the valid choices (exit status 2).
