@@ -120,6 +120,25 @@ def test_signals_end_a_start_blocked_outside_python():
   preemption._PENDING.clear()  # pylint: disable=protected-access
 
 
+def test_a_start_past_its_deadline_names_what_it_waited_for():
+  port = _free_port()  # Nothing listens there.
+  hint = ('; start every process of the job (with the same --num_processes)'
+          ', or raise --multihost_start_timeout')
+  with flagsaver.flagsaver(num_processes=2, process_id=1,
+                           coordinator_address=f'127.0.0.1:{port}'):
+    assert multihost._waited_for(60) == (  # pylint: disable=protected-access
+        f'process 1 of 2: the coordinator 127.0.0.1:{port} (process 0) did '
+        f'not answer within 60 s{hint}')
+  with flagsaver.flagsaver(num_processes=4, process_id=2,
+                           coordinator_address=f'127.0.0.1:{port}'):
+    with socket.socket() as listener:
+      listener.bind(('127.0.0.1', port))
+      listener.listen()
+      assert multihost._waited_for(7.5) == (  # pylint: disable=protected-access
+          f'process 2 of 4: peers 0, 1, 3 did not all join within 7.5 s '
+          f'(coordinator 127.0.0.1:{port}){hint}')
+
+
 class _JaxRuntimeError(RuntimeError):
   pass
 
