@@ -1,6 +1,7 @@
 """Run `python -m launch.train` in a subprocess, as a user would."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -93,18 +94,23 @@ def run_measured(args: list[str], timeout: float = 120, **popen_kw
   """
   import tempfile  # pylint: disable=g-import-not-at-top
   import threading  # pylint: disable=g-import-not-at-top
-  with tempfile.TemporaryFile('w+') as out, tempfile.TemporaryFile('w+') as err:
-    proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=out, stderr=err,
-                            text=True, **popen_kw)
+  with tempfile.TemporaryFile('w+') as out, tempfile.TemporaryFile(
+      'w+') as err, tempfile.NamedTemporaryFile('r') as peak:
+    # Started by a small process (_MEASURE), not by this one: a child's
+    # peak counts its parent's resident memory at the fork (1.2 GB after
+    # the Gemma tests in one worker).
+    proc = subprocess.Popen([sys.executable, '-c', _MEASURE, peak.name,
+                             *args], cwd=REPO_ROOT, stdout=out, stderr=err,
+                            text=True, start_new_session=True, **popen_kw)
     killed = threading.Event()
 
     def kill():
       killed.set()
-      proc.kill()
+      os.killpg(proc.pid, signal.SIGKILL)
     timer = threading.Timer(timeout, kill)
     timer.start()
     try:
-      _, status, usage = os.wait4(proc.pid, 0)
+      _, status, _ = os.wait4(proc.pid, 0)
     finally:
       timer.cancel()
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -114,4 +120,23 @@ def run_measured(args: list[str], timeout: float = 120, **popen_kw
       raise subprocess.TimeoutExpired(args, timeout, out.read(), err.read())
     result = subprocess.CompletedProcess(args, proc.returncode, out.read(),
                                          err.read())
-  return result, usage.ru_maxrss * 1024
+    peak_kb = int(peak.read() or 0)
+  return result, peak_kb * 1024
+
+
+# Runs argv[2:] as its child and writes the child's peak resident memory
+# (KB, wait4's) to the file argv[1]; exits as the child did.
+_MEASURE = """
+import os, signal, sys
+pid = os.fork()
+if pid == 0:
+  os.execvp(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], 'w') as f:
+  f.write(str(usage.ru_maxrss))
+code = os.waitstatus_to_exitcode(status)
+if code < 0:
+  signal.signal(-code, signal.SIG_DFL)
+  os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
