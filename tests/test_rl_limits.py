@@ -76,9 +76,9 @@ def test_a_billion_versions_and_staleness_exit_2_in_one_line_at_once(
   lines = launch_runs.error_lines(result)
   assert result.returncode == 2, result.stderr[-2000:]
   assert lines == ['error: config.runtime.max_staleness=1000000000: must be '
-                   'an integer in [0, 64]: at most num_versions (1000000000) '
-                   'and 64: the learner keeps and checkpoints that many past '
-                   'policies'], lines
+                   'an integer in [0, 64]: the learner keeps and checkpoints '
+                   'that many past policies (at most 64, and at most '
+                   'num_versions=1000000000)'], lines
   assert not os.path.exists(workdir)
   assert peak < 1 << 30, peak
 

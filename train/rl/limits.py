@@ -64,9 +64,9 @@ def check_sizes(config: ml_collections.ConfigDict) -> None:
                "Adam's step count is an int32")
   _bounded_int(config, 'runtime.max_staleness',
                min(MAX_STALENESS, config.num_versions),
-               f'at most num_versions ({config.num_versions}) and '
-               f'{MAX_STALENESS}: the learner keeps and checkpoints that '
-               'many past policies', low=0)
+               'the learner keeps and checkpoints that many past '
+               f'policies (at most {MAX_STALENESS}, and at most '
+               f'num_versions={config.num_versions})', low=0)
   _bounded_int(config, 'runtime.num_actors', MAX_NUM_ACTORS,
                'each actor holds a batch in flight')
   if config.runtime.get('buffer_capacity') is not None:
