@@ -184,10 +184,24 @@ def _one_line(code, err):
   return lines[0]
 
 
+def test_a_taken_coordinator_port_is_refused_before_jax_starts():
+  with socket.socket() as busy:
+    busy.bind(('127.0.0.1', 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    with pytest.raises(UsageError) as e:
+      multihost._check_port_free(f'127.0.0.1:{port}')  # pylint: disable=protected-access
+  assert str(e.value) == (
+      f"--coordinator_address='127.0.0.1:{port}': port {port} is in use on "
+      'this host (process 0 serves the job there); pick a free port for '
+      'every process of the job')
+  multihost._check_port_free(f'127.0.0.1:{port}')  # pylint: disable=protected-access
+
+
 def test_a_job_that_cannot_start_ends_in_one_line_on_every_process(tmp_path):
-  """Three launchers at once (one jax import each): a lone process 0 of 3
-  past a 2 s deadline; a coordinator port held by another program: process
-  0 refuses it, process 1 waits there until SIGTERM ends it."""
+  """Two launchers at once (one jax import each): a lone process 0 of 3
+  past a 2 s deadline; a process 1 whose coordinator port is held by
+  another program, waiting there until SIGTERM ends it."""
   os.makedirs(tmp_path / 'w-sft' / 'checkpoints' / '1')
   workdir = str(tmp_path / 'w')
   with socket.socket() as busy:
@@ -197,26 +211,21 @@ def test_a_job_that_cannot_start_ends_in_one_line_on_every_process(tmp_path):
     busy_port, lone_port = busy.getsockname()[1], _free_port()
     begin = time.monotonic()
     procs = [_rl(workdir, lone_port, 0, 3, '--multihost_start_timeout=2'),
-             _rl(workdir, busy_port, 0, 2),
              _rl(workdir, busy_port, 1, 2)]
     # Process 1 knocks at the coordinator's port once it waits to join.
     busy.accept()[0].close()
-    procs[2].send_signal(signal.SIGTERM)
+    procs[1].send_signal(signal.SIGTERM)
     signalled = time.monotonic()
-    procs[2].wait(timeout=30)
+    procs[1].wait(timeout=30)
     stopped_after = time.monotonic() - signalled
     ends = launch_runs.communicate_all(procs, timeout=120)
   elapsed = time.monotonic() - begin
-  lone, coordinator, peer = [_one_line(c, e) for c, _, e in ends]
-  assert [c for c, _, _ in ends] == [1, 2, 128 + signal.SIGTERM], ends
+  lone, peer = [_one_line(c, e) for c, _, e in ends]
+  assert [c for c, _, _ in ends] == [1, 128 + signal.SIGTERM], ends
   assert lone == (
       f'error: process 0 of 3: peers 1, 2 did not all join within 2 s '
       f'(coordinator 127.0.0.1:{lone_port}); start every process of the job '
       '(with the same --num_processes), or raise --multihost_start_timeout')
-  assert coordinator == (
-      f"error: --coordinator_address='127.0.0.1:{busy_port}': port "
-      f'{busy_port} is in use on this host (process 0 serves the job there); '
-      'pick a free port for every process of the job')
   assert stopped_after < 5, stopped_after
   assert peer.startswith('stopped by SIGTERM'), peer
   assert elapsed < 90, elapsed
