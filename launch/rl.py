@@ -11,8 +11,8 @@ a bad staleness bound, a missing or foreign SFT checkpoint): one line and
 exit status 2 before any compute. The workdir in use by another run: 75;
 no checkpoint in it that loads and verifies: 4; actors failing beyond
 `runtime.max_actor_restarts`: 1; with --multihost, a process that did not
-join within --multihost_start_timeout: 1. SIGTERM saves a checkpoint and exits 0,
-SIGINT saves one and exits 130; the same command resumes the run.
+join within --multihost_start_timeout: 1. SIGTERM saves a checkpoint and
+exits 0, SIGINT saves one and exits 130; the same command resumes the run.
 
 Several processes (`--multihost`, flags in `launch.multihost`) with
 `--config.rollout_processes=R`: processes 0..R-1 generate, the others

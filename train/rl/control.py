@@ -77,7 +77,8 @@ def exit_code(error: BaseException) -> int:
 def told(error: BaseException) -> dict[str, Any]:
   """What the other processes are told of `error`: its line and exit
   status (a library's exception by its type, as a traceback would)."""
-  from train.errors import Interrupted, UsageError  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from train.errors import Interrupted, UsageError
   plain = isinstance(error, (RunError, UsageError, Interrupted))
   line = str(error) if plain else f'{type(error).__name__}: {error}'
   return {'line': line.strip().splitlines()[0] if line.strip() else line,
