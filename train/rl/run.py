@@ -958,7 +958,10 @@ def _rollout(config, job: _Job) -> dict[str, Any]:
   job.transport.start(receive)
   with preemption.raise_on_signals():
     while (start := ch.try_get('start')) is None:  # The learner restores.
-      job.ended()  # Or refused: a damaged checkpoint, say.
+      # Or refused (a damaged checkpoint, say), or found the run finished.
+      if (done := job.ended()) is not None:
+        return {'role': 'rollout', 'process': roles.process,
+                'batches_sent': 0}
       job.liveness.check()
       if job.halt.wait(0.05):
         raise runtime_lib.Stopped()
