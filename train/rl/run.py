@@ -959,7 +959,7 @@ def _rollout(config, job: _Job) -> dict[str, Any]:
   with preemption.raise_on_signals():
     while (start := ch.try_get('start')) is None:  # The learner restores.
       # Or refused (a damaged checkpoint, say), or found the run finished.
-      if (done := job.ended()) is not None:
+      if job.ended() is not None:
         return {'role': 'rollout', 'process': roles.process,
                 'batches_sent': 0}
       job.liveness.check()
