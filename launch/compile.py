@@ -32,20 +32,36 @@ policy, steering's LM) take its config from `--model_config` (a config
 file, e.g. `configs/lm.py:size=1b`), else from that workdir's checkpoint
 when it has one, else from the job's documented default.
 
+Limits, checked before JAX starts and before anything is written:
+`--target` has at most 65,536 chips and `--num_slices` at most 65,536 /
+the target's chips (the largest training job published ran on 50,944);
+`model.num_layers` at most 128 (each layer is traced and compiled
+unrolled; the deepest published models have 126). A program whose
+arguments alone (parameters, optimizer state, batch) exceed a chip's
+memory does not fit and is not compiled. Each step (building the
+programs; tracing and compiling each one) has `--compile_timeout` seconds
+(1200; 1 to 86,400), and runs off the main thread: SIGTERM or SIGINT end
+the launcher within a second, in one line.
+
 Exit status: 0 when every program compiles and fits; 3 when one does not
-fit (one line naming it, its bytes and the chip's); 1 when one does not
-compile (one line naming it and the compiler's message); 2 for an unknown
-target (the line lists the valid ones) or any other mistake in the flags
-or config.
+fit (one line naming it, its bytes and the chip's, and the size fields to
+lower); 1 when one does not compile (one line naming it and the
+compiler's message) or a step ran past `--compile_timeout` (one line
+naming the program and the target); 2 for an unknown target (the line
+lists the valid ones), a value past a limit above, a compiler that is not
+installed, or any other mistake in the flags or config; 128 + the
+signal's number for SIGTERM or SIGINT.
 """
 
 import os
+import sys
 
 from absl import app
 from absl import flags
 from ml_collections import config_flags
 
 from launch import compile_jobs
+from launch import compile_watch
 from launch import entry
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -58,6 +74,11 @@ _TARGET = flags.DEFINE_string(
 _NUM_SLICES = flags.DEFINE_integer(
     'num_slices', 1, 'TPU slices over the data-centre network (the data '
     'axis spans them).')
+_COMPILE_TIMEOUT = flags.DEFINE_float(
+    'compile_timeout', compile_watch.DEFAULT_TIMEOUT_S,
+    'Seconds each step may take (building the programs; tracing and '
+    'compiling each one); then the launcher stops in one line naming it. '
+    f'In [1, {compile_watch.MAX_TIMEOUT_S}].')
 _WORKDIR = flags.DEFINE_string(
     'workdir', None, 'Where to write compile.json (optional).')
 _MODEL_CONFIG = config_flags.DEFINE_config_file(
@@ -66,9 +87,10 @@ _MODEL_CONFIG = config_flags.DEFINE_config_file(
 flags.mark_flags_as_required(['config', 'target'])
 
 
-def _start_jax() -> None:
+def _import_jax() -> None:
   """JAX on the CPU only, with the target compilers importable and no
-  persistent compilation cache."""
+  persistent compilation cache; imported (quietly), its backend not yet
+  started."""
   os.environ['JAX_PLATFORMS'] = 'cpu'
   # A deviceless executable cannot be loaded back: with a persistent
   # compilation cache set up, every later compile of the same program read
@@ -78,20 +100,31 @@ def _start_jax() -> None:
   from train import targets  # pylint: disable=g-import-not-at-top
   targets.enable_toolchain()
   with compile_jobs.quiet_stderr():
-    import jax  # pylint: disable=g-import-not-at-top
-    jax.devices()  # Starts the backend: the plugins load here.
+    import jax  # pylint: disable=g-import-not-at-top,unused-import
 
 
 def main(argv):
   del argv
   entry.quiet_libraries()
   config = _CONFIG.value
-
-  # Before run_job, whose imports start JAX.
-  _start_jax()
+  # The flags and sizes first, before JAX is imported (a second of start-up
+  # for a refusal otherwise).
+  # pylint: disable=g-import-not-at-top
+  from train.errors import UsageError
+  from train.targets import ToolchainMissing
+  # pylint: enable=g-import-not-at-top
+  try:
+    compile_jobs.check_flags(config, _TARGET.value, _NUM_SLICES.value,
+                             _COMPILE_TIMEOUT.value, _MODEL_CONFIG.value)
+  except (UsageError, ToolchainMissing) as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(entry.EXIT_USAGE)
+  # Before run_job, whose imports import JAX (the CUDA plugin's lines);
+  # its backend starts inside, where signals end the launcher in one line.
+  _import_jax()
   entry.run_job(lambda: compile_jobs.run(
       config, _TARGET.value, _NUM_SLICES.value, _WORKDIR.value,
-      _MODEL_CONFIG.value))
+      _MODEL_CONFIG.value, _COMPILE_TIMEOUT.value))
 
 
 if __name__ == '__main__':

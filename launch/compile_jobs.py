@@ -31,6 +31,17 @@ MODEL_WORKDIR_FIELDS = {'tta': 'source_workdir', 'rl': 'sft_workdir',
 TASKS = ('classification', 'lm', 'rl_sft', 'tta', 'rl', 'steering',
          'gemma_steering')
 RESULT = 'compile.json'
+# Layers a model may have (`model.num_layers`). Each is traced and compiled
+# unrolled: measured on this 2-core host for the LM's train step, 64
+# layers took 16 s to build and trace and 150 s to compile, 256 layers
+# 164 s before the compile began. The deepest dense models published have
+# 118 (PaLM 540B) and 126 (Llama 3.1 405B) layers; 128 holds them.
+MAX_LAYERS = 128
+# Any size in a model block: JAX (without x64) passes a Python int to a
+# jitted function as int32, and d_model=2**62 was an OverflowError
+# traceback while the model was built. The largest real dimension (a
+# 256k vocabulary) is far below.
+MAX_SIZE = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +74,45 @@ def mesh_description(mesh, rules=None) -> str:
     text += '; rules ' + ', '.join(f'{l}->{m}' for l, m in rules
                                    if m is not None)
   return text
+
+
+def check_layers(config: ml_collections.ConfigDict | None, name: str) -> None:
+  """UsageError naming `name`.model.num_layers past `MAX_LAYERS` (before
+  anything is traced: tracing alone took minutes at a few hundred), or
+  another size of `name`.model past `MAX_SIZE`."""
+  from train.errors import UsageError  # pylint: disable=g-import-not-at-top
+  model = None if config is None else config.get('model')
+  if not isinstance(model, ml_collections.ConfigDict):
+    return
+  sizes = {k: v for k, v in model.items()
+           if isinstance(v, int) and not isinstance(v, bool)}
+  if sizes.get('num_layers', 0) > MAX_LAYERS:
+    raise UsageError(
+        f'{name}.model.num_layers', sizes['num_layers'],
+        f'at most {MAX_LAYERS} layers (deeper than any published model; '
+        'each layer is traced and compiled unrolled)')
+  for field, value in sorted(sizes.items()):
+    if value > MAX_SIZE:
+      raise UsageError(f'{name}.model.{field}', value,
+                       f'at most {MAX_SIZE} (JAX passes sizes to its programs '
+                       'as int32)')
+
+
+def size_fields(config: ml_collections.ConfigDict,
+                model: ml_collections.ConfigDict | None) -> str:
+  """The size fields of the job's model (its own, else the trained model's
+  config) and batches, for a refusal that says what to lower:
+  'config.model.d_model=..., ..., config.batch_size=...'."""
+  fields = []
+  for name, source in (('config', config), ('model_config', model)):
+    block = None if source is None else source.get('model')
+    if isinstance(block, ml_collections.ConfigDict):
+      fields += [(f'{name}.model.{k}', v) for k, v in block.items()]
+      break
+  fields += [(f'config.{k}', config.get(k))
+             for k in ('batch_size', 'eval_batch_size')]
+  return ', '.join(f'{k}={v}' for k, v in fields
+                   if isinstance(v, int) and not isinstance(v, bool))
 
 
 def _config_from_file(path: str, arg: str | None) -> ml_collections.ConfigDict:
@@ -118,6 +168,9 @@ def programs(config: ml_collections.ConfigDict, devices: Sequence[Any],
   # pylint: enable=g-import-not-at-top
   task = task_of(config)
   model = model_config(config, task, given_model_config)
+  # The configs given are checked before JAX starts (`check_flags`); the
+  # trained model's may come from a checkpoint, read only here.
+  check_layers(model, 'model_config')
   if task in ('classification', 'lm', 'rl_sft'):
     if task == 'classification':
       from train.vision import experiment as product  # pylint: disable=g-import-not-at-top
@@ -152,49 +205,125 @@ def programs(config: ml_collections.ConfigDict, devices: Sequence[Any],
 @contextlib.contextmanager
 def quiet_stderr():
   """Silences file descriptor 2: the CUDA plugin's C++ start-up lines ("Could
-  not find cuda drivers") are not about compiling. Shown if the block fails."""
+  not find cuda drivers") are not about compiling. Shown if the block fails
+  unexpectedly (not for the launcher's one-line errors and signals)."""
+  # pylint: disable=g-import-not-at-top
+  from train import errors
+  from train import targets
+  # pylint: enable=g-import-not-at-top
+  said = (errors.UsageError, errors.RunError, errors.Interrupted,
+          targets.TargetError, targets.SlicesError)
   sys.stderr.flush()
   saved = os.dup(2)
   with tempfile.TemporaryFile() as sink:
     os.dup2(sink.fileno(), 2)
     try:
       yield
-    except BaseException:
+    except BaseException as e:
       os.dup2(saved, 2)
-      sink.seek(0)
-      sys.stderr.write(sink.read().decode(errors='replace'))
+      if not isinstance(e, said):
+        sink.seek(0)
+        sys.stderr.write(sink.read().decode(errors='replace'))
       raise
     finally:
       os.dup2(saved, 2)
       os.close(saved)
 
 
-def run(config, target_text: str, num_slices: int, workdir: str | None,
-        model_config) -> dict:
-  """Compiles `config`'s programs for the target; returns compile.json's
-  content after printing the table (raises the launcher's errors)."""
+def check_flags(config: ml_collections.ConfigDict, target_text: str,
+                num_slices: Any, timeout_s: float | None = None,
+                given_model_config: ml_collections.ConfigDict | None = None
+                ) -> Any:
+  """The parsed target, once the flags are usable (pure Python: call before
+  JAX starts, and before anything is written).
+
+  Raises:
+    UsageError: naming --target, --num_slices, --compile_timeout or
+      (--model_)config.model.num_layers, with the valid values.
+    ToolchainMissing: the target's compiler is not installed.
+  """
   # pylint: disable=g-import-not-at-top
-  from train import compile_report
+  from launch import compile_watch
   from train import targets
   from train.errors import UsageError
   # pylint: enable=g-import-not-at-top
   try:
     target = targets.parse(target_text)
-    if not isinstance(num_slices, int) or num_slices < 1:
-      raise targets.TargetError(f'--num_slices={num_slices}: must be >= 1')
+  except targets.TargetError as e:
+    raise UsageError('--target', target_text, str(e).split(': ', 1)[-1]
+                     ) from None
+  try:
+    targets.check_slices(target, num_slices)
+  except targets.SlicesError as e:
+    raise UsageError('--num_slices', num_slices, str(e).split(': ', 1)[-1]
+                     ) from None
+  if timeout_s is not None:
+    try:
+      compile_watch.check_timeout(timeout_s)
+    except ValueError as e:
+      raise UsageError('--compile_timeout', timeout_s, str(e)) from None
+  check_layers(config, 'config')
+  check_layers(given_model_config, 'model_config')
+  targets.check_toolchain(target)
+  return target
+
+
+def start_compilers() -> None:
+  """Starts JAX's backend, the target compilers' plugins loaded (quietly)."""
+  with quiet_stderr():
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.devices()
+
+
+def run(config, target_text: str, num_slices: int, workdir: str | None,
+        model_config, timeout_s: float | None = None) -> dict:
+  """Compiles `config`'s programs for the target; returns compile.json's
+  content after printing the table (raises the launcher's errors).
+
+  The flags and sizes are checked first (`check_flags`); building and
+  compiling the programs runs off the main thread, each step within
+  `timeout_s` (`launch.compile_watch`; default its DEFAULT_TIMEOUT_S), and
+  SIGTERM/SIGINT end it. Nothing is written in `workdir` but compile.json,
+  at the end.
+  """
+  # pylint: disable=g-import-not-at-top
+  from launch import compile_watch
+  from train import compile_report
+  from train import targets
+  from train.errors import Interrupted, UsageError
+  # pylint: enable=g-import-not-at-top
+  if timeout_s is None:
+    timeout_s = compile_watch.DEFAULT_TIMEOUT_S
+  target = check_flags(config, target_text, num_slices, timeout_s,
+                       model_config)
+  label = str(target) + (f' x {num_slices} slices' if num_slices > 1 else '')
+  try:
+    start_compilers()
     with quiet_stderr():
       devices = targets.devices(target, num_slices)
   except targets.TargetError as e:
     raise UsageError('--target', target_text, str(e).split(': ', 1)[-1]
                      ) from None
+  except Interrupted as e:
+    raise compile_watch.CompileInterrupted(
+        e.signum, e.signal_name, 'starting the compiler', label, 0
+    ) from None
   chip = targets.chip_for(target)
-  label = str(target) + (f' x {num_slices} slices' if num_slices > 1 else '')
-  with tempfile.TemporaryDirectory() as scratch:
-    groups = programs(config, devices, model_config,
-                                   workdir or scratch)
+
+  def work(progress: compile_watch.Progress):
+    groups = programs(config, devices, model_config, scratch)
     rows = []
     for group in groups:
-      rows += compile_report.compile_programs(group.programs, chip)
+      rows += compile_report.compile_programs(group.programs, chip,
+                                              progress.step)
+    return groups, rows
+
+  # The programs are built in a scratch directory: the workdir gets
+  # compile.json only, once every program is compiled.
+  with tempfile.TemporaryDirectory() as scratch:
+    groups, rows = compile_watch.run(
+        work, label, timeout_s,
+        f"building the {task_of(config)} job's programs")
   print(f'{label}: {len(devices)} x {chip.device_kind}, '
         f'{compile_report.gib(chip.hbm_bytes)} GiB usable per chip '
         f'(peak {chip.peak_flops / 1e12:.0f} TFLOP/s bf16, '
@@ -216,5 +345,6 @@ def run(config, target_text: str, num_slices: int, workdir: str | None,
     fileio.makedirs(workdir)
     fileio.write_text_atomic(fileio.join(workdir, RESULT),
                              json.dumps(result, indent=1))
-  compile_report.check(rows, chip, label)
+  compile_report.check(rows, chip, label,
+                       lower=size_fields(config, model_config))
   return result

@@ -22,15 +22,19 @@ for the target's compile-only devices (`train.targets`) and returns one
   latency and overlap, for comparing steps (a method's step against its
   base step), never a measured time.
 
-A program the TPU compiler refuses for memory (RESOURCE_EXHAUSTED), or
-whose total exceeds the chip's usable memory (GPU: the compiler does not
-check), is a row that does not fit; one that fails to compile otherwise
+A program whose arguments alone (parameters, optimizer state, batch: the
+bytes of one chip's shards of its abstract arguments) exceed the chip's
+usable memory is a row that does not fit, and is neither traced nor
+compiled: a d_model of 10**9 kept the TPU compiler busy for 9 minutes
+before it said so. A program the TPU compiler refuses for memory
+(RESOURCE_EXHAUSTED), or whose total exceeds the chip's usable memory
+(GPU: the compiler does not check), is a row that does not fit; one that fails to compile otherwise
 is a row with the compiler's message. `check(rows)` turns the first such
 row into the launcher's one-line error: `DoesNotFit` (exit 3) or
 `CompileFailed` (exit 1).
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import dataclasses
 import math
 import re
@@ -78,6 +82,8 @@ class Row:
       memory.
     compiler_options: options the program needed to compile (see
       `GPU_RETRIES`), else empty.
+    compiled: False for a program not compiled because its arguments
+      alone exceed the chip (`total_bytes` is their size).
   """
   function: str
   bytes: dict[str, int]
@@ -91,6 +97,7 @@ class Row:
   error: str | None = None
   oom: bool = False
   compiler_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+  compiled: bool = True
 
   @property
   def fits(self) -> bool:
@@ -105,15 +112,21 @@ class Row:
 def argument_bytes(args: Any) -> int:
   """Bytes of one device's shards of `args` (abstract, with shardings):
   the largest per-device sum, so an uneven split counts its largest part."""
-  per_device: dict[Any, int] = {}
+  # Summed per sharding first: a pod's 65,536 devices times a model's
+  # hundreds of arrays were millions of additions.
+  per_sharding: dict[Any, int] = {}
   for leaf in jax.tree.leaves(args):
     sharding = getattr(leaf, 'sharding', None)
     if sharding is None:
       continue
-    shard_bytes = math.prod(sharding.shard_shape(leaf.shape)) * _itemsize(
-        leaf.dtype)
+    # Python integers: a shape from a hostile config can pass int64.
+    shard = math.prod(int(n) for n in sharding.shard_shape(leaf.shape))
+    per_sharding[sharding] = (per_sharding.get(sharding, 0)
+                              + shard * _itemsize(leaf.dtype))
+  per_device: dict[Any, int] = {}
+  for sharding, size in per_sharding.items():
     for device in sharding.device_set:
-      per_device[device] = per_device.get(device, 0) + shard_bytes
+      per_device[device] = per_device.get(device, 0) + size
   return max(per_device.values(), default=0)
 
 
@@ -274,18 +287,30 @@ def _compile(lowered: jax.stages.Lowered, platform: str
     raise
 
 
-def compile_program(program: aot.Program, chip: targets.Chip) -> Row:
-  """Compiles `program` (its arguments are on the target's devices)."""
+def compile_program(program: aot.Program, chip: targets.Chip,
+                    step: Callable[[str], None] | None = None) -> Row:
+  """Compiles `program` (its arguments are on the target's devices), unless
+  its arguments alone exceed the chip's memory. `step(what)` is told of
+  each stage as it begins: 'tracing <name>', 'compiling <name>'."""
+  step = step or (lambda what: None)
+  arguments = argument_bytes(program.args)
+  if arguments > chip.hbm_bytes:
+    return Row(program.name, {}, float(arguments), chip.hbm_bytes, None, None,
+               'none', None, 0.0, 'not compiled: its arguments alone exceed '
+               "the chip's usable memory", oom=True, compiled=False)
   start = time.perf_counter()
   try:
-    compiled, options = _compile(program.lower(), chip.platform)
+    step(f'tracing {program.name}')
+    lowered = program.lower()
+    step(f'compiling {program.name}')
+    compiled, options = _compile(lowered, chip.platform)
   except Exception as e:  # pylint: disable=broad-except
     message = ' '.join(str(e).split())
     oom = bool(_TPU_OOM.search(message))
     needed = _needed_bytes(message) if oom else None
-    return Row(program.name, {}, needed or float(argument_bytes(
-        program.args)), chip.hbm_bytes, None, None, 'none', None,
-               time.perf_counter() - start, message[:2000], oom)
+    return Row(program.name, {}, needed or float(arguments), chip.hbm_bytes,
+               None, None, 'none', None, time.perf_counter() - start,
+               message[:2000], oom)
   seconds = time.perf_counter() - start
   memory = _memory(compiled)
   flops, traffic, source = cost(compiled, chip.platform)
@@ -294,17 +319,21 @@ def compile_program(program: aot.Program, chip: targets.Chip) -> Row:
              seconds, compiler_options=options)
 
 
-def compile_programs(programs: Sequence[aot.Program],
-                     chip: targets.Chip) -> list[Row]:
-  return [compile_program(p, chip) for p in programs]
+def compile_programs(programs: Sequence[aot.Program], chip: targets.Chip,
+                     step: Callable[[str], None] | None = None
+                     ) -> list[Row]:
+  """`compile_program` of each, in order."""
+  return [compile_program(p, chip, step) for p in programs]
 
 
 def gib(n: float) -> str:
   return f'{n / 2**30:.2f}'
 
 
-def check(rows: Sequence[Row], chip: targets.Chip, target: str) -> None:
-  """Raises the one-line error of the first row that failed or does not fit.
+def check(rows: Sequence[Row], chip: targets.Chip, target: str,
+          lower: str = '') -> None:
+  """Raises the one-line error of the first row that failed or does not fit;
+  `lower` names the size fields to lower ('config.model.d_model=...').
 
   Raises:
     DoesNotFit: a program needs more than the chip's usable memory.
@@ -316,12 +345,18 @@ def check(rows: Sequence[Row], chip: targets.Chip, target: str) -> None:
                           f'{row.error[:600]}')
   for row in rows:
     if not row.fits:
-      said = (f' (the TPU compiler: {_compiler_words(row.error)})'
-              if row.error else '')
+      if not row.compiled:
+        said = (' for its arguments alone (parameters, optimizer state, '
+                'batch; not compiled)')
+      elif row.error:
+        said = f' (the TPU compiler: {_compiler_words(row.error)})'
+      else:
+        said = ''
+      advice = f'; lower {lower}, or add chips' if lower else ''
       raise DoesNotFit(
           f'{row.function} does not fit on {target}: needs '
           f'{gib(row.total_bytes)} GiB per chip{said}; a {chip.device_kind}'
-          f' has {gib(chip.hbm_bytes)} GiB usable')
+          f' has {gib(chip.hbm_bytes)} GiB usable{advice}')
 
 
 def _compiler_words(message: str) -> str:

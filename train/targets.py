@@ -30,6 +30,8 @@ import re
 import sys
 from typing import Any
 
+from train.errors import RunError
+
 GiB = 2**30
 # Where `make compile-toolchain` installs libtpu and the CUDA plugin
 # (`pip install --target`); GEOM_COMPILE_TOOLCHAIN overrides it.
@@ -94,6 +96,15 @@ _GPU_PEAK = {
 }
 
 FAMILIES = tuple(c.name for c in TPU_CHIPS) + tuple(_GPU_CONFIGS)
+# Chips a target may have in all (topology x slices). The largest training
+# job published ran on 50,944 v5e chips (199 slices of 256; Google Cloud,
+# Nov 2023); 2**16 holds it. Compile-only devices cost host memory: 65,536
+# of them bring the launcher to 0.70 GB resident (0.48 GB with 4), where
+# 10**6 took 3.4 GB in 5 s.
+MAX_CHIPS = 2**16
+# Digits per dimension: a bound before int() (Python refuses strings of
+# over 4,300 digits with a ValueError of its own).
+_MAX_DIGITS = 6
 # Examples for messages and docs: the targets of the compile report.
 EXAMPLES = ('v5e:16x16', 'v5p:4x4x4', 'v6e:8x8', 'v4:2x2x2', 'h100:1x1x8',
             'h200:2x1x8')
@@ -101,6 +112,10 @@ EXAMPLES = ('v5e:16x16', 'v5p:4x4x4', 'v6e:8x8', 'v4:2x2x2', 'h100:1x1x8',
 
 class TargetError(ValueError):
   """An unknown or malformed target (the message lists valid ones)."""
+
+
+class SlicesError(ValueError):
+  """A `--num_slices` the target cannot have (the message says the limit)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +152,9 @@ def valid_targets() -> str:
 
 def parse(text: str) -> Target:
   """'v5e:16x16' -> Target; TargetError naming the valid forms otherwise."""
-  match = re.fullmatch(r'([a-z0-9]+):(\d+(?:x\d+){1,2})', str(text).strip())
+  digits = rf'\d{{1,{_MAX_DIGITS}}}'
+  match = re.fullmatch(rf'([a-z0-9]+):({digits}(?:x{digits}){{1,2}})',
+                       str(text).strip())
   if not match or match.group(1) not in FAMILIES:
     raise TargetError(f'--target={text!r}: unknown target; {valid_targets()}')
   family, topology = match.groups()
@@ -147,7 +164,36 @@ def parse(text: str) -> Target:
     raise TargetError(
         f'--target={text!r}: {family} topologies have {want} positive '
         f'dimensions ({"x".join("N" * want)}); {valid_targets()}')
-  return Target(family, topology)
+  target = Target(family, topology)
+  if target.num_chips > MAX_CHIPS:
+    raise TargetError(f'--target={text!r}: {target.num_chips} chips; at most '
+                      f'{MAX_CHIPS} (the largest training job published ran '
+                      'on 50,944)')
+  return target
+
+
+def max_slices(target: Target) -> int:
+  """The most slices of `target` (`MAX_CHIPS` in all; GPU targets: 1)."""
+  if target.platform == 'cuda':
+    return 1
+  return MAX_CHIPS // target.num_chips
+
+
+def check_slices(target: Target, num_slices: Any) -> None:
+  """SlicesError unless `num_slices` is an integer in [1, max_slices]."""
+  if (isinstance(num_slices, bool) or not isinstance(num_slices, int)
+      or num_slices < 1):
+    raise SlicesError(f'--num_slices={num_slices!r}: must be an integer >= 1')
+  if target.platform == 'cuda' and num_slices != 1:
+    raise SlicesError(f'--num_slices={num_slices}: GPU targets have no '
+                      'slices; give the nodes in the topology (e.g. '
+                      'h100:2x1x8)')
+  limit = max_slices(target)
+  if num_slices > limit:
+    raise SlicesError(
+        f'--num_slices={num_slices}: at most {limit} slices of {target} '
+        f'({target.num_chips} chips each; {MAX_CHIPS} chips in all, above '
+        'the largest training job published, 50,944 chips)')
 
 
 def gpu_target_config(family: str) -> str:
@@ -222,8 +268,35 @@ def enable_toolchain() -> None:
     sys.path.append(path)
 
 
-class ToolchainMissing(RuntimeError):
-  """The compiler for a target is not installed."""
+class ToolchainMissing(RunError):
+  """The compiler for a target is not installed (exit status 2, as for a
+  flag the job cannot use: the command cannot run on this host as it is)."""
+  exit_code = 2
+
+
+def _missing(platform: str) -> ToolchainMissing:
+  if platform == 'tpu':
+    return ToolchainMissing(
+        'TPU targets need libtpu: run `make compile-toolchain` (installs '
+        f'into {toolchain_dir()}) or `pip install .[tpu]`')
+  return ToolchainMissing(
+      'GPU targets need jax-cuda12-plugin and jax-cuda12-pjrt: run `make '
+      f'compile-toolchain` (installs into {toolchain_dir()}) or `pip '
+      'install .[cuda12]`')
+
+
+def check_toolchain(target: Target) -> None:
+  """ToolchainMissing unless the target's compiler is importable; looked
+  up, not imported, so a launcher says so before JAX starts."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  enable_toolchain()
+  module = 'libtpu' if target.platform == 'tpu' else 'jax_plugins.xla_cuda12'
+  try:
+    found = importlib.util.find_spec(module) is not None
+  except ImportError:  # No jax_plugins package at all.
+    found = False
+  if not found:
+    raise _missing(target.platform)
 
 
 def _register_cuda_plugin() -> None:
@@ -240,10 +313,7 @@ def _register_cuda_plugin() -> None:
   try:
     plugin = importlib.import_module('jax_plugins.xla_cuda12')
   except ImportError:
-    raise ToolchainMissing(
-        'GPU targets need jax-cuda12-plugin and jax-cuda12-pjrt: run `make '
-        f'compile-toolchain` (installs into {toolchain_dir()}) or `pip '
-        'install .[cuda12]`') from None
+    raise _missing('cuda') from None
   plugin.initialize()
   # pylint: disable=g-import-not-at-top,protected-access
   from jax._src import xla_bridge
@@ -258,16 +328,14 @@ def devices(target: Target, num_slices: int = 1) -> list[Any]:
 
   Raises:
     TargetError: a topology the compiler does not accept.
+    SlicesError: `num_slices` out of [1, max_slices(target)].
     ToolchainMissing: its compiler is not installed.
   """
+  check_slices(target, num_slices)
   enable_toolchain()
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   if target.platform == 'cuda':
-    if num_slices != 1:
-      raise TargetError(f'--num_slices={num_slices}: GPU targets have no '
-                        'slices; give the nodes in the topology (e.g. '
-                        'h100:2x1x8)')
     kwargs = dict(platform='cuda', topology=target.topology,
                   target_config=gpu_target_config(target.family))
     try:
@@ -292,8 +360,6 @@ def devices(target: Target, num_slices: int = 1) -> list[Any]:
                       f'{valid_targets()}') from None
   except RuntimeError as e:
     if 'not installed' in str(e):
-      raise ToolchainMissing(
-          'TPU targets need libtpu: run `make compile-toolchain` (installs '
-          f'into {toolchain_dir()}) or `pip install .[tpu]`') from None
+      raise _missing('tpu') from None
     raise
   return list(topo.devices)
