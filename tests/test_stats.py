@@ -6,6 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
+from train import errors
 from train import stats
 
 
@@ -116,3 +117,34 @@ def test_markdown_table_plain_rule_and_bad_align():
   assert table == '| run | acc | n |\n|---|--:|---|\n| a | 1.5 | 3 |'
   with pytest.raises(ValueError, match="'l', 'r', 'c', '-'"):
     stats.markdown_table(['a', 'b'], [], align='lx')
+
+
+def test_a_seed_count_is_refused_outside_what_a_study_can_run():
+  assert stats.check_seed_count('--seeds', stats.MIN_SEEDS) == 1
+  assert stats.check_seed_count('--seeds', '3') == 3
+  assert stats.check_seed_count('--seeds', stats.MAX_SEEDS) == 1000
+  for bad in (0, -1, 'x', '', None, 2.5, True):
+    with pytest.raises(errors.UsageError,
+                       match=r'^--seeds=.*: must be an integer >= 1: a study '
+                       'needs at least 1 seed'):
+      stats.check_seed_count('--seeds', bad)
+  with pytest.raises(errors.UsageError,
+                     match=r'^--seeds=1001: must be at most 1000 seeds'):
+    stats.check_seed_count('--seeds', stats.MAX_SEEDS + 1)
+
+
+def test_a_seed_list_must_be_distinct_seeds_and_not_empty():
+  assert stats.check_seed_list('--lm_seeds', ['0', '2']) == [0, 2]
+  assert stats.check_seed_list('--lm_seeds', ['5']) == [5]
+  assert stats.check_seed_list('--lm_seeds', [str(2**32 - 1)]) == [2**32 - 1]
+  at_most = [str(i) for i in range(stats.MAX_SEEDS)]
+  assert len(stats.check_seed_list('--lm_seeds', at_most)) == 1000
+  for bad, problem in ((['0', '0'], 'has a repeated value'),
+                       (['1', '01'], 'has a repeated value'),
+                       ([], 'give at least one seed'),
+                       (['-1'], r'seeds are integers in \[0, 2\*\*32\)'),
+                       ([str(2**32)], r'seeds are integers in \[0, 2\*\*32\)'),
+                       ([*at_most, '1000'], 'must be at most 1000 seeds'),
+                       (['x'], 'not a number')):
+    with pytest.raises(errors.UsageError, match=f'^--lm_seeds=.*: {problem}'):
+      stats.check_seed_list('--lm_seeds', bad)

@@ -1,10 +1,8 @@
-"""Special files in a workdir, and the studies' seed counts.
+"""Special files in a workdir.
 
 A FIFO, a socket, a device or a symlink out of the workdir where a run
 expects its own file is refused in one line before it is opened (a FIFO
-blocked the resume of a run forever); a study given fewer seeds than its
-means need is refused before it trains (`--seeds=0` ended in a
-StatisticsError after the study).
+blocked the resume of a run forever).
 """
 
 import os
@@ -20,7 +18,6 @@ from train import checkpointing
 from train import errors
 from train import fileio
 from train import metrics
-from train import stats
 from train import workdir_lock
 
 EXIT_USAGE = 2
@@ -192,25 +189,3 @@ def test_a_resume_over_a_special_metrics_file_is_one_line_at_once(
 
 
 # --- Seeds --------------------------------------------------------------------
-
-def test_a_seed_count_below_what_a_mean_needs_is_refused():
-  assert stats.MIN_SEEDS == 1
-  assert stats.check_seed_count('--seeds', stats.MIN_SEEDS) == 1
-  assert stats.check_seed_count('--seeds', '3') == 3
-  for bad in (0, -1, 'x', '', None, 2.5, True):
-    with pytest.raises(errors.UsageError,
-                       match=r'^--seeds=.*: must be an integer >= 1: a study '
-                       'needs at least 1 seed'):
-      stats.check_seed_count('--seeds', bad)
-
-
-def test_a_seed_list_must_be_distinct_integers_and_not_empty():
-  assert stats.check_seed_list('--lm_seeds', ['0', '2']) == [0, 2]
-  assert stats.check_seed_list('--lm_seeds', ['5']) == [5]
-  for bad, problem in ((['0', '0'], 'has a repeated value'),
-                       (['1', '01'], 'has a repeated value'),
-                       ([], 'give at least one seed'),
-                       (['-1'], 'seeds are integers >= 0'),
-                       (['x'], 'not a number')):
-    with pytest.raises(errors.UsageError, match=f'^--lm_seeds=.*: {problem}'):
-      stats.check_seed_list('--lm_seeds', bad)

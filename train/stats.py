@@ -45,6 +45,9 @@ Nested = Any  # A 1-D array of item scores, or a list of Nested.
 # gives one (the spread then reads as absent, not as 0; RESULTS.md's
 # studies use 3 or more, the tests' small runs 1).
 MIN_SEEDS = 1
+# A study plans one run per seed up front (and a sweep one process each):
+# past this, a mistyped count would plan millions before the first run.
+MAX_SEEDS = 1000
 _SEEDS_NEEDED = (f'a study needs at least {MIN_SEEDS} seed for its means (2 '
                  'for a spread; its results use 3 or more)')
 
@@ -72,9 +75,9 @@ def check_seed_count(flag: str, value: Any) -> int:
   """The seed count of a study's `--seeds=N` (seeds 0 to N-1).
 
   Raises:
-    UsageError: `value` is not an integer >= MIN_SEEDS (named `flag`);
-      checked before anything is trained, since a study of no seeds ends
-      in a failed mean after all its runs.
+    UsageError: `value` is not an integer in [MIN_SEEDS, MAX_SEEDS] (named
+      `flag`); checked before anything is trained, since a study of no
+      seeds ends in a failed mean after all its runs.
   """
   count = None
   if isinstance(value, (int, str)) and not isinstance(value, bool):
@@ -85,6 +88,8 @@ def check_seed_count(flag: str, value: Any) -> int:
   if count is None or count < MIN_SEEDS:
     raise UsageError(flag, value, f'must be an integer >= {MIN_SEEDS}: '
                      f'{_SEEDS_NEEDED}')
+  if count > MAX_SEEDS:
+    raise UsageError(flag, value, f'must be at most {MAX_SEEDS} seeds')
   return count
 
 
@@ -92,7 +97,8 @@ def check_seed_list(flag: str, values: Sequence[Any]) -> list[int]:
   """The seeds of a study's list flag (`--lm_seeds=0,1,2`), as integers.
 
   Raises:
-    UsageError: a value is not an integer >= 0, one repeats (a repeated
+    UsageError: a value is not an integer in [0, 2**32) (what a config's
+      seed takes), more than MAX_SEEDS are given, one repeats (a repeated
       seed would count one run twice in a mean and its spread), or fewer
       than MIN_SEEDS are given; named `flag`.
   """
@@ -103,9 +109,12 @@ def check_seed_list(flag: str, values: Sequence[Any]) -> list[int]:
     except (TypeError, ValueError):
       raise UsageError(flag, value,
                        'not a number; seeds are integers >= 0') from None
-    if seed < 0:
-      raise UsageError(flag, value, 'seeds are integers >= 0')
+    if not 0 <= seed < 2**32:
+      raise UsageError(flag, value, 'seeds are integers in [0, 2**32)')
     seeds.append(seed)
+    if len(seeds) > MAX_SEEDS:
+      raise UsageError(flag, f'{len(values)} values',
+                       f'must be at most {MAX_SEEDS} seeds')
   if len(set(seeds)) != len(seeds):
     raise UsageError(flag, ','.join(map(str, values)),
                      'has a repeated value; each seed counts once')
