@@ -4,12 +4,12 @@ SIGTERM/SIGINT that end it within a second.
 XLA's compile is C++ that keeps the thread calling it until it returns
 (minutes for a model of a few hundred layers), and Python runs signal
 handlers on the main thread only, between bytecodes: a compile on the main
-thread ignored SIGTERM for as long as it ran. `run` does the work in a
-daemon thread while the main thread waits in short sleeps, where the
-launcher's handlers (`train.preemption.raise_on_signals`) can raise, and
-checks the step in progress against its budget. Either end is an exception
-that the launcher (`launch.entry.run_job`) reports in one line before
-`exit_now`, which does not wait for the thread.
+thread ignored SIGTERM for as long as it ran. `run` does the work off the
+main thread (`launch.entry.off_main_thread`), whose wait the launcher's
+handlers can interrupt, and checks the step in progress against its
+budget. Either end is an exception that the launcher
+(`launch.entry.run_job`) reports in one line before `exit_now`, which does
+not wait for the thread.
 """
 
 from collections.abc import Callable
@@ -17,6 +17,7 @@ import threading
 import time
 from typing import TypeVar
 
+from launch import entry
 from train.errors import Interrupted, RunError
 
 # The budget of one step (building the job's programs; tracing and
@@ -107,27 +108,16 @@ def run(work: Callable[[Progress], _T], target: str, timeout_s: float,
     CompileInterrupted: SIGTERM or SIGINT arrived.
   """
   progress = Progress(first_step)
-  outcome: dict[str, object] = {}
-  done = threading.Event()
 
-  def worker() -> None:
-    try:
-      outcome['result'] = work(progress)
-    except BaseException as e:  # pylint: disable=broad-except
-      outcome['error'] = e
-    finally:
-      done.set()
+  def check() -> None:
+    what, seconds = progress.current()
+    if seconds > timeout_s:
+      raise CompileTimeout(what, target, timeout_s)
 
-  threading.Thread(target=worker, name='compile', daemon=True).start()
   try:
-    while not done.wait(_POLL_S):
-      what, seconds = progress.current()
-      if seconds > timeout_s:
-        raise CompileTimeout(what, target, timeout_s)
+    return entry.off_main_thread(lambda: work(progress), check,
+                                 name='compile', poll_s=_POLL_S)
   except Interrupted as e:
     what, seconds = progress.current()
     raise CompileInterrupted(e.signum, e.signal_name, what, target,
                              seconds) from None
-  if 'error' in outcome:
-    raise outcome['error']
-  return outcome['result']

@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from typing import TypeVar
 
 from absl import flags
@@ -148,6 +149,40 @@ def configure_devices(config) -> None:
 
 
 _T = TypeVar('_T')
+
+
+def off_main_thread(work: Callable[[], _T], check: Callable[[], None], *,
+                    name: str, poll_s: float = 0.1) -> _T:
+  """`work()` on a daemon thread while the calling (main) thread waits for
+  it, calling `check()` every `poll_s` seconds; returns its result.
+
+  For waits that block in C++ (jax.distributed's start, XLA's compile):
+  on the main thread they would hold SIGTERM and SIGINT until they
+  return, since Python runs signal handlers there only, between
+  bytecodes. Here the launcher's handlers (`run_job`) raise in the wait,
+  and `check` can end it (a deadline); `exit_now` then ends the process,
+  thread and all.
+
+  Raises:
+    whatever `work` or `check` raised; `errors.Interrupted` from a signal.
+  """
+  outcome = {}
+  done = threading.Event()
+
+  def worker() -> None:
+    try:
+      outcome['result'] = work()
+    except BaseException as e:  # pylint: disable=broad-except
+      outcome['error'] = e
+    finally:
+      done.set()
+
+  threading.Thread(target=worker, name=name, daemon=True).start()
+  while not done.wait(poll_s):
+    check()
+  if 'error' in outcome:
+    raise outcome['error']
+  return outcome['result']
 
 
 def run_job(job: Callable[[], _T]) -> _T:

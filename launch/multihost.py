@@ -20,11 +20,11 @@ from collections.abc import Callable
 import errno
 import math
 import socket
-import threading
 import time
 
 from absl import flags
 
+from launch import entry
 from train.errors import RunError, UsageError
 
 MULTIHOST = flags.DEFINE_bool(
@@ -181,39 +181,27 @@ def _start_error(error: BaseException) -> BaseException:
 
 def wait_for_start(start: Callable[[], None], timeout: float,
                    waited_for: Callable[[float], str]) -> None:
-  """Runs `start` on a thread and waits for it here, at most `timeout` s.
-
-  jax.distributed's start blocks in C++, where Python's signal handlers
-  never run: on the main thread it would hold SIGTERM and SIGINT until
-  its own deadline. Waiting here instead lets the launcher's handlers
-  (`launch.entry.run_job`) raise at once; the launcher then ends the
-  process, thread and all.
+  """Runs `start` off the main thread (`launch.entry.off_main_thread`:
+  jax.distributed's start blocks in C++, which would hold SIGTERM and
+  SIGINT until its own deadline) and waits for it at most `timeout` s.
 
   Raises:
     StartTimeout: `start` did not return within `timeout` s (the message
       is `waited_for(timeout)`).
     UsageError, RunError: `start` raised (`_start_error`).
   """
-  outcome: list[BaseException | None] = []
-
-  def run() -> None:
-    try:
-      start()
-      outcome.append(None)
-    except BaseException as e:  # pylint: disable=broad-except
-      outcome.append(e)
-
-  thread = threading.Thread(target=run, daemon=True,
-                            name='jax-distributed-start')
-  thread.start()
   deadline = time.monotonic() + timeout
-  while thread.is_alive():
-    left = deadline - time.monotonic()
-    if left <= 0:
+
+  def check() -> None:
+    if time.monotonic() > deadline:
       raise StartTimeout(waited_for(timeout))
-    thread.join(min(left, 0.1))
-  if outcome and outcome[0] is not None:
-    raise _start_error(outcome[0]) from outcome[0]
+
+  try:
+    entry.off_main_thread(start, check, name='jax-distributed-start')
+  except StartTimeout:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    raise _start_error(e) from e
 
 
 def initialize(collectives: bool = True) -> None:
