@@ -38,6 +38,8 @@ flags.mark_flags_as_required(['config', 'workdir'])
 def _init_jax(config) -> None:
   """Device settings that must precede JAX's backend initialisation."""
   entry.configure_devices(config)
+  if multihost.MULTIHOST.value:
+    trainers.check_config(config)
   multihost.initialize()
 
 

@@ -244,3 +244,20 @@ def test_a_wrong_process_id_is_one_line_before_jax_starts(tmp_path):
       'error: --process_id=5: must be in [0, 2] (--num_processes=3: '
       'processes are numbered from 0)']
   assert not workdir.exists()
+
+
+def test_a_training_config_mistake_is_one_line_before_the_processes_meet(
+    tmp_path):
+  # Process 1 of 2, alone: before the check it waited out the start
+  # deadline for a coordinator that never comes, then ended with exit 1.
+  workdir = tmp_path / 'w'
+  begin = time.monotonic()
+  result = launch_runs.run(
+      str(workdir), '--config.num_steps=0', '--multihost',
+      '--coordinator_address=127.0.0.1:9', '--num_processes=2',
+      '--process_id=1', '--multihost_start_timeout=20', timeout=60)
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert launch_runs.error_lines(result) == [
+      'error: config.num_steps=0: must be a positive integer']
+  assert time.monotonic() - begin < 15
+  assert not workdir.exists()
