@@ -47,6 +47,7 @@ from absl import flags
 from launch import entry
 from launch import sweep_plan
 from train import disk_space
+from train import fileio
 from train import workdir_lock
 from train.errors import UsageError
 
@@ -127,6 +128,9 @@ def run_local(runs: list[sweep_plan.Run], root: str, parallel: int) -> int:
   """
   logs = os.path.join(root, 'logs')
   os.makedirs(logs, exist_ok=True)
+  # A FIFO or a device among the logs would block the sweep at its run's
+  # start: refused in one line before any run starts.
+  fileio.check_tree(logs)
   pending, waiting = list(runs), set()
   active, failed, done = {}, [], 0
 
@@ -150,7 +154,8 @@ def run_local(runs: list[sweep_plan.Run], root: str, parallel: int) -> int:
         how = ('resume' if os.path.isdir(os.path.join(run.workdir,
                                                       'checkpoints'))
                else 'start')
-        log = open(os.path.join(logs, f'{run.name}.log'), 'a')
+        log = fileio.open_local(os.path.join(logs, f'{run.name}.log'), 'a',
+                                root=logs)
         print(f'[{how}] {run.name}: {shlex.join(sweep_plan.local_argv(run))}')
         active[run.name] = (subprocess.Popen(
             sweep_plan.local_argv(run), stdout=log, stderr=subprocess.STDOUT,
@@ -211,7 +216,12 @@ def main(argv):
         'runs': [{'name': r.name, 'overrides': r.overrides,
                   'workdir': r.workdir, 'results': r.finished}
                  for r in runs]})
-    sys.exit(1 if run_local(runs, root, _PARALLEL.value) else 0)
+    try:
+      failures = run_local(runs, root, _PARALLEL.value)
+    except UsageError as e:  # A special file among the logs.
+      print(f'error: {e}', file=sys.stderr)
+      sys.exit(entry.EXIT_USAGE)
+    sys.exit(1 if failures else 0)
 
   if _TARGET.value == 'tpu':
     commands = [sweep_plan.tpu_argv(r, _TPU.value, _ZONE.value, _PROJECT.value,

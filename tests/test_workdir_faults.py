@@ -845,3 +845,16 @@ def test_kill_9_at_random_moments_resumes_bit_exactly(tmp_path):
     with open(os.path.join(workdir, name)) as f, open(
         os.path.join(reference, name)) as g:
       assert f.read() == g.read(), name
+
+
+def test_a_fifo_among_a_sweeps_logs_is_one_line_before_any_run(tmp_path):
+  logs = tmp_path / 'sweep' / 'logs'
+  logs.mkdir(parents=True)
+  os.mkfifo(logs / 'seed=0.log')  # The log its one run would append to.
+  proc, workdir = _sweep(tmp_path, num_steps=2)
+  _, err = proc.communicate(timeout=60)
+  assert proc.returncode == 2, err[-2000:]
+  lines = [l for l in err.splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith('error: ') and (
+      'seed=0.log is a FIFO' in lines[0]), lines
+  assert not os.path.exists(workdir)
