@@ -11,6 +11,7 @@ import pytest
 
 from configs import lm as lm_config
 from configs import steering as steering_config
+from train import fileio
 from train import resume_check
 from train.errors import ConfigError, UsageError
 from train.lm import corpus as text_corpus
@@ -178,6 +179,14 @@ def test_a_replaced_tokenizer_is_refused_in_one_line(sp_lm, sp_model,
     lm_trainer.train_and_evaluate(_tiny_sp_config(num_steps=6), workdir)
   assert str(e.value).startswith("tokenizer.model='sentencepiece:")
   assert 'a run resumes only with its own' in str(e.value)
+  # A symlink out of the workdir: another user's file is not read as this
+  # run's.
+  outside = tmp_path / 'outside.model'
+  outside.write_bytes(sp_model)
+  os.remove(os.path.join(workdir, lm_tokenizer.FILENAME))
+  os.symlink(outside, os.path.join(workdir, lm_tokenizer.FILENAME))
+  with pytest.raises(fileio.SpecialFile, match='outside'):
+    lm_trainer.load_trained(workdir)
   # A missing file.
   os.remove(os.path.join(workdir, lm_tokenizer.FILENAME))
   with pytest.raises(UsageError, match='its model file is gone'):

@@ -205,7 +205,7 @@ def for_run(config, workdir: str) -> Tokenizer:
     return ByteTokenizer()
   path = fileio.join(workdir, FILENAME)
   if fileio.exists(path):
-    return _read(path, tok.kind)
+    return _read(path, tok.kind, root=workdir)
   if tok.kind == 'gemma':
     tokenizer = models.tokenizer(config)
     save(workdir, tokenizer)
@@ -226,11 +226,15 @@ def save(workdir: str, tokenizer: Tokenizer) -> None:
                             tokenizer.model_proto)
 
 
-def _read(path: str, kind: str = 'sentencepiece') -> Tokenizer:
+def _read(path: str, kind: str = 'sentencepiece',
+          root: str | None = None) -> Tokenizer:
+  """The tokenizer at `path` in workdir `root` (`fileio.check_local`)."""
   try:
     if kind == 'gemma':
-      return gemma_tokenizer.GemmaTokenizer(fileio.read_bytes(path))
-    return SentencePieceTokenizer(fileio.read_bytes(path))
+      return gemma_tokenizer.GemmaTokenizer(fileio.read_bytes(path, root))
+    return SentencePieceTokenizer(fileio.read_bytes(path, root))
+  except fileio.SpecialFile:
+    raise
   except (OSError, RuntimeError, ValueError) as e:
     raise UsageError(path, '<file>', f'not a readable SentencePiece model '
                      f'({str(e).splitlines()[0] if str(e) else e})') from None
@@ -247,7 +251,7 @@ def for_trained(config, workdir: str, fingerprint: str | None) -> Tokenizer:
     if not fileio.exists(path):
       raise UsageError(path, '<missing>', 'the run was trained with a '
                        'SentencePiece tokenizer and its model file is gone')
-    tokenizer = _read(path, tok.kind)
+    tokenizer = _read(path, tok.kind, root=workdir)
   check_fingerprint(tokenizer, fingerprint or BYTE_FINGERPRINT,
                     f'the checkpoint in {workdir}')
   return tokenizer
