@@ -30,6 +30,7 @@ import pytest
 from launch import compile_jobs
 from train import aot
 from train import compile_report
+from train import sharding as sharding_lib
 from train import targets
 from train.errors import UsageError
 from train.lm import trainer
@@ -258,7 +259,7 @@ def test_a_sharding_rule_that_does_not_divide_is_one_line_before_compiling():
              {'mesh.shape': (1, 8)})
 
 
-def test_argument_bytes_count_prng_keys_by_their_key_data():
+def test_device_bytes_count_prng_keys_by_their_key_data():
   mesh = Mesh(np.array(jax.devices()[:2]), ('data',))
   keys = jax.ShapeDtypeStruct((6,), jax.random.key(0).dtype,
                               sharding=NamedSharding(mesh, P('data')))
@@ -266,7 +267,7 @@ def test_argument_bytes_count_prng_keys_by_their_key_data():
                                 sharding=NamedSharding(mesh, P()))
   # threefry keys: two uint32 each; three keys per device, and the
   # replicated bfloat16 array whole.
-  assert compile_report.argument_bytes((keys, floats)) == 3 * 8 + 12 * 2
+  assert sharding_lib.device_bytes((keys, floats)) == 3 * 8 + 12 * 2
 
 
 def test_a_program_that_does_not_compile_is_a_row_naming_the_error():

@@ -14,6 +14,7 @@ import pytest
 
 from configs import gemma as gemma_configs
 from train import errors
+from train import host_devices
 from train.lm import gemma
 from train.lm import gemma_gguf
 from train.lm import gguf_file
@@ -372,9 +373,9 @@ def test_the_decoded_size_is_bounded_by_memory(tmp_path, monkeypatch):
   path = tiny_gemma.model_file(tmp_path / 'm.gguf')
   tensors = gguf_file.read(path).tensors
   decoded = 4 * sum(x.data.size // 4 for x in tensors.values())  # float32.
-  monkeypatch.setattr(gemma_gguf, 'host_memory_bytes', lambda: 2 * decoded)
+  monkeypatch.setattr(host_devices, 'host_memory_bytes', lambda: 2 * decoded)
   assert gemma_gguf.load(path).shape.num_layers == 2
-  monkeypatch.setattr(gemma_gguf, 'host_memory_bytes',
+  monkeypatch.setattr(host_devices, 'host_memory_bytes',
                       lambda: 2 * decoded - 2)
   gemma_gguf.check_file(path)  # The shape alone (compiling) needs no memory.
   # A new file: `load` caches the last one.

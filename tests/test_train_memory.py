@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from tests import launch_runs
-from train import experiment as experiment_lib
+from train import host_devices
 from train.errors import ConfigError
 from train.vision import experiment
 
@@ -24,9 +24,9 @@ def test_the_state_bound_is_what_the_state_and_its_gradient_take(
   state = experiment.build(digits_config, str(tmp_path / 'probe')).init_state()
   # The train state and a gradient of the parameters' shape, as placed.
   need = _allocated_bytes(state) + _allocated_bytes(state.params)
-  monkeypatch.setattr(experiment_lib, 'host_memory_bytes', lambda: need)
+  monkeypatch.setattr(host_devices, 'host_memory_bytes', lambda: need)
   experiment.build(digits_config, str(tmp_path / 'at_the_limit'))
-  monkeypatch.setattr(experiment_lib, 'host_memory_bytes', lambda: need - 1)
+  monkeypatch.setattr(host_devices, 'host_memory_bytes', lambda: need - 1)
   with pytest.raises(ConfigError, match=r"^config\.model=.*train state and "
                      r"gradient alone need .* GiB on this host, more than "
                      r"this host's memory"):

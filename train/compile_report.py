@@ -45,6 +45,7 @@ import jax
 
 from train import aot
 from train import hlo_traffic
+from train import sharding as sharding_lib
 from train import stats
 from train import targets
 from train.errors import RunError
@@ -107,36 +108,6 @@ class Row:
     out = dataclasses.asdict(self)
     out['fits'] = self.fits
     return out
-
-
-def argument_bytes(args: Any) -> int:
-  """Bytes of one device's shards of `args` (abstract, with shardings):
-  the largest per-device sum, so an uneven split counts its largest part."""
-  # Summed per sharding first: a pod's 65,536 devices times a model's
-  # hundreds of arrays were millions of additions.
-  per_sharding: dict[Any, int] = {}
-  for leaf in jax.tree.leaves(args):
-    sharding = getattr(leaf, 'sharding', None)
-    if sharding is None:
-      continue
-    # Python integers: a shape from a hostile config can pass int64.
-    shard = math.prod(int(n) for n in sharding.shard_shape(leaf.shape))
-    per_sharding[sharding] = (per_sharding.get(sharding, 0)
-                              + shard * _itemsize(leaf.dtype))
-  per_device: dict[Any, int] = {}
-  for sharding, size in per_sharding.items():
-    for device in sharding.device_set:
-      per_device[device] = per_device.get(device, 0) + size
-  return max(per_device.values(), default=0)
-
-
-def _itemsize(dtype: Any) -> int:
-  """Bytes per element; a PRNG key's are its key data's (no NumPy dtype)."""
-  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-    data = jax.eval_shape(jax.random.key_data,
-                          jax.ShapeDtypeStruct((), dtype))
-    return math.prod(data.shape) * data.dtype.itemsize
-  return jax.numpy.dtype(dtype).itemsize
 
 
 def _memory(compiled: jax.stages.Compiled) -> dict[str, int]:
@@ -293,7 +264,7 @@ def compile_program(program: aot.Program, chip: targets.Chip,
   its arguments alone exceed the chip's memory. `step(what)` is told of
   each stage as it begins: 'tracing <name>', 'compiling <name>'."""
   step = step or (lambda what: None)
-  arguments = argument_bytes(program.args)
+  arguments = sharding_lib.device_bytes(program.args)
   if arguments > chip.hbm_bytes:
     return Row(program.name, {}, float(arguments), chip.hbm_bytes, None, None,
                'none', None, 0.0, 'not compiled: its arguments alone exceed '

@@ -34,6 +34,7 @@ import optax
 from geom import method_hooks
 from train import checkpointing
 from train import fileio
+from train import host_devices
 from train import optim
 from train import process_group
 from train import sharding as sharding_lib
@@ -182,7 +183,7 @@ def _check_batch_memory(config: ml_collections.ConfigDict, columns: Columns,
   allocated before anything said no."""
   example = sum(math.prod(shape) * np.dtype(dtype).itemsize
                 for shape, dtype in columns.values())
-  memory = host_memory_bytes()
+  memory = host_devices.host_memory_bytes()
   for field in ('batch_size', 'eval_batch_size'):
     need = config[field] * example / hosts
     if need > memory / 2:
@@ -190,22 +191,6 @@ def _check_batch_memory(config: ml_collections.ConfigDict, columns: Columns,
           field, config[field], f'its input alone is {need / 2**30:.1f} GiB '
           f'per host, more than half of this host\'s memory '
           f'({memory / 2**30:.1f} GiB)')
-
-
-def _device_bytes(tree: Any) -> int:
-  """The bytes one device holds of `tree` (ShapeDtypeStructs with
-  shardings), in Python integers: a declared shape's product can pass
-  int64."""
-  total = 0
-  for leaf in jax.tree.leaves(tree):
-    shape = leaf.sharding.shard_shape(leaf.shape)
-    total += math.prod(int(n) for n in shape) * np.dtype(leaf.dtype).itemsize
-  return total
-
-
-def host_memory_bytes() -> int:
-  """This host's physical memory."""
-  return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
 
 
 def _check_state_memory(config: ml_collections.ConfigDict,
@@ -216,12 +201,12 @@ def _check_state_memory(config: ml_collections.ConfigDict,
   host's devices against its memory on CPU, where they share it. A d_model of 2**30 otherwise died in
   XLA (an abort) after the workdir was written; 2**16 took the host's
   memory."""
-  per_device = (_device_bytes(abstract_state)
-                + _device_bytes(abstract_state.params))
+  per_device = (sharding_lib.device_bytes(abstract_state)
+                + sharding_lib.device_bytes(abstract_state.params))
   local = [d for d in mesh.devices.flat
            if d.process_index == jax.process_index()]
   if local[0].platform == 'cpu':
-    need, have = per_device * len(local), host_memory_bytes()
+    need, have = per_device * len(local), host_devices.host_memory_bytes()
     where = f'this host\'s memory ({have / 2**30:.1f} GiB)'
   else:
     stats = local[0].memory_stats() or {}

@@ -48,3 +48,8 @@ def configure_cpu_devices(num_devices: int) -> None:
         'PJRT_NPROC',
         str(max(os.cpu_count() or 1, THREADS_PER_DEVICE * num_devices)))
     jax.config.update('jax_cpu_enable_async_dispatch', False)
+
+
+def host_memory_bytes() -> int:
+  """This host's physical memory (what its CPU devices share)."""
+  return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')

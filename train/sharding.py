@@ -161,3 +161,34 @@ def optimizer_state_shardings(tx: optax.GradientTransformation,
       tx, lambda x, s: x if masked(x) else s, abstract_state,
       param_shardings, transform_non_params=lambda _: replicated(mesh),
       is_leaf=masked)
+
+
+def device_bytes(tree: Any) -> int:
+  """Bytes of one device's shards of `tree` (arrays or abstract arrays with
+  shardings):
+  the largest per-device sum, so an uneven split counts its largest part."""
+  # Summed per sharding first: a pod's 65,536 devices times a model's
+  # hundreds of arrays were millions of additions.
+  per_sharding: dict[Any, int] = {}
+  for leaf in jax.tree.leaves(tree):
+    sharding = getattr(leaf, 'sharding', None)
+    if sharding is None:
+      continue
+    # Python integers: a shape from a hostile config can pass int64.
+    shard = math.prod(int(n) for n in sharding.shard_shape(leaf.shape))
+    per_sharding[sharding] = (per_sharding.get(sharding, 0)
+                              + shard * _itemsize(leaf.dtype))
+  per_device: dict[Any, int] = {}
+  for sharding, size in per_sharding.items():
+    for device in sharding.device_set:
+      per_device[device] = per_device.get(device, 0) + size
+  return max(per_device.values(), default=0)
+
+
+def _itemsize(dtype: Any) -> int:
+  """Bytes per element; a PRNG key's are its key data's (no NumPy dtype)."""
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    data = jax.eval_shape(jax.random.key_data,
+                          jax.ShapeDtypeStruct((), dtype))
+    return math.prod(data.shape) * data.dtype.itemsize
+  return jax.numpy.dtype(dtype).itemsize

@@ -41,6 +41,7 @@ import jax
 import numpy as np
 
 from train import errors
+from train import host_devices
 from train.lm import gemma
 from train.lm import gemma_tokenizer
 from train.lm import gguf_file
@@ -265,11 +266,6 @@ def _read(path: str) -> gguf_file.GGUF:
 _TENSORS_A_LAYER = 13
 
 
-def host_memory_bytes() -> int:
-  """This host's physical memory."""
-  return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-
-
 def check_tensors(shape: gemma.Shape, tensors: dict[str, gguf_file.Tensor],
                   path: str) -> None:
   """DamagedModelFile unless `tensors` are exactly those of a Gemma 3 of
@@ -309,7 +305,7 @@ def check_memory(shape: gemma.Shape, path: str) -> None:
   it casts). Only what decodes the weights asks: compiling for another
   machine reads the shape alone."""
   decoded = 4 * sum(math.prod(want) for want in _expected(shape).values())
-  limit = host_memory_bytes() // 2
+  limit = host_devices.host_memory_bytes() // 2
   if decoded > limit:
     raise errors.DamagedModelFile(
         path, f'its {decoded // 4:,} parameters take {decoded / 2**30:.1f} '
