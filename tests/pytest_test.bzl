@@ -6,7 +6,8 @@ def pytest_test(name, deps = [], data = [], size = "medium", **kwargs):
         srcs = [name + ".py", "pytest_main.py"],
         main = "pytest_main.py",
         args = ["$(location %s.py)" % name],
-        deps = deps + [":conftest"],
+        # Tests that import conftest name it themselves; the rest get it too.
+        deps = deps + ([] if ":conftest" in deps else [":conftest"]),
         data = data + ["//:pyproject.toml"],
         size = size,
         **kwargs
