@@ -14,7 +14,7 @@ import pytest
 # Under Bazel the test runs from a runfiles tree of symlinks: follow them to
 # the source tree, which is what this test checks.
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-PACKAGES = ('bench', 'configs', 'geom', 'launch', 'tests', 'train')
+PACKAGES = ('bench', 'configs', 'geom', 'launch', 'studies', 'tests', 'train')
 # Vendored data the Python targets read (no Python in them).
 DATA_PACKAGES = ('third_party/xla_gpu_targets',)
 RULES = ('py_library', 'py_binary', 'py_test', 'pytest_test', 'filegroup')

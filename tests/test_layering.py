@@ -102,3 +102,17 @@ def test_benchmarks_import_no_other_benchmark_with_flags():
     imported = {m.split('.')[1] for m in _imports(os.path.join(bench, f))
                 if m.startswith('bench.')}
     assert not imported & defines, f'bench/{f} imports {imported & defines}'
+
+
+def test_nothing_but_tests_imports_studies():
+  # Studies sit on top: they import train/, launch/ and configs/, and no
+  # library, trainer, entry point, config or benchmark imports a study.
+  for top in ('geom', 'train', 'launch', 'configs', 'bench'):
+    for dirpath, _, files in os.walk(os.path.join(REPO_ROOT, top)):
+      for f in files:
+        if not f.endswith('.py'):
+          continue
+        path = os.path.join(dirpath, f)
+        studies = [m for m in _imports(path)
+                   if m == 'studies' or m.startswith('studies.')]
+        assert not studies, f'{os.path.relpath(path, REPO_ROOT)} imports {studies}'
