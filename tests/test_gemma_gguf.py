@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from configs import gemma as gemma_configs
+from studies.gemma_steering import layers as gemma_study
 from train import errors
 from train import host_devices
 from train.lm import gemma
@@ -20,7 +21,6 @@ from train.lm import gemma_gguf
 from train.lm import gguf_file
 from train.lm import models
 from train.lm import trainer as lm_trainer
-from train.steering import gemma_study
 from tests import launch_runs
 from tests import tiny_gemma
 

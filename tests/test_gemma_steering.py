@@ -1,4 +1,5 @@
-"""The steering study on Gemma 3 270M (train.steering.gemma_eval, gemma_study).
+"""The steering study on Gemma 3 270M (train.steering.gemma_eval,
+studies.gemma_steering.layers).
 
 The economies of `gemma_eval` (a KV-cached context, log-probabilities and
 KL inside the compiled function) are checked against the in-project
@@ -18,6 +19,7 @@ import pytest
 
 from configs import gemma as gemma_config
 from geom import steering as steering_lib
+from studies.gemma_steering import layers as gemma_study
 from train.errors import ConfigError
 from train.errors import UsageError
 from train.lm import corpus as text_corpus
@@ -27,7 +29,6 @@ from train.lm import gemma_gguf
 from train.lm import hooks as steering_hooks
 from train.steering import evaluation
 from train.steering import gemma_eval
-from train.steering import gemma_study
 
 from tests import tiny_gemma
 

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from train.steering import study
-from train.steering import study_report
+from studies.steering import intervals
+from studies.steering import report
 
 METHODS = ('addition', 'addition_gate', 'spherical', 'spherical_gate')
 
@@ -39,7 +39,7 @@ def test_item_scores_are_each_items_linear_interpolation_in_kl():
   rng = np.random.default_rng(0)
   res = _results(rng, _sweeps(rng))
   targets = (0.0, 0.05, 0.2, 0.33, 5.0)
-  got = study.item_scores_at_kl(res, 'spherical_gate', 'cloze', targets)
+  got = intervals.item_scores_at_kl(res, 'spherical_gate', 'cloze', targets)
   rows = [r for r in res['rows'] if r['method'] == 'spherical_gate']
   base = res['rows'][0]['cloze_correct_mean']
   kl = [0.0] + [r['kl'] for r in rows]
@@ -57,7 +57,7 @@ def test_matched_mean_is_the_nested_mean_and_unreached_kls_are_counted():
   rng = np.random.default_rng(1)
   runs = [_results(rng, _sweeps(rng, top)) for top in (0.9, 0.7, 0.25)]
   targets = (0.05, 0.2, 0.33)
-  cells = study.matched(runs, 'addition', 'cloze', targets, num_samples=300)
+  cells = intervals.matched(runs, 'addition', 'cloze', targets, num_samples=300)
   for t, target in enumerate(targets):
     per_lm = []
     for r in runs:
@@ -87,10 +87,11 @@ def test_intervals_vanish_without_spread_and_paired_differences_of_a_method_with
   sweeps = _sweeps(rng)
   runs = [_results(rng, sweeps, accuracy={'spherical': 1.0, 'none': 1.0})
           for _ in range(3)]
-  cell = study.matched(runs, 'spherical', 'copa', (0.1,), num_samples=200)[0]
+  cell = intervals.matched(runs, 'spherical', 'copa', (0.1,),
+                           num_samples=200)[0]
   assert (cell.mean, cell.low, cell.high) == (1.0, 1.0, 1.0)
-  same = study.paired(runs, 'addition', 'addition', 'cloze', (0.1, 0.2),
-                      num_samples=200)
+  same = intervals.paired(runs, 'addition', 'addition', 'cloze', (0.1, 0.2),
+                          num_samples=200)
   assert all((c.mean, c.low, c.high) == (0.0, 0.0, 0.0) for c in same)
 
 
@@ -98,10 +99,11 @@ def test_paired_difference_mean_is_the_difference_of_the_matched_means():
   rng = np.random.default_rng(3)
   runs = [_results(rng, _sweeps(rng)) for _ in range(3)]
   targets = (0.1, 0.2)
-  a = study.matched(runs, 'spherical_gate', 'cloze', targets, num_samples=50)
-  b = study.matched(runs, 'addition', 'cloze', targets, num_samples=50)
-  d = study.paired(runs, 'spherical_gate', 'addition', 'cloze', targets,
-                   num_samples=400)
+  a = intervals.matched(runs, 'spherical_gate', 'cloze', targets,
+                        num_samples=50)
+  b = intervals.matched(runs, 'addition', 'cloze', targets, num_samples=50)
+  d = intervals.paired(runs, 'spherical_gate', 'addition', 'cloze', targets,
+                       num_samples=400)
   for t in range(2):
     assert d[t].mean == pytest.approx(a[t].mean - b[t].mean)
     assert d[t].low < d[t].mean < d[t].high
@@ -123,7 +125,7 @@ def test_ablation_effects_on_constructed_two_by_two(accuracy, expected):
   sweeps = {m: [0.2, 0.4, 0.6] for m in METHODS}
   runs = [_results(rng, sweeps, accuracy=accuracy) for _ in range(3)]
   # At KL 0.4 and 0.6 every item sits on a swept point (no unsteered share).
-  effects = study.ablation(runs, 'cloze', (0.4, 0.6), num_samples=100)
+  effects = intervals.ablation(runs, 'cloze', (0.4, 0.6), num_samples=100)
   for name, value in expected.items():
     for cell in effects[name]:
       assert (cell.mean, cell.low, cell.high) == pytest.approx(
@@ -134,7 +136,7 @@ def test_scalar_at_kl_and_intervals_over_lms():
   rng = np.random.default_rng(5)
   runs = [_results(rng, _sweeps(rng, top)) for top in (0.9, 0.8, 0.15)]
   targets = (0.1, 0.3)
-  vals = study.scalar_at_kl(runs, 'spherical', 'gen_ce', targets)
+  vals = intervals.scalar_at_kl(runs, 'spherical', 'gen_ce', targets)
   for l, r in enumerate(runs):
     rows = [x for x in r['rows'] if x['method'] == 'spherical']
     kl = [0.0] + [x['kl'] for x in rows]
@@ -144,12 +146,12 @@ def test_scalar_at_kl_and_intervals_over_lms():
         assert math.isnan(vals[l, t])
       else:
         assert vals[l, t] == pytest.approx(np.interp(target, kl, ys))
-  cells = study.over_lms(vals, num_samples=300)
+  cells = intervals.over_lms(vals, num_samples=300)
   assert cells[0].mean == pytest.approx(vals[:, 0].mean())
   assert vals[:, 0].min() - 1e-12 <= cells[0].low <= cells[0].high <= (
       vals[:, 0].max() + 1e-12)
   assert cells[1].reached == 2  # The third LM stops at KL < 0.3.
-  none = study.scalar_at_kl(runs, 'none', 'gen_ce', targets)
+  none = intervals.scalar_at_kl(runs, 'none', 'gen_ce', targets)
   np.testing.assert_array_equal(
       none, [[r['rows'][0]['gen_ce']] * 2 for r in runs])
 
@@ -159,9 +161,9 @@ def test_check_runs_refuses_unpaired_evaluations():
   sweeps = _sweeps(rng)
   runs = [_results(rng, sweeps), _results(rng, sweeps, mc_seeds=(7, 9))]
   with pytest.raises(ValueError, match=r'run 1: mc_seeds=\[7, 9\] differs'):
-    study.check_runs(runs, METHODS)
+    intervals.check_runs(runs, METHODS)
   with pytest.raises(ValueError, match="method='iti': not in the evaluation"):
-    study.check_runs(runs[:1], ('iti',))
+    intervals.check_runs(runs[:1], ('iti',))
 
 
 def test_report_gain_over_unsteered_is_the_paired_difference_with_none():
@@ -176,7 +178,7 @@ def test_report_gain_over_unsteered_is_the_paired_difference_with_none():
     for row in r['rows']:
       row.update(trigger_rate=0.5, distinct_2=0.4, repetition_3=0.0)
   targets = (0.1, 0.4)
-  summary = study_report.build(runs, {}, targets, num_samples=200)
+  summary = report.build(runs, {}, targets, num_samples=200)
   gain = summary['gain']['cloze']
   assert set(gain) == set(METHODS)
   # At KL 0.4 (a swept point) the gated rotation gains exactly 100 points;
@@ -186,12 +188,13 @@ def test_report_gain_over_unsteered_is_the_paired_difference_with_none():
   assert (gain['spherical_gate'][1]['low'], gain['spherical_gate'][1]['high']
           ) == pytest.approx((1.0, 1.0))
   for m in METHODS:
-    direct = study.paired(runs, m, 'none', 'cloze', targets, num_samples=200)
-    matched = study.matched(runs, m, 'cloze', targets, num_samples=50)
+    direct = intervals.paired(runs, m, 'none', 'cloze', targets,
+                              num_samples=200)
+    matched = intervals.matched(runs, m, 'cloze', targets, num_samples=50)
     for t in range(2):
       assert gain[m][t]['mean'] == pytest.approx(direct[t].mean)
       assert gain[m][t]['mean'] == pytest.approx(matched[t].mean)  # none = 0
-  text = study_report.markdown(summary)
+  text = report.markdown(summary)
   assert '**cloze: gain over the unsteered model (points, items paired)**' in text
   assert '| spherical_gate - none | 50.0 [50.0, 50.0] | 100.0 [100.0, 100.0] |' in text
 
@@ -206,10 +209,10 @@ def test_report_of_a_choices_only_evaluation_has_no_generation_tables():
     for row in r['rows']:
       del row['positive_share'], row['gen_ce']
       row['trigger_rate'] = 0.3
-  summary = study_report.build(runs, {}, (0.1, 0.2), num_samples=100)
+  summary = report.build(runs, {}, (0.1, 0.2), num_samples=100)
   assert summary['generation'] == {}
   assert set(summary['ablation']['cloze']) == {'gate', 'rotation',
                                                'interaction'}
-  text = study_report.markdown(summary)
+  text = report.markdown(summary)
   assert 'Generations' not in text
   assert '**cloze: gate x geometry (points)**' in text

@@ -1,4 +1,4 @@
-"""launch.steering_study end to end in its small mode: LMs trained through
+"""studies.steering end to end in its small mode: LMs trained through
 launch.train, one evaluation per LM over several item sets and per gate
 threshold, finished work reused, another config refused, one-line flag
 errors (subprocesses: launchers' flags share names)."""
@@ -19,7 +19,7 @@ SMALL = ('--lm_config_arg=runlocal', '--steering_config_arg=runlocal',
 
 def _study(workdir, *flags, timeout=600):
   return subprocess.run(
-      [sys.executable, '-m', 'launch.steering_study', f'--workdir={workdir}',
+      [sys.executable, '-m', 'studies.steering', f'--workdir={workdir}',
        *flags], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 

@@ -1,7 +1,7 @@
 r"""Spherical steering's claims with their uncertainty: several LMs and item sets.
 
-  python -m launch.steering_study --workdir=workdirs/steering_study
-  python -m launch.steering_study --workdir=workdirs/steering_study_sp \
+  python -m studies.steering --workdir=workdirs/steering_study
+  python -m studies.steering --workdir=workdirs/steering_study_sp \
       --lm_config_arg=tokenizer=sentencepiece
 
 For each LM seed (`--lm_seeds`), an LM is pretrained by `launch.train`
@@ -18,7 +18,7 @@ evaluations are all finished is not trained, even if its checkpoints are
 gone: the evaluations' results.json files are the study's record, and a
 study can be carried on elsewhere by copying them into a new --workdir.
 
-Then `train.steering.study_report` compares methods at matched KL
+Then `studies.steering.report` compares methods at matched KL
 (`--targets`): accuracy with a 95% hierarchical bootstrap interval over
 LMs, item sets and items, paired differences, the gate x geometry
 ablation, the trigger rate against accuracy, and the generations'
@@ -28,23 +28,17 @@ A bad flag ends the run before any compute with one line naming it
 (exit status 2).
 """
 
-import json
 import os
-import subprocess
-import sys
 
 from absl import app
 from absl import flags
-from absl import logging
 
 from configs import lm
-from configs import steering
-from launch import entry
+from studies.steering import lm_runs
 from train import experiment
-from train import fileio
 from train import stats
-from train.errors import RunError
 from train.errors import UsageError
+from train.jobs import entry
 from train.steering import evaluation
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Root directory of the study.')
@@ -95,7 +89,8 @@ def check_flags() -> dict:
                    lambda v: -1.0 <= v < 1.0, 'a gate threshold is in [-1, 1)')
   if _SAMPLES.value < 100:
     raise UsageError('--bootstrap_samples', _SAMPLES.value, 'must be >= 100')
-  base = eval_config(0, item_seeds)
+  base = lm_runs.eval_config(_WORKDIR.value, _STEERING_CONFIG_ARG.value, 0,
+                             item_seeds)
   if base.beta in betas:
     raise UsageError('--gate_betas', base.beta, 'is the evaluation\'s own '
                      'beta (already in the main evaluation)')
@@ -109,73 +104,6 @@ def check_flags() -> dict:
               betas=betas)
 
 
-def lm_workdir(seed: int) -> str:
-  return os.path.join(_WORKDIR.value, f'lm_seed{seed}')
-
-
-def eval_config(seed: int, item_seeds, beta: float | None = None):
-  config = steering.get_config(_STEERING_CONFIG_ARG.value or None)
-  config.lm_workdir = lm_workdir(seed)
-  config.mc_seeds = tuple(item_seeds)
-  if beta is not None:
-    config.methods = ('none', 'spherical_gate')
-    config.beta = beta
-  return config
-
-
-def train_lm(seed: int) -> None:
-  """`launch.train` for one LM seed (resumes; a finished run returns at once)."""
-  workdir = lm_workdir(seed)
-  os.makedirs(_WORKDIR.value, exist_ok=True)
-  cmd = [sys.executable, '-m', 'launch.train',
-         '--config=configs/lm.py' + (f':{_LM_CONFIG_ARG.value}'
-                                     if _LM_CONFIG_ARG.value else ''),
-         f'--config.seed={seed}', f'--workdir={workdir}']
-  log = os.path.join(_WORKDIR.value, f'lm_seed{seed}.log')
-  logging.info('LM seed %d: %s (log %s)', seed, ' '.join(cmd), log)
-  # The study's own files are opened through fileio: a FIFO put in their
-  # place would block an open.
-  with fileio.open_local(log, 'a', root=_WORKDIR.value) as f:
-    proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
-                          cwd=os.path.dirname(os.path.dirname(
-                              os.path.abspath(__file__))))
-  if proc.returncode:
-    with fileio.open_local(log, root=_WORKDIR.value) as f:
-      errors = [l.strip() for l in f if l.startswith('error:')]
-    raise RunError(f'training LM seed {seed} failed (exit {proc.returncode}): '
-                   f'{errors[-1] if errors else "see " + log}')
-
-
-def finished(config, name: str) -> dict | None:
-  """The finished evaluation in `name/` if its config is `config`; None if
-  there is none; UsageError if it was made with another config."""
-  path = os.path.join(_WORKDIR.value, name, 'results.json')
-  if not os.path.exists(path):
-    return None
-  results = json.loads(fileio.read_text(path, _WORKDIR.value))
-  wanted = json.loads(config.to_json())
-  have = results['meta'].get('config') or {}
-  if have == wanted:
-    return results
-  diff = sorted(k for k in set(wanted) | set(have)
-                if have.get(k) != wanted.get(k))
-  raise UsageError('--workdir', _WORKDIR.value,
-                   f'{name}/ holds an evaluation with another config '
-                   f'({", ".join(diff)}); give a new --workdir')
-
-
-def evaluate(config, name: str) -> dict:
-  """The evaluation in `name/` (reused when its config is this one)."""
-  results = finished(config, name)
-  if results is not None:
-    logging.info('%s: reusing the finished evaluation', name)
-    return results
-  workdir = os.path.join(_WORKDIR.value, name)
-  evaluation.evaluate(config, workdir)
-  return json.loads(fileio.read_text(os.path.join(workdir, 'results.json'),
-                                     workdir))
-
-
 def main(argv):
   del argv
   entry.quiet_libraries()
@@ -183,12 +111,15 @@ def main(argv):
   def job():
     settings = check_flags()
     experiment.check_workdir(_WORKDIR.value)
-    entry.configure_devices(eval_config(0, settings['item_seeds']))
+    root = _WORKDIR.value
+    eval_config = lambda seed, beta=None: lm_runs.eval_config(
+        root, _STEERING_CONFIG_ARG.value, seed, settings['item_seeds'], beta)
+    entry.configure_devices(eval_config(0))
     # pylint: disable=g-import-not-at-top
+    from studies.steering import report
     from train import metrics
-    from train.steering import study_report
     # pylint: enable=g-import-not-at-top
-    plan = [(seed, beta, eval_config(seed, settings['item_seeds'], beta),
+    plan = [(seed, beta, eval_config(seed, beta),
              f'eval_lm{seed}' + ('' if beta is None else f'_beta{beta:g}'))
             for seed in settings['lm_seeds']
             for beta in [None, *settings['betas']]]
@@ -196,23 +127,22 @@ def main(argv):
     # evaluations are all finished is not needed again: the evaluations'
     # results.json (small) can outlive the checkpoints.
     pending = {seed for seed, _, config, name in plan
-               if finished(config, name) is None}
+               if lm_runs.finished(root, config, name) is None}
     runs, beta_runs = [], {b: [] for b in settings['betas']}
     for seed, beta, config, name in plan:
       if beta is None:
         if seed in pending:
-          train_lm(seed)
-        runs.append(evaluate(config, name))
+          lm_runs.train_lm(root, _LM_CONFIG_ARG.value, seed)
+        runs.append(lm_runs.evaluate(root, config, name))
       else:
-        beta_runs[beta].append(evaluate(config, name))
-    summary = study_report.build(runs, beta_runs, settings['targets'],
-                                 _SAMPLES.value)
+        beta_runs[beta].append(lm_runs.evaluate(root, config, name))
+    summary = report.build(runs, beta_runs, settings['targets'],
+                           _SAMPLES.value)
     summary['lm_seeds'] = settings['lm_seeds']
-    text = study_report.markdown(summary)
-    root = _WORKDIR.value
+    text = report.markdown(summary)
     metrics.write_json_atomic(os.path.join(root, 'study.json'), summary)
     metrics.write_text_atomic(os.path.join(root, 'study.md'), text)
-    study_report.plot(runs, os.path.join(root, 'pareto_bands.png'))
+    report.plot(runs, os.path.join(root, 'pareto_bands.png'))
     print(text)
 
   entry.run_job(job)

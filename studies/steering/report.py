@@ -1,8 +1,8 @@
 """The steering study's report: its tables (markdown), its JSON and its band plot.
 
-Built from the evaluations of several LMs (`train.steering.study` holds
-the statistics): accuracy at matched KL with 95% intervals per task and
-method, each method's gain over the unsteered model and paired
+Built from the evaluations of several LMs (`studies.steering.intervals`
+holds the statistics): accuracy at matched KL with 95% intervals per task
+and method, each method's gain over the unsteered model and paired
 differences between methods (items paired), the gate x geometry
 ablation, the gate's trigger rate against accuracy (one evaluation per
 gate threshold beta), and the generations' measures at matched KL.
@@ -15,7 +15,7 @@ import numpy as np
 
 from train import stats
 from train.steering import pareto
-from train.steering import study
+from studies.steering import intervals
 
 GENERATION_MEASURES = (('positive_share', 'positive share', 100.0, 1),
                        ('gen_ce', 'CE of the generations (unsteered model)',
@@ -24,17 +24,17 @@ GENERATION_MEASURES = (('positive_share', 'positive share', 100.0, 1),
                        ('repetition_3', '3-gram repetition', 100.0, 1))
 
 
-def _dicts(cells: Sequence[study.Cell]) -> list[dict[str, Any]]:
+def _dicts(cells: Sequence[intervals.Cell]) -> list[dict[str, Any]]:
   return [c._asdict() for c in cells]
 
 
-def build(runs: Sequence[study.Results],
-          beta_runs: dict[float, Sequence[study.Results]] | None = None,
-          targets: Sequence[float] = study.TARGET_KLS,
+def build(runs: Sequence[intervals.Results],
+          beta_runs: dict[float, Sequence[intervals.Results]] | None = None,
+          targets: Sequence[float] = intervals.TARGET_KLS,
           num_samples: int = 2000) -> dict[str, Any]:
   """Every table's figures, JSON-ready (cells as dicts)."""
-  methods = [m for m in study.methods_of(runs[0]) if m != 'none']
-  study.check_runs(runs, methods)
+  methods = [m for m in intervals.methods_of(runs[0]) if m != 'none']
+  intervals.check_runs(runs, methods)
   meta = runs[0]['meta']
   tasks = list(meta['tasks'])
   out: dict[str, Any] = {
@@ -47,52 +47,52 @@ def build(runs: Sequence[study.Results],
                      for run in runs] for m in methods}}
   for task in tasks:
     out['accuracy'][task] = {
-        m: _dicts(study.matched(runs, m, task, targets,
-                                num_samples=num_samples)) for m in methods}
-    out['unsteered'][task] = _dicts(study.matched(
+        m: _dicts(intervals.matched(runs, m, task, targets,
+                                    num_samples=num_samples)) for m in methods}
+    out['unsteered'][task] = _dicts(intervals.matched(
         runs, 'none', task, targets[:1], num_samples=num_samples))[0]
     # Does steering move the task at all? Each method against the unsteered
     # model on the same items (the unsteered model's interval alone is too
     # wide to tell a small gain from none).
     out['gain'][task] = {
-        m: _dicts(study.paired(runs, m, 'none', task, targets,
-                               num_samples=num_samples)) for m in methods}
+        m: _dicts(intervals.paired(runs, m, 'none', task, targets,
+                                   num_samples=num_samples)) for m in methods}
     out['paired'][task] = {
-        f'{a} - {b}': _dicts(study.paired(runs, a, b, task, targets,
-                                          num_samples=num_samples))
-        for a, b in study.PAIRS if a in methods and b in methods}
-    if all(m in methods for m in study.ABLATION.values()):
+        f'{a} - {b}': _dicts(intervals.paired(runs, a, b, task, targets,
+                                              num_samples=num_samples))
+        for a, b in intervals.PAIRS if a in methods and b in methods}
+    if all(m in methods for m in intervals.ABLATION.values()):
       out['ablation'][task] = {
-          k: _dicts(v) for k, v in study.ablation(
+          k: _dicts(v) for k, v in intervals.ablation(
               runs, task, targets, num_samples=num_samples).items()}
   gated = {float(meta['beta']): runs} if 'spherical_gate' in methods else {}
   gated.update({float(b): r for b, r in (beta_runs or {}).items()})
   for beta in sorted(gated):
     rs = gated[beta]
-    study.check_runs(rs, ('spherical_gate',))
+    intervals.check_runs(rs, ('spherical_gate',))
     rates = np.array([[np.mean([r['trigger_rate'] for r in run['rows']
                                 if r['method'] == 'spherical_gate'])]
                       for run in rs])
     out['gate'].append({
         'beta': beta,
-        'trigger_rate': _dicts(study.over_lms(rates, num_samples))[0],
-        'accuracy': {t: _dicts(study.matched(rs, 'spherical_gate', t, targets,
-                                             num_samples=num_samples))
+        'trigger_rate': _dicts(intervals.over_lms(rates, num_samples))[0],
+        'accuracy': {t: _dicts(intervals.matched(
+            rs, 'spherical_gate', t, targets, num_samples=num_samples))
                      for t in tasks}})
   # A run with generation off (a choices-only ablation) has no such rows.
   measured = [key for key, *_ in GENERATION_MEASURES
               if all(key in row for r in runs for row in r['rows'])]
   for m in ['none'] + methods if measured else ():
     out['generation'][m] = {
-        key: _dicts(study.over_lms(study.scalar_at_kl(runs, m, key, targets),
-                                   num_samples))
+        key: _dicts(intervals.over_lms(
+            intervals.scalar_at_kl(runs, m, key, targets), num_samples))
         for key in measured}
   return out
 
 
 def _fmt(cell: dict[str, Any], scale: float = 100.0, digits: int = 1,
          missing: str = 'not reached') -> str:
-  return study.Cell(**cell).format(scale, digits, missing)
+  return intervals.Cell(**cell).format(scale, digits, missing)
 
 
 def markdown(summary: dict[str, Any]) -> str:
@@ -158,11 +158,11 @@ def markdown(summary: dict[str, Any]) -> str:
   return '\n'.join(lines)
 
 
-def plot(runs: Sequence[study.Results], out_path: str,
+def plot(runs: Sequence[intervals.Results], out_path: str,
          grid: Sequence[float] | None = None,
          num_samples: int = 500) -> None:
   """pareto_bands.png: accuracy at matched KL over a log grid, with bands."""
-  methods = [m for m in study.methods_of(runs[0]) if m != 'none']
+  methods = [m for m in intervals.methods_of(runs[0]) if m != 'none']
   tasks = list(runs[0]['meta']['tasks'])
   if grid is None:
     top = min(1.0, max(r['kl'] for run in runs for r in run['rows']))
@@ -171,11 +171,11 @@ def plot(runs: Sequence[study.Results], out_path: str,
   for task in tasks:
     curves = {}
     for m in methods:
-      cells = study.matched(runs, m, task, grid, num_samples=num_samples)
+      cells = intervals.matched(runs, m, task, grid, num_samples=num_samples)
       curves[m] = (np.asarray(grid), *(np.array([getattr(c, f) for c in cells])
                                        for f in ('mean', 'low', 'high')))
     panels[task] = curves
-    base = study.matched(runs, 'none', task, grid[:1],
-                         num_samples=num_samples)[0]
+    base = intervals.matched(runs, 'none', task, grid[:1],
+                             num_samples=num_samples)[0]
     unsteered[task] = (base.mean, base.low, base.high)
   pareto.plot_bands(panels, out_path, unsteered)

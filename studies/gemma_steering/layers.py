@@ -1,12 +1,13 @@
-"""The steering study on Gemma 3 270M: the main layer, a layer sweep, the report.
+"""Gemma 3 270M steered at its main layer and a sweep of layers, and the report.
 
 `run(config, workdir, targets, num_samples)` evaluates (`gemma_eval`) the
 config's grid at `config.layer` in `layer<L>/`, and `config.sweep_methods`
 (without generations) at each of `config.sweep_layers` in `layer<L>/`;
-then `study_report` compares methods at matched KL over the item sets
-and items (one model: the intervals cover item sets and items, not other
-models), and a layer-sweep table does the same per layer. Writes
-`study.md`, `study.json` and `pareto_bands.png` into `workdir`.
+then `studies.steering.report` (the in-project study's report) compares
+methods at matched KL over the item sets and items (one model: the
+intervals cover item sets and items, not other models), and a layer-sweep
+table does the same per layer. Writes `study.md`, `study.json` and
+`pareto_bands.png` into `workdir`.
 
 A finished evaluation is reused when its config is the same and it was
 made from the same model file (SHA-256); one with another config or
@@ -21,6 +22,8 @@ from typing import Any, Sequence
 from absl import logging
 import ml_collections
 
+from studies.steering import intervals
+from studies.steering import report
 from train import experiment as experiment_lib
 from train import metrics as metrics_lib
 from train import stats
@@ -28,8 +31,6 @@ from train import workdir_lock
 from train.errors import UsageError
 from train.lm import gemma_gguf
 from train.steering import gemma_eval
-from train.steering import study
-from train.steering import study_report
 
 
 SWEEP_FIELDS = ('sweep_layers', 'sweep_methods', 'sweep_items')
@@ -124,14 +125,14 @@ def run(config, workdir: str, targets: Sequence[float],
         logging.info('%s: reusing the finished evaluation', name)
       runs[name] = done[name]
     main = runs[steps[0][0]]
-    summary = study_report.build([main], {}, list(targets), num_samples)
+    summary = report.build([main], {}, list(targets), num_samples)
     summary['layers'] = layer_sweep(runs, list(targets), num_samples)
     summary['model'] = {'gguf_sha256': sha, 'layer': config.layer}
-    text = study_report.markdown(summary) + '\n' + layer_markdown(
+    text = report.markdown(summary) + '\n' + layer_markdown(
         summary['layers'], list(targets))
     metrics_lib.write_json_atomic(os.path.join(workdir, 'study.json'), summary)
     metrics_lib.write_text_atomic(os.path.join(workdir, 'study.md'), text)
-    study_report.plot([main], os.path.join(workdir, 'pareto_bands.png'))
+    report.plot([main], os.path.join(workdir, 'pareto_bands.png'))
   return summary
 
 
@@ -143,7 +144,7 @@ def layer_sweep(runs: dict[str, dict], targets: list[float],
   for name in sorted(runs, key=lambda n: runs[n]['meta']['layer']):
     run_ = runs[name]
     tasks = list(run_['meta']['tasks'])
-    for method in study.methods_of(run_):
+    for method in intervals.methods_of(run_):
       if method == 'none':
         continue
       rows = [r for r in run_['rows'] if r['method'] == method]
@@ -152,12 +153,13 @@ def layer_sweep(runs: dict[str, dict], targets: list[float],
           'trigger_rate': float(sum(r['trigger_rate'] for r in rows)
                                 / len(rows)),
           'kl_max': max(r['kl'] for r in rows),
-          'accuracy': {t: [c._asdict() for c in study.matched(
+          'accuracy': {t: [c._asdict() for c in intervals.matched(
               [run_], method, t, targets, num_samples=num_samples)]
                        for t in tasks},
-          'unsteered': {t: study.matched([run_], 'none', t, targets[:1],
-                                         num_samples=num_samples)[0]._asdict()
-                        for t in tasks}})
+          'unsteered': {
+              t: intervals.matched([run_], 'none', t, targets[:1],
+                                   num_samples=num_samples)[0]._asdict()
+              for t in tasks}})
   return out
 
 
@@ -172,11 +174,12 @@ def layer_markdown(layers: list[dict[str, Any]], targets: list[float]) -> str:
     body.append([str(entry['layer']), entry['method'],
                  f'{100 * entry["trigger_rate"]:.1f}',
                  f'{entry["kl_max"]:.2f}',
-                 *(study.Cell(**c).format() for t in tasks
+                 *(intervals.Cell(**c).format() for t in tasks
                    for c in entry['accuracy'][t])])
   unsteered = '; '.join(
       f'layer {e["layer"]}: ' + ', '.join(
-          f'{t} {study.Cell(**c).format()}' for t, c in e['unsteered'].items())
+          f'{t} {intervals.Cell(**c).format()}'
+          for t, c in e['unsteered'].items())
       for e in layers if e['method'] == layers[0]['method'])
   return ('**Layer sweep: accuracy (%) at matched KL** (mean [95% bootstrap '
           'interval over item sets and items]; unsteered: ' + unsteered

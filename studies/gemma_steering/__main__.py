@@ -1,10 +1,10 @@
 r"""Spherical steering vs addition on Gemma 3 270M (the registry's model).
 
-  python -m launch.gemma_steering --config=configs/gemma.py \
+  python -m studies.gemma_steering --config=configs/gemma.py \
       --workdir=workdirs/gemma_steering
 
 Evaluates the config's methods x alphas at `config.layer` and the layer
-sweep (`train.steering.gemma_study`), then writes study.md, study.json and
+sweep (`studies.gemma_steering.layers`), then writes study.md, study.json and
 pareto_bands.png into --workdir. A rerun reuses finished evaluations made
 with the same config from the same model file. A mistake in the config
 or flags ends the run before the model is loaded, with one line naming
@@ -15,7 +15,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from launch import entry
+from train.jobs import entry
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'configs/gemma.py (get_config(arg)).', lock_config=True)
@@ -41,9 +41,9 @@ def main(argv):
       raise UsageError('--targets', ','.join(_TARGETS.value),
                        'not a list of numbers') from None
     entry.configure_devices(config)
-    from train.steering import gemma_study
+    from studies.gemma_steering import layers
     # pylint: enable=g-import-not-at-top
-    return gemma_study.run(config, _WORKDIR.value, targets, _SAMPLES.value)
+    return layers.run(config, _WORKDIR.value, targets, _SAMPLES.value)
 
   entry.run_job(job)
   print(f'study: {_WORKDIR.value}/study.md')
