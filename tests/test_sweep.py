@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from configs import sweeps
-from launch import report
+from train.jobs import sweep_report as report
 from launch import sweep_plan
 from tests.conftest import REPO_ROOT
 from train.errors import UsageError
