@@ -117,7 +117,9 @@ def size_fields(config: ml_collections.ConfigDict,
 
 def _config_from_file(path: str, arg: str | None) -> ml_collections.ConfigDict:
   import importlib.util  # pylint: disable=g-import-not-at-top
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  # train/jobs/ -> the repository root, where configs/ is.
+  root = os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))))
   spec = importlib.util.spec_from_file_location(
       'model_config', os.path.join(root, path))
   module = importlib.util.module_from_spec(spec)
@@ -200,6 +202,22 @@ def programs(config: ml_collections.ConfigDict, devices: Sequence[Any],
     mesh, rules, progs = gemma_eval.programs(config, devices)
     return [Group('evaluation', mesh_description(mesh, rules), progs)]
   raise ConfigError('task', task, 'unknown task', TASKS)
+
+
+def import_jax() -> None:
+  """JAX on the CPU only, with the target compilers importable and no
+  persistent compilation cache; imported (quietly), its backend not yet
+  started."""
+  os.environ['JAX_PLATFORMS'] = 'cpu'
+  # A deviceless executable cannot be loaded back: with a persistent
+  # compilation cache set up, every later compile of the same program read
+  # its entry, warned "PjRtCompiler must be constructed with a Client to
+  # call DeserializeLoadedExecutable" and compiled again.
+  os.environ['JAX_ENABLE_COMPILATION_CACHE'] = 'false'
+  from train import targets  # pylint: disable=g-import-not-at-top
+  targets.enable_toolchain()
+  with quiet_stderr():
+    import jax  # pylint: disable=g-import-not-at-top,unused-import
 
 
 @contextlib.contextmanager
