@@ -124,16 +124,26 @@ def run(config, workdir: str, targets: Sequence[float],
       else:
         logging.info('%s: reusing the finished evaluation', name)
       runs[name] = done[name]
-    main = runs[steps[0][0]]
-    summary = report.build([main], {}, list(targets), num_samples)
-    summary['layers'] = layer_sweep(runs, list(targets), num_samples)
-    summary['model'] = {'gguf_sha256': sha, 'layer': config.layer}
-    text = report.markdown(summary) + '\n' + layer_markdown(
-        summary['layers'], list(targets))
+    summary, text = summarize(runs, steps[0][0], targets, num_samples)
     metrics_lib.write_json_atomic(os.path.join(workdir, 'study.json'), summary)
     metrics_lib.write_text_atomic(os.path.join(workdir, 'study.md'), text)
-    report.plot([main], os.path.join(workdir, 'pareto_bands.png'))
+    report.plot([runs[steps[0][0]]], os.path.join(workdir, 'pareto_bands.png'))
   return summary
+
+
+def summarize(runs: dict[str, dict], main: str, targets: Sequence[float],
+              num_samples: int) -> tuple[dict[str, Any], str]:
+  """study.json's summary and study.md's text from the evaluations (`runs`
+  by directory name, `main` the main layer's): what `run` writes, and what
+  the stored evaluations rebuild."""
+  meta = runs[main]['meta']
+  summary = report.build([runs[main]], {}, list(targets), num_samples)
+  summary['layers'] = layer_sweep(runs, list(targets), num_samples)
+  summary['model'] = {'gguf_sha256': meta['gguf_sha256'],
+                      'layer': meta['layer']}
+  text = report.markdown(summary) + '\n' + layer_markdown(
+      summary['layers'], list(targets))
+  return summary, text
 
 
 def layer_sweep(runs: dict[str, dict], targets: list[float],

@@ -1,0 +1,68 @@
+"""The Gemma steering study's stored evaluations rebuild its reports byte for byte.
+
+From the evaluations stored in studies/gemma_steering/results/ (each
+layer's results.json; the gate ablation's in gate_ablation/), with the
+study's default targets and bootstrap replicates: study.md (and the gate
+ablation's study.json, and its evaluation's own results.md) must equal
+the stored files. Report code only: no model is loaded.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from studies.gemma_steering import layers
+from train import metrics
+from train.steering import gemma_eval
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, 'studies', 'gemma_steering', 'results')
+# The flags' defaults (`python -m studies.gemma_steering`), as stored.
+TARGETS = (0.05, 0.1, 0.2, 0.33, 0.5)
+SAMPLES = 2000
+
+
+def _read(*path: str) -> str:
+  with open(os.path.join(RESULTS, *path)) as f:
+    return f.read()
+
+
+def _runs(folder: str, layer_numbers) -> dict[str, dict]:
+  return {f'layer{l}': json.loads(_read(folder, f'layer{l}_results.json'))
+          for l in layer_numbers}
+
+
+def test_the_study_rebuilds_from_its_layers():
+  runs = _runs('', (6, 3, 12))
+  _, text = layers.summarize(runs, 'layer6', TARGETS, SAMPLES)
+  assert text == _read('study.md')
+
+
+def test_the_gate_ablation_rebuilds_from_its_evaluation():
+  runs = _runs('gate_ablation', (6,))
+  summary, text = layers.summarize(runs, 'layer6', TARGETS, SAMPLES)
+  assert text == _read('gate_ablation', 'study.md')
+  assert (metrics.dumps(summary, indent=2, sort_keys=True) + '\n'
+          == _read('gate_ablation', 'study.json'))
+  run = runs['layer6']
+  assert (gemma_eval.markdown_table(run['rows'], list(run['meta']['tasks']))
+          == _read('gate_ablation', 'layer6_results.md'))
+
+
+def test_the_readme_command_refuses_a_bad_flag_in_one_line(tmp_path):
+  # The README's command itself (its end-to-end run is
+  # test_gemma_steering.py's, in process): flags parsed, the study's own
+  # checks reached before any model is loaded.
+  result = subprocess.run(
+      [sys.executable, '-m', 'studies.gemma_steering',
+       '--config=configs/gemma.py', f'--workdir={tmp_path / "w"}',
+       '--targets=0.2,0.1'], cwd=ROOT, capture_output=True, text=True,
+      timeout=300)
+  assert result.returncode == 2, result.stderr[-3000:]
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(
+      "error: targets=(0.2, 0.1): give increasing KL values > 0"), result.stderr
+  assert not os.path.exists(tmp_path / 'w')
