@@ -5,13 +5,17 @@ a stall (ratio small, |g| steady) is flagged after `patience` steps, a
 genuine stationary point (ratio small, |g| falling below a tenth of its
 own scale) is not, and multiplying every norm by 1e-6 or 1e6 changes no
 flag. Under noise: SAM on the 2-D landscape with minibatch-like noise
-(`launch.detector_noise`), where a stall's ratio is about |noise| / |g|:
+(`studies.detector_noise`), where a stall's ratio is about |noise| / |g|:
 flagged by the defaults, with the loss scaled by 1e-4 too; the earlier
 absolute thresholds miss both; a convex quadratic and warm-started runs
-under the same noise are never flagged, at any level or rho tried.
+under the same noise are never flagged, at any level or rho tried. The
+study's README table rebuilds from its stored runs, and its command runs.
 """
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +24,11 @@ import pytest
 
 from geom import hallucination
 from geom import validation
-from train.vision import noisy_landscapes as detector_noise
+from studies.detector_noise import noisy_runs as detector_noise
+from studies.detector_noise import report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOM = os.path.join(ROOT, 'studies', 'detector_noise')
 
 SEEDS = 8
 
@@ -146,3 +154,28 @@ def test_convergent_noisy_runs_are_never_flagged(level, rho):
   for kind in ('quadratic', 'warm'):
     flagged, _, ratio = _runs(kind, rho, level, DEFAULT)
     assert not flagged.any(), (kind, ratio)
+
+
+def test_the_readme_table_rebuilds_from_the_stored_runs():
+  rows, levels = report.load(os.path.join(ROOM, 'results',
+                                          'detector_noise.json'))
+  table = report.table(report.summarize(rows), levels)
+  with open(os.path.join(ROOM, 'README.md')) as f:
+    readme = f.read()
+  assert len(table.splitlines()) == 2 + 2 * 8  # Two detectors x 8 levels.
+  assert table in readme
+
+
+def test_the_readme_command_writes_the_table_and_the_runs(tmp_path):
+  # A subprocess: its flags (--workdir, --rhos, --steps) are those of
+  # studies.sam_landscape, which test_sam_landscape imports. Small sizes.
+  result = subprocess.run(
+      [sys.executable, '-m', 'studies.detector_noise', f'--workdir={tmp_path}',
+       '--levels=0,0.14', '--rhos=0.8', '--seeds=2', '--steps=300'],
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  table = (tmp_path / 'detector_noise.md').read_text()
+  assert table.splitlines()[2].startswith('| 0 | default | ')
+  rows, levels = report.load(str(tmp_path / 'detector_noise.json'))
+  assert levels == [0.0, 0.14] and len(rows) == 2 * 4 * 2
+  assert report.table(report.summarize(rows), levels) == table

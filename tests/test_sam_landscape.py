@@ -1,4 +1,6 @@
-"""The paper's phenomenon, reproduced with geom.sam: stall, flag, escape by warm-start."""
+"""The paper's phenomenon, reproduced with geom.sam: stall, flag, escape by
+warm-start (studies/sam_landscape); its README's tables rebuild from the
+stored run, and its command runs."""
 
 import os
 
@@ -10,15 +12,20 @@ import numpy as np
 import pytest
 
 from geom import landscapes
-from launch import sam_landscape
+from studies.sam_landscape import __main__ as landscape_main
+from studies.sam_landscape import report
+from studies.sam_landscape import sam_runs
+
+ROOM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))), 'studies', 'sam_landscape')
 
 HALLUCINATING_RHOS = (0.6, 0.8, 1.0)
 
 
 @pytest.fixture(scope='module')
 def results():
-  return sam_landscape.sweep((0.0,) + HALLUCINATING_RHOS, (0, 50),
-                             steps=2000, lr=0.01)
+  return sam_runs.sweep((0.0,) + HALLUCINATING_RHOS, (0, 50),
+                        steps=2000, lr=0.01)
 
 
 def test_the_landscape_has_the_stated_critical_points():
@@ -61,21 +68,33 @@ def test_plain_descent_reaches_the_minimum(results):
 
 
 def test_warm_restart_response_escapes_after_one_flag():
-  out = sam_landscape.sweep(HALLUCINATING_RHOS, (0,), steps=2000, lr=0.01,
-                            response='warm_restart')
+  out = sam_runs.sweep(HALLUCINATING_RHOS, (0,), steps=2000, lr=0.01,
+                       response='warm_restart')
   for rho in HALLUCINATING_RHOS:
     assert out[(rho, 0)]['outcome'] == 'valley'
     assert out[(rho, 0)]['flagged_steps'] >= 1
 
 
-def test_demo_writes_the_table_and_the_png(tmp_path):
+def test_the_readme_command_writes_the_table_json_and_png(tmp_path):
+  # The command's main at a smaller grid (the full one takes 14 s), in
+  # process: a subprocess would add an interpreter's and jax's start-up.
   if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()
   with flagsaver.flagsaver(workdir=str(tmp_path), rhos=['0', '0.8'],
                            warmups=['0', '50'], steps=600):
-    sam_landscape.main([])
+    landscape_main.main([])
   table = (tmp_path / 'landscape_table.md').read_text()
   assert '| 0.8 | 0 |' in table and 'hallucinated' in table
   with open(tmp_path / 'landscape.png', 'rb') as fp:
     assert fp.read(8) == b'\x89PNG\r\n\x1a\n'
-  assert os.path.getsize(tmp_path / 'landscape.json') > 100
+  # What the command stored, the report reads back into the same table.
+  assert report.table(*report.load(str(tmp_path / 'landscape.json'))) == table
+
+
+def test_the_readme_tables_rebuild_from_the_stored_run():
+  tables = report.table(*report.load(
+      os.path.join(ROOM, 'results', 'landscape.json')))
+  with open(os.path.join(ROOM, 'README.md')) as f:
+    readme = f.read()
+  assert tables.count('\n| ') > 45  # Both tables, every row.
+  assert tables in readme

@@ -1,11 +1,13 @@
 """SAM with its detector on the 2-D landscape under minibatch-like noise.
 
-The runs behind `launch.detector_noise` (which describes the noise model
-and the four kinds of run), importable without that launcher's flags:
-`run(kind, rho, sigma, key, detector, steps)` is jit- and vmap-friendly,
-`noiseless_stalls(rhos, steps)` gives each rho's stall point and its
-|grad f|, `PREVIOUS` is the detector's earlier default configuration
-(the one its thresholds were changed from; RESULTS.md compares them).
+The runs behind `python -m studies.detector_noise` (whose docstring
+describes the noise model and the four kinds of run), importable without
+its flags: `run(kind, rho, sigma, key, detector, steps)` is jit- and
+vmap-friendly, `noiseless_stalls(rhos, steps)` gives each rho's stall
+point and its |grad f|, `PREVIOUS` is the detector's earlier default
+configuration (the one its thresholds were changed from; README.md
+compares them), and `study` runs every detector, kind, noise level, rho
+and seed.
 """
 
 import functools
@@ -19,7 +21,8 @@ from geom import hallucination
 from geom import landscapes
 from geom import sam
 
-__all__ = ['KINDS', 'PREVIOUS', 'STALL_RADIUS', 'noiseless_stalls', 'run']
+__all__ = ['DETECTORS', 'KINDS', 'PREVIOUS', 'STALL_RADIUS',
+           'noiseless_stalls', 'run', 'study']
 
 LR = 0.01
 WARM_STEPS = 100
@@ -29,6 +32,7 @@ QUADRATIC = (4.0, 1.0)  # The convex run's diagonal Hessian.
 PREVIOUS = hallucination.DetectorConfig(
     ratio_threshold=0.1, min_grad_fraction=0.0, min_grad_norm=1e-3)
 KINDS = ('stall', 'warm', 'quadratic', 'scaled')
+DETECTORS = {'default': hallucination.DetectorConfig(), 'previous': PREVIOUS}
 
 
 def _quadratic(x):
@@ -77,3 +81,29 @@ def noiseless_stalls(rhos, steps: int) -> dict:
     x, g = _noiseless_stall(jnp.float32(rho), steps)
     out[rho] = (np.asarray(x), float(g))
   return out
+
+
+def study(levels, rhos, seeds: int, steps: int) -> dict:
+  """{(detector, kind, level, rho): per-seed flags, stall and ratio}."""
+  stalls = noiseless_stalls(rhos, steps)
+  keys = jax.random.split(jax.random.key(1), seeds)
+  rows = {}
+  for name, detector in DETECTORS.items():
+    for kind in KINDS:
+      fn = jax.jit(jax.vmap(
+          lambda rho, sigma, k, kind=kind, detector=detector: run(
+              kind, rho, sigma, k, detector, steps),
+          in_axes=(None, None, 0)))
+      for level in levels:
+        for rho in rhos:
+          x_star, g_star = stalls[rho]
+          out = jax.device_get(fn(jnp.float32(rho),
+                                  jnp.float32(level * g_star), keys))
+          flagged = np.asarray(out['flagged_steps']) > 0
+          near = np.linalg.norm(np.asarray(out['tail_mean']) - x_star,
+                                axis=1) < STALL_RADIUS
+          rows[(name, kind, level, rho)] = dict(
+              flagged=flagged.tolist(), near_stall=near.tolist(),
+              ratio_ema=np.asarray(out['ratio_ema']).tolist(),
+              sigma=level * g_star, stall_grad_norm=g_star)
+  return rows

@@ -1,24 +1,14 @@
-r"""SAM's hallucinated minimizers on a 2-D landscape, the detector, and the warm-start.
+"""SAM with its detector on the 2-D landscape: one run, the grid, the outcome.
 
-  python -m launch.sam_landscape --workdir=workdirs/sam_landscape
-
-Runs `geom.sam.sam` (with its detector) on `geom.landscapes.valley_with_bump`
-from (0, 1) for every rho in a grid and every warm-start length, and writes
-to the workdir: `landscape_table.md` (one row per rho and warm-start:
-where SAM ends, f - f_min, |grad f(x)|, |grad f(x+)|, how many steps the
-detector flagged, the outcome), `landscape.json`, and `landscape.png`
-(contours, trajectories, the flagged points and their x+).
-
-Outcomes: `hallucinated` (converged, |grad f| >= 1, |grad f(x+)| <= 1e-4),
-`valley` (f - f_min < 2e-2; SAM with a constant rho keeps circling the
-minimum, so it need not converge there), else `other`.
+The runs behind `python -m studies.sam_landscape`, importable without its
+flags. `simulate` runs `geom.sam.sam` (with its detector) on
+`geom.landscapes.valley_with_bump`; `sweep` runs it for every rho and
+warm-start length of a grid; `outcome` names what a run did:
+`hallucinated` (converged, |grad f| >= 1, |grad f(x+)| <= 1e-4), `valley`
+(f - f_min < 2e-2; SAM with a constant rho keeps circling the minimum, so
+it need not converge there), else `other`.
 """
 
-import json
-import os
-
-from absl import app
-from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,16 +16,6 @@ import optax
 
 from geom import landscapes
 from geom import sam
-from train import stats
-
-_WORKDIR = flags.DEFINE_string('workdir', 'workdirs/sam_landscape',
-                               'Where the table, JSON and PNG go.')
-_RHOS = flags.DEFINE_list('rhos', ['0', '0.2', '0.4', '0.6', '0.8', '1.0',
-                                   '1.2', '1.4'], 'SAM radii.')
-_WARMUPS = flags.DEFINE_list('warmups', ['0', '10', '20', '50', '100'],
-                             'Warm-start lengths (plain steps before SAM).')
-_STEPS = flags.DEFINE_integer('steps', 2000, 'Steps per run.')
-_LR = flags.DEFINE_float('lr', 0.01, 'Learning rate of the base SGD.')
 
 f = landscapes.valley_with_bump
 grad_f = jax.grad(f)
@@ -96,91 +76,3 @@ def sweep(rhos, warmups, *, steps, lr, response='flag'):
       r['outcome'] = outcome(r)
       results[(float(rho), int(w))] = r
   return results
-
-
-def table(results, restart) -> str:
-  head = ['rho', 'warm-start', 'end point', 'f - f_min',
-          '\\|grad f(x)\\|', '\\|grad f(x+)\\|', 'flagged steps (first)',
-          'outcome']
-  rows = []
-  for (rho, w), r in sorted(results.items()):
-    first = f' ({r["first_flag"]})' if r['first_flag'] >= 0 else ''
-    rows.append([
-        f'{rho:g}', w, f'({r["x"][0]:+.3f}, {r["x"][1]:+.3f})',
-        f'{r["f_gap"]:.2e}', f'{r["grad_norm"]:.3g}',
-        f'{r["perturbed_grad_norm"]:.1e}',
-        f'{int(r["flagged_steps"])}{first}', r['outcome']])
-  restart_head = ['rho', 'end point', 'f - f_min', 'flagged steps', 'outcome']
-  restart_rows = [[f'{rho:g}', f'({r["x"][0]:+.3f}, {r["x"][1]:+.3f})',
-                   f'{r["f_gap"]:.2e}', int(r['flagged_steps']), r['outcome']]
-                  for (rho, _), r in sorted(restart.items())]
-  lines = [stats.markdown_table(head, rows, '-' * len(head)),
-           '', "With response='warm_restart' (100 plain steps after a flag), "
-           'no warm-start:', '',
-           stats.markdown_table(restart_head, restart_rows,
-                                '-' * len(restart_head))]
-  return '\n'.join(lines) + '\n'
-
-
-def plot(results, path, *, steps, lr, rho=0.8, warm=50):
-  from train import plots  # pylint: disable=g-import-not-at-top
-  plt = plots.pyplot()
-  X, Y, Z = landscapes.grid()
-  fig, ax = plt.subplots(figsize=(7.5, 6.5))
-  ax.contour(X, Y, Z, levels=np.linspace(0, 4, 33), cmap='viridis',
-             linewidths=0.7)
-  runs = [(0.0, 0, 'grey', 'gradient descent (rho = 0)'),
-          (rho, 0, 'tab:red', f'SAM rho = {rho}: stalls (hallucinated)'),
-          (rho, warm, 'tab:orange',
-           f'SAM rho = {rho} after {warm} plain steps')]
-  for r, w, color, label in runs:
-    out = jax.device_get(simulate(r, w, steps=steps, lr=lr, keep_path=True))
-    p = np.asarray(out['path'])
-    ax.plot(p[:, 0], p[:, 1], color=color, lw=1.5, label=label,
-            ls='--' if w else '-')
-    flagged = np.asarray(out['flagged'])
-    if flagged.any():
-      ax.plot(p[flagged, 0], p[flagged, 1], 'x', color=color, ms=7,
-              label='steps the detector flagged')
-  for (r, w), res in results.items():
-    if w == 0 and res['outcome'] == 'hallucinated':
-      x, xp = res['x'], res['x_plus']
-      ax.plot([x[0], xp[0]], [x[1], xp[1]], ':', color='tab:red', lw=0.8)
-      ax.plot(*x, 'o', color='tab:red', ms=4)
-  for c in landscapes.CRITICAL_POINTS:
-    ax.plot(c.x, c.y, {'minimum': 'k*', 'maximum': 'k^',
-                       'saddle': 'ks'}[c.kind], ms=9, label=c.kind)
-  ax.plot(*landscapes.START, 'ko', mfc='none', ms=8, label='start')
-  ax.set_title('SAM on a valley with a bump: hallucinated minimizers\n'
-               '(dots: stall points for every rho that stalls; dotted: '
-               'x -> x+)')
-  ax.set_xlabel('x')
-  ax.set_ylabel('y')
-  ax.legend(loc='lower right', fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-
-
-def main(argv):
-  del argv
-  workdir = _WORKDIR.value
-  os.makedirs(workdir, exist_ok=True)
-  rhos = [float(r) for r in _RHOS.value]
-  warmups = [int(w) for w in _WARMUPS.value]
-  kw = dict(steps=_STEPS.value, lr=_LR.value)
-  results = sweep(rhos, warmups, **kw)
-  restart = sweep(rhos, [0], response='warm_restart', **kw)
-  text = table(results, restart)
-  with open(os.path.join(workdir, 'landscape_table.md'), 'w') as fp:
-    fp.write(text)
-  with open(os.path.join(workdir, 'landscape.json'), 'w') as fp:
-    json.dump({f'rho={r},warmup={w}': v for (r, w), v in results.items()}, fp,
-              indent=1)
-  plot(results, os.path.join(workdir, 'landscape.png'), **kw)
-  print(text)
-  print(f'wrote {workdir}/landscape_table.md, landscape.json, landscape.png')
-
-
-if __name__ == '__main__':
-  app.run(main)
