@@ -15,10 +15,12 @@ Variants through the config argument (comma-separated, combinable):
 
 `runlocal` shrinks the run for tests and laptops. `label_noise=0.4`
 corrupts 40% of the training labels (symmetric; validation and test stay
-clean), the setting of configs/digits.py's SAM label-noise study
-(`launch.sam_study --config_arg=dataset=mnist5k,label_noise=0.4`). `dataset=mnist5k` trains
-on 5,000 real 28x28 MNIST images (offline; the source model of
-configs/tta.py); `norm=` picks the CNN's normalisation. Sweeps (`get_sweep`):
+clean), the setting of the SAM label-noise study (studies/sam_recipes:
+`python -m studies.sam_recipes --config_arg=dataset=mnist5k,label_noise=0.4`).
+`dataset=mnist5k` trains on 5,000 real 28x28 MNIST images (offline; the
+source model of configs/tta.py); `norm=` picks the CNN's normalisation.
+Sweeps (`get_sweep`; the learning-rate sweep's results are in
+studies/local_sweeps):
 
   python -m launch.sweep --config=configs/digits.py --sweep=sam_rho \
     --workdir=workdirs/sam_rho --parallel=2

@@ -97,12 +97,12 @@ def test_a_bad_rate_in_the_config_is_one_line_before_any_work(rate,
 
 def test_the_sam_study_runs_under_label_noise_and_reports_the_detector(
     tmp_path):
-  """`launch.sam_study` as a user runs it (a subprocess: the launchers'
+  """`studies.sam_recipes` as a user runs it (a subprocess: the studies'
   flags share names), one tiny SAM and one ASAM run (on its own radius)
   at 40% noise."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run(
-      [sys.executable, '-m', 'launch.sam_study', f'--workdir={tmp_path}',
+      [sys.executable, '-m', 'studies.sam_recipes', f'--workdir={tmp_path}',
        '--seeds=1', '--rhos=0.5', '--methods=sam,asam', '--asam_rhos=3.0',
        '--config_arg=runlocal,label_noise=0.4'],
       cwd=root, capture_output=True, text=True, timeout=600)

@@ -1,5 +1,5 @@
-"""launch.sam_study: the LM experiment, the per-method radii, the stall
-measure and one-line flag errors (subprocesses: launchers' flags share
+"""studies.sam_recipes: the LM experiment, the per-method radii, the stall
+measure and one-line flag errors (subprocesses: studies' flags share
 names, so two cannot be imported in one process)."""
 
 import json
@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _study(tmp_path, *flags, timeout=600):
   return subprocess.run(
-      [sys.executable, '-m', 'launch.sam_study', f'--workdir={tmp_path}',
+      [sys.executable, '-m', 'studies.sam_recipes', f'--workdir={tmp_path}',
        *flags], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
