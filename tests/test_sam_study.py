@@ -4,10 +4,14 @@ names, so two cannot be imported in one process)."""
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 
 import pytest
+
+from studies.sam_recipes import training_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,3 +65,40 @@ def test_a_bad_flag_is_one_line_before_any_run(tmp_path, flags, start):
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith(start), result.stderr
   assert os.listdir(tmp_path) == []
+
+
+def _readme_commands():
+  """studies/sam_recipes/README.md's commands, as {flag: value}."""
+  with open(os.path.join(ROOT, 'studies', 'sam_recipes', 'README.md')) as f:
+    joined = re.sub(r'\\\n\s*', '', f.read())
+  commands = [shlex.split(line.strip()) for line in joined.splitlines()
+              if line.startswith('    python -m ')]
+  assert all(c[:3] == ['python', '-m', 'studies.sam_recipes']
+             for c in commands)
+  return [dict(a[2:].split('=', 1) for a in c[3:]) for c in commands]
+
+
+def test_every_readme_command_names_real_flags_and_configs():
+  # The commands behind the README's tables train for hours: here, their
+  # flags exist and every run's config builds (a renamed flag or config
+  # argument would leave the README's commands failing).
+  with open(os.path.join(ROOT, 'studies', 'sam_recipes', '__main__.py')) as f:
+    defined = set(re.findall(r"flags\.DEFINE_\w+\(\s*'(\w+)'", f.read()))
+  commands = _readme_commands()
+  assert len(commands) == 9
+  for flags in commands:
+    assert set(flags) <= defined, flags
+    study = training_runs.Study(
+        root=flags['workdir'], experiment=flags.get('experiment', 'digits'),
+        config_arg=flags.get('config_arg', ''),
+        methods=tuple(flags.get('methods', ','.join(training_runs.METHODS))
+                      .split(',')),
+        rhos=tuple(map(float, flags.get('rhos', '1').split(','))),
+        asam_rhos=(tuple(map(float, flags['asam_rhos'].split(',')))
+                   if 'asam_rhos' in flags else None),
+        num_steps=int(flags['num_steps']) if 'num_steps' in flags else None)
+    assert set(study.methods) <= set(training_runs.METHODS), flags
+    for method in study.methods:
+      for rho in study.radii(method):
+        config = study.config(method, rho, 0)
+        assert config.optimizer.sam.enabled == (method != 'sgd')
