@@ -8,12 +8,13 @@ r"""A discrete-event simulator of the asynchronous GRPO runtime at pod scale.
     --check_against='workdirs/rl_study/s*_decoupled_seed*'
 
 Across processes (`launch.rl --multihost`), with the transfer cost
-`bench.rl_transfer` measured and the calibration kept in results/
-(`--write_calibration=results/rl_calibration.json` wrote it), into the
-BENCHMARKS.md section `rl_across_processes`:
+`bench.rl_transfer` measured and the calibration kept in the GAS study's
+room (`--write_calibration=studies/gas/results/rl_calibration.json` wrote
+it), into the BENCHMARKS.md section `rl_across_processes`:
 
-  python -m bench.rl_simulator --calibration_json=results/rl_calibration.json \
-    --transfer_json=results/rl_transfer.json --chips= --publish
+  python -m bench.rl_simulator \
+    --calibration_json=studies/gas/results/rl_calibration.json \
+    --transfer_json=studies/gas/results/rl_transfer.json --chips= --publish
 
 The simulator is `train.rl.simulator` (its docstring states the model
 and its assumptions); this is its command line.
@@ -170,11 +171,13 @@ def main(argv):
         f'{_S_BASE.value}, alpha={_ALPHA.value:g}; {_SLOTS.value} slots, '
         f'seed {_SEED.value}.', '',
         table, '',
-        'Commands: `python -m launch.rl_study --workdir=workdirs/rl_study '
-        '--bounds= --corrections=decoupled` (the 3 synchronous runs, '
+        'Commands: `python -m studies.rl_staleness '
+        '--workdir=workdirs/rl_study --bounds= --corrections=decoupled` '
+        '(the 3 synchronous runs, '
         'nothing else running), `python -m bench.rl_simulator '
         "--calibration_from='workdirs/rl_study/s0_decoupled_seed*' "
-        '--write_calibration=results/rl_calibration.json --chips=`, '
+        '--write_calibration=studies/gas/results/rl_calibration.json '
+        '--chips=`, '
         '`python -m bench.rl_transfer`, then `python -m bench.rl_simulator '
         + ' '.join(a for a in sys.argv[1:]) + '`.', '',
         'Transfer budget: the weight transfer at which the actor groups '

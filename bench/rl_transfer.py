@@ -36,8 +36,9 @@ _SIZES = flags.DEFINE_list('sizes_mb', ['1', '16', '64'],
 _REPEATS = flags.DEFINE_integer('repeats', 9, 'Versions sent per size.')
 _WRITE = flags.DEFINE_bool('write', True, 'Update BENCHMARKS.md and '
                            '--fit_to.')
-_FIT_TO = flags.DEFINE_string('fit_to', 'results/rl_transfer.json',
-                              'Where the fitted transfer cost goes.')
+_FIT_TO = flags.DEFINE_string(
+    'fit_to', 'studies/gas/results/rl_transfer.json',
+    'Where the fitted transfer cost goes.')
 _ROLE = flags.DEFINE_integer('process', None, 'Internal: this process.')
 _PORTS = flags.DEFINE_list('ports', None, 'Internal: coordinator, 2 servers.')
 

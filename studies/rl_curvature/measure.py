@@ -1,16 +1,7 @@
-r"""Does the policy's curvature grow with task difficulty (GAS's premise)?
+"""lambda_max of the policy's loss per difficulty, on the SFT warm starts.
 
-  python -m launch.rl_curvature
-  python -m launch.rl_curvature --sft_workdirs=workdirs/rl_sft --prompts=8
-
-GAS (`geom.gas`) sets each difficulty's staleness budget from alpha, the
-slope of log lambda_max on difficulty, lambda_max the top Hessian
-eigenvalue of the policy's loss on that difficulty. This script measures
-that slope on the SFT warm starts, before any scheduler relies on it.
-
-For each warm start of `--sft_workdirs` and each difficulty of
-`--difficulties` (family `--family`): `--prompts` training problems, each
-sampled `--samples` times from the policy at temperature 1.0
+For each warm start and each difficulty: prompts training problems, each
+sampled several times from the policy at temperature 1.0
 (`train.rl.rollout.sample`), assembled into the learner's batch
 (`train.rl.learner.assemble`); the loss is the mean negative
 log-likelihood of the sampled answer tokens under the policy (the
@@ -19,57 +10,30 @@ is the Fisher information (see `geom.gas`). Every batch is padded to the
 hardest difficulty's length, so each estimator compiles once for all
 warm starts and difficulties; padding carries no loss.
 
-Per batch: |lambda_max| by `geom.gas.curvature(method='power',
-num_iters=--num_iters)` and the one-product proxy (`method='rayleigh'`),
-each timed after a warm-up call that compiles it; and, untimed, signed
-power iteration with `--check_iters` products, to show whether
-`--num_iters` had converged and whether the top-magnitude eigenvalue is
-negative (the sample Hessian need not be PSD). Per warm start: alpha
-fitted by `geom.gas.fit_alpha` from each method, and the Spearman rank
-correlation of power and proxy across difficulties.
-
-Writes the markdown table to `--out` with the suffix `.md` and every
-number to `--out` (JSON), and prints the table.
+Per batch: |lambda_max| by `geom.gas.curvature(method='power')` and the
+one-product proxy (`method='rayleigh'`), each timed after a warm-up call
+that compiles it; and, untimed, signed power iteration with more
+products, to show whether the power estimate had converged and whether
+the top-magnitude eigenvalue is negative (the sample Hessian need not be
+PSD). Per warm start: alpha fitted by `geom.gas.fit_alpha` from each
+method, and the Spearman rank correlation of power and proxy across
+difficulties.
 """
 
-import os
 import time
 from typing import Any, Callable
 
-from absl import app
-from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from geom import curvature
 from geom import gas
-from launch import entry
-from train import metrics
-from train import stats
 from train.rl import grpo
 from train.rl import learner
 from train.rl import rollout
 from train.rl import sft
 from train.rl import tasks
-
-_SFT_WORKDIRS = flags.DEFINE_list(
-    'sft_workdirs', ['workdirs/rl_sft', 'workdirs/rl_sft_seed1',
-                     'workdirs/rl_sft_seed2'],
-    'SFT warm starts (launch.train with configs/rl_sft.py), one per seed.')
-_DIFFICULTIES = flags.DEFINE_list('difficulties', ['1', '2', '3', '4', '5'],
-                                  'Task difficulties (digits).')
-_FAMILY = flags.DEFINE_string('family', 'add', 'Task family.')
-_PROMPTS = flags.DEFINE_integer('prompts', 16, 'Prompts per difficulty.')
-_SAMPLES = flags.DEFINE_integer('samples', 4, 'Completions per prompt.')
-_NUM_ITERS = flags.DEFINE_integer('num_iters', 20,
-                                  'Hessian-vector products of the power '
-                                  'estimate.')
-_CHECK_ITERS = flags.DEFINE_integer(
-    'check_iters', 100, 'Products of the untimed convergence check (0: none).')
-_SEED = flags.DEFINE_integer('seed', 0, 'Problems, samples and start vectors.')
-_OUT = flags.DEFINE_string('out', 'results/rl_curvature.json',
-                           'The JSON; the table goes beside it as .md.')
 
 
 def nll_loss(model: Any, batch: Any) -> Callable[[Any], jax.Array]:
@@ -208,63 +172,3 @@ def measure(sft_workdirs: list[str], difficulties: list[int], *, family: str,
       'seconds_per_estimate': {k: float(np.mean(v)) for k, v in
                                seconds.items()},
   }
-
-
-def table(results: dict[str, Any]) -> str:
-  """The markdown report of `measure`'s results."""
-  st = results['settings']
-  check = st['check_iters']
-  head = ['warm start', 'd', 'reward', 'NLL',
-          f'lambda_max (power, {st["num_iters"]})', 'rayleigh proxy']
-  if check:
-    head += [f'signed, {check} products', 'rel. diff']
-  rows = []
-  for run in results['runs']:
-    name = os.path.basename(os.path.normpath(run['sft_workdir']))
-    for r in run['rows']:
-      cells = [name, str(r['difficulty']), f'{r["reward"]:.2f}',
-               f'{r["nll"]:.3f}', f'{r["power"]:.4g}', f'{r["rayleigh"]:.4g}']
-      if check:
-        cells += [f'{r["check_signed"]:.4g}', f'{r["check_rel_diff"]:.1e}']
-      rows.append(cells)
-  lines = [stats.markdown_table(head, rows, '-' * len(head))]
-  fit_head = ['warm start', 'alpha (power)', 'alpha (rayleigh)',
-              *(['alpha (check)'] if check else []),
-              'Spearman(power, rayleigh) over d']
-  fits = []
-  for run in results['runs']:
-    name = os.path.basename(os.path.normpath(run['sft_workdir']))
-    cells = [name, f'{run["alpha_power"]:.3f}', f'{run["alpha_rayleigh"]:.3f}']
-    if check:
-      cells.append(f'{run["alpha_check"]:.3f}')
-    cells.append(f'{run["spearman"]:.2f}')
-    fits.append(cells)
-  lines += ['', stats.markdown_table(fit_head, fits, '-' * len(fit_head))]
-  sec = results['seconds_per_estimate']
-  lines += ['', f'Seconds per estimate (mean, compiled, {st["backend"]}): '
-            f'power {sec["power"]:.3f} s, rayleigh {sec["rayleigh"]:.3f} s '
-            f'({sec["power"] / max(sec["rayleigh"], 1e-12):.1f}x). '
-            f'{st["prompts"]} prompts x {st["samples"]} samples per '
-            f'difficulty, family {st["family"]!r}, temperature 1.0, seed '
-            f'{st["seed"]}.']
-  return '\n'.join(lines) + '\n'
-
-
-def main(argv):
-  del argv
-  entry.quiet_libraries()
-  results = measure(
-      _SFT_WORKDIRS.value, [int(d) for d in _DIFFICULTIES.value],
-      family=_FAMILY.value, prompts=_PROMPTS.value, samples=_SAMPLES.value,
-      num_iters=_NUM_ITERS.value, check_iters=_CHECK_ITERS.value,
-      seed=_SEED.value)
-  text = table(results)
-  results['table'] = text
-  os.makedirs(os.path.dirname(_OUT.value) or '.', exist_ok=True)
-  metrics.write_json_atomic(_OUT.value, results)
-  metrics.write_text_atomic(os.path.splitext(_OUT.value)[0] + '.md', text)
-  print(text)
-
-
-if __name__ == '__main__':
-  app.run(main)
