@@ -19,11 +19,8 @@ with the tied embedding frozen (`frozen`):
   python -m launch.rl --config=configs/rl.py:gemma \
       --config.sft_workdir=workdirs/gemma_sft --workdir=workdirs/gemma_rl
 
-SAM against AdamW fine-tuning and what each forgets (RESULTS.md):
-
-  python -m launch.gemma_forgetting --config=configs/gemma.py:sft,frozen \
-      --config.num_steps=150 --rhos=0.05,0.01 \
-      --workdir=workdirs/gemma_forgetting
+SAM against AdamW fine-tuning and what each forgets: studies/gemma_forgetting
+(its config.py is `sft,frozen` at 150 steps).
 
 `runlocal` shrinks every grid and run for tests. Any field can be
 overridden, e.g. `--config.layer=9 --config.alphas='(0.2,0.6)'

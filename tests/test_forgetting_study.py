@@ -1,5 +1,5 @@
 """The forgetting study's machinery: `config.init_from` in the LM trainer, and
-`launch.forgetting_study` end to end at runlocal size and its one-line
+`python -m studies.lm_forgetting` end to end at runlocal size and its one-line
 errors (run as a user would, in a subprocess: the launchers' absl flags
 share names)."""
 
@@ -93,7 +93,7 @@ def test_init_from_a_model_of_another_shape_is_one_line(pretrained,
 
 def _study(workdir, *extra, timeout=600):
   return subprocess.run(
-      [sys.executable, '-m', 'launch.forgetting_study',
+      [sys.executable, '-m', 'studies.lm_forgetting',
        f'--workdir={workdir}', '--config_arg=runlocal,forgetting',
        '--seeds=1', '--mid_steps=10', '--post_steps=10',
        '--hessian_windows=8', '--power_iters=5', '--trace_samples=4', *extra],

@@ -3,13 +3,11 @@ SFT on the tasks and GRPO with it as the policy, on a small Gemma 3 GGUF
 file (tests/tiny_gemma.py) that runs the whole path in seconds; the real
 270M file's run is `slow` (test_a_real_gemma_fine_tunes_and_serves_grpo)."""
 
-import dataclasses
 import json
 import os
 import shutil
 
 import jax
-import jax.flatten_util
 import ml_collections
 import numpy as np
 import pytest
@@ -18,8 +16,7 @@ from configs import gemma as gemma_config
 from tests import launch_runs
 from tests import tiny_gemma
 from train import optim
-from train.errors import ConfigError, UsageError
-from train.lm import data as lm_data
+from train.errors import ConfigError
 from train.lm import gemma_gguf
 from train.lm import models
 from train.lm import tokenizer as lm_tokenizer
@@ -247,89 +244,3 @@ def test_a_real_gemma_fine_tunes_and_serves_grpo(tmp_path):
   assert out.returncode == 0, out.stderr[-2000:]
   assert json.load(open(os.path.join(rl_dir, 'results.json')))[
       'versions'] == 2
-
-
-def test_the_forgetting_study_measures_reuses_and_refuses(tiny_file,
-                                                          tmp_path):
-  from train.rl import gemma_forgetting  # pylint: disable=g-import-not-at-top
-  base = tiny_gemma.gemma_config(tiny_file, 'sft')
-  base.batch_size = base.eval_batch_size = 8
-  # One matrix trained (2,048 parameters): its dense Hessian is the exact
-  # reference of the study's sharpness.
-  base.optimizer.frozen = '^(?!block_1/mlp/down$)'
-  settings = gemma_forgetting.Settings(seeds=1, windows=4, window_len=16,
-                                      sharpness_iters=40,
-                                      sharpness_problems=4)
-  root = str(tmp_path / 'study')
-  text = gemma_forgetting.run(settings, base, root)
-  records = json.load(open(os.path.join(root, gemma_forgetting.RECORDS)))
-  pre, runs = records['pretrained'], records['runs']
-  assert [(r['variant'], r['seed']) for r in runs] == [('adamw', 0),
-                                                       ('sam_rho0.05', 0)]
-  # The held-out CE against a plain log-softmax over the same windows.
-  loaded = gemma_gguf.load(tiny_file)
-  windows = lm_data.heldout_windows(loaded.tokenizer, 4, 16)
-  model = models.create(base).clone(max_len=17)
-  logits, _ = model.apply({'params': loaded.params}, windows[:, :-1])
-  logp = jax.nn.log_softmax(np.asarray(logits, np.float64))
-  want = -np.take_along_axis(logp, windows[:, 1:, None], -1).mean()
-  assert abs(pre['heldout_ce'] - want) < 1e-4
-  # The sharpness against the top eigenvalue of the dense Hessian of the
-  # same loss in the trained matrix.
-  assert 'lambda_max (fine-tuning loss)' in text
-  batch = gemma_forgetting.sharpness_batch(base, tasks.codec(
-      loaded.tokenizer), 4)
-  exp = sft.build(base, str(tmp_path / 'h'))
-  params = jax.tree.map(np.asarray, loaded.params)
-  flat, unflat = jax.flatten_util.ravel_pytree(
-      params['block_1']['mlp']['down'])
-
-  def sub_loss(x):
-    mlp = dict(params['block_1']['mlp'], down=unflat(x))
-    p = dict(params, block_1=dict(params['block_1'], mlp=mlp))
-    return exp.per_example(exp.model, {'params': p, 'batch_stats': {}},
-                           batch, False)[0].mean()
-  hessian = jax.jit(jax.hessian(sub_loss))(flat)
-  eigenvalues = np.linalg.eigvalsh(np.asarray(hessian, np.float64))
-  top = eigenvalues[np.argmax(np.abs(eigenvalues))]
-  assert pre['lambda_max'] == pytest.approx(top, rel=0.05)
-  sam_run = sft.load_policy(os.path.join(root, 'runs', 'sam_rho0.05_seed0'))
-  assert sam_run.config.optimizer.sam.enabled
-  assert sam_run.config.optimizer.sam.rho == 0.05
-  forgetting = runs[1]['heldout_ce'] - pre['heldout_ce']
-  assert f'{forgetting:+.4f}'.lstrip('+') in text or f'{forgetting:.4f}' in text
-  # Reused: nothing is measured again.
-  path = os.path.join(root, 'measures', 'sam_rho0.05_seed0.json')
-  mtime = os.path.getmtime(path)
-  assert gemma_forgetting.run(settings, base, root) == text
-  assert os.path.getmtime(path) == mtime
-  # Other settings on the same workdir: refused, nothing overwritten.
-  with pytest.raises(UsageError, match='other settings'):
-    gemma_forgetting.run(dataclasses.replace(settings, windows=6), base,
-                         root)
-  for rhos in ((), (0.1, 0.1), (-1.0,)):
-    with pytest.raises(UsageError, match='--rhos'):
-      gemma_forgetting.run(dataclasses.replace(settings, rhos=rhos), base,
-                           root)
-  with pytest.raises(UsageError, match='optimizer.sam.enabled'):
-    on = tiny_gemma.gemma_config(tiny_file, 'sft,sam')
-    gemma_forgetting.run(settings, on, str(tmp_path / 'other'))
-  assert not os.path.exists(tmp_path / 'other')
-
-
-def test_the_forgetting_report_pairs_seeds():
-  from train.rl import gemma_forgetting  # pylint: disable=g-import-not-at-top
-  pre = {'heldout_ce': 3.0, 'pass_at_1': {'add_d1': 0.5}}
-  run = lambda v, s, ce: dict(variant=v, seed=s, heldout_ce=ce,
-                              answer_ce=0.1, pass_at_1={'add_d1': 1.0})
-  text = gemma_forgetting.summarize(pre, [
-      run('adamw', 0, 3.2), run('adamw', 1, 3.4), run('adamw', 2, 2.9),
-      run('sam_rho0.1', 0, 3.1), run('sam_rho0.1', 1, 3.1),
-      run('sam_rho0.1', 2, 3.0)])
-  # Forgetting 0.2 / 0.4 / -0.1 against 0.1 / 0.1 / 0.0: reductions 50%
-  # and 75% where AdamW forgot; seed 2 (AdamW improved) has none.
-  assert '| 0 | 0.2000 | 0.1000 | -0.1000 | 50% |' in text
-  assert '| 2 | -0.1000 | 0.0000 | +0.1000 | - |' in text
-  assert 'sam_rho0.1 against adamw, paired by seed' in text
-  assert 'sam_rho0.1: 62 ± 18% over the 2 of 3 seeds' in text
-  assert '| adamw (3 seeds) | 3.1667 ± 0.2517 | 0.1667 ± 0.2517 |' in text
