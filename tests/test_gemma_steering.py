@@ -11,6 +11,8 @@ tests' two-layer Gemma 3 files, and on the real 270M one `slow`.
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import ml_collections
@@ -31,6 +33,8 @@ from train.steering import evaluation
 from train.steering import gemma_eval
 
 from tests import tiny_gemma
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope='module')
@@ -201,7 +205,21 @@ def test_study_end_to_end_reuse_and_refusal(study_model, tmp_path):
   workdir = str(tmp_path / 'study')
   config = _config(gemma_file, **overrides)
   layer = f'layer{config.layer}'
-  summary = gemma_study.run(config, workdir, [0.05, 0.2], num_samples=200)
+  # The first run is studies/gemma_steering/README.md's command, with
+  # `_config`'s settings as flags; the reruns below call the study itself.
+  flags = [f'--config.gguf={gemma_file}',
+           "--config.methods=('none','addition')", '--config.alphas=(0.3,)',
+           '--config.sweep_layers=()',
+           *(f'--config.{k}={v}' for k, v in overrides.items())]
+  result = subprocess.run(
+      [sys.executable, '-m', 'studies.gemma_steering',
+       '--config=configs/gemma.py:runlocal', *flags, f'--workdir={workdir}',
+       '--targets=0.05,0.2', '--bootstrap_samples=200'],
+      cwd=ROOT, capture_output=True, text=True, timeout=900)
+  assert result.returncode == 0, result.stderr[-3000:]
+  with open(os.path.join(workdir, 'study.json')) as f:
+    stored = f.read()
+  summary = json.loads(stored)
   with open(os.path.join(workdir, layer, 'results.json')) as f:
     results = json.load(f)
   rows = results['rows']
@@ -215,6 +233,7 @@ def test_study_end_to_end_reuse_and_refusal(study_model, tmp_path):
   for r in rows:
     assert 0.0 <= r['positive_share'] <= 1.0 and np.isfinite(r['gen_ce'])
   assert set(summary['accuracy']) == {'copa', 'cloze'}
+  assert summary['targets'] == [0.05, 0.2]
   text = open(os.path.join(workdir, 'study.md')).read()
   assert 'accuracy at matched KL' in text and 'addition' in text
   assert os.path.exists(os.path.join(workdir, 'pareto_bands.png'))
@@ -222,7 +241,9 @@ def test_study_end_to_end_reuse_and_refusal(study_model, tmp_path):
   # A rerun reuses the evaluation: it does not load the model again.
   mtime = os.path.getmtime(os.path.join(workdir, layer, 'results.json'))
   again = gemma_study.run(config, workdir, [0.05, 0.2], num_samples=200)
-  assert again['accuracy'] == summary['accuracy']
+  assert again['accuracy'].keys() == summary['accuracy'].keys()
+  with open(os.path.join(workdir, 'study.json')) as f:
+    assert f.read() == stored
   assert os.path.getmtime(os.path.join(workdir, layer,
                                        'results.json')) == mtime
 
