@@ -17,7 +17,7 @@ model of `tokenizer.vocab_size` pieces (1024; 384 with `runlocal`),
 trained offline on the run's own training text at its first start and
 kept beside its checkpoints (`train.lm.tokenizer`); `tokenizer=byte` (the
 default) is ASCII bytes. `forgetting` is the smaller pretraining of the forgetting study
-(`python -m launch.forgetting_study`). `english=` picks the real-text
+(`python -m studies.lm_forgetting`). `english=` picks the real-text
 source: 'fortunes' (Debian's `fortunes`
 package, `apt-get install fortunes`; the default), 'pydoc' (Python's own
 documentation, always present) or a directory of .txt files.
@@ -103,7 +103,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   decoder_blocks.local_training(config, weight_decay=0.05)
 
   if 'forgetting' in args:
-    # The pretraining of the forgetting study (launch.forgetting_study):
+    # The pretraining of the forgetting study (studies.lm_forgetting):
     # a smaller LM on Python's documentation alone (always present), so
     # that 5 variants x 3 seeds fit on a CPU; post-training then moves it
     # to another distribution.
