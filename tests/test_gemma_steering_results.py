@@ -14,7 +14,7 @@ import sys
 
 from studies.gemma_steering import layers
 from train import metrics
-from train.steering import evaluation
+from train.steering import gemma_eval
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, 'studies', 'gemma_steering', 'results')
@@ -46,7 +46,7 @@ def test_the_gate_ablation_rebuilds_from_its_evaluation():
   assert (metrics.dumps(summary, indent=2, sort_keys=True) + '\n'
           == _read('gate_ablation', 'study.json'))
   run = runs['layer6']
-  assert (evaluation.markdown_table(run['rows'], list(run['meta']['tasks']))
+  assert (gemma_eval.markdown_table(run['rows'], list(run['meta']['tasks']))
           == _read('gate_ablation', 'layer6_results.md'))
 
 
@@ -64,4 +64,3 @@ def test_the_readme_command_refuses_a_bad_flag_in_one_line(tmp_path):
   assert len(lines) == 1 and lines[0].startswith(
       "error: targets=(0.2, 0.1): give increasing KL values > 0"), result.stderr
   assert not os.path.exists(tmp_path / 'w')
-
