@@ -14,6 +14,7 @@ blocks and docstring lines, with `\\` continuations joined. Checked:
 - `pytest tests/...` (or `python -m pytest`): the files exist and so do the
   tests named after `::`;
 - `make T`: Makefile has target T.
+The Makefile's own recipes (`$(PY) -m M ...`) are checked alike.
 Placeholders (`<module>`, `...`, `--flag=...`, `configs/X.py`) are skipped.
 One test per documentation file, so a stale file shows by name.
 """
@@ -391,6 +392,22 @@ def _problems(text: str, where: str, first_line: int = 1) -> list[str]:
 def test_documented_commands_run(path):
   with open(os.path.join(REPO_ROOT, path)) as f:
     problems = _problems(f.read(), path)
+  assert not problems, '\n'.join(problems)
+
+
+def _makefile_as_shell() -> str:
+  """The Makefile's recipes as a shell block; its variables placeholders."""
+  with open(os.path.join(REPO_ROOT, 'Makefile')) as f:
+    lines = f.read().split('\n')
+  recipes = [re.sub(r'\$\((\w+)\)', lambda m: m.group(1).upper(),
+                    line.replace('$(PY) ', '.venv/bin/python '))
+             if line.startswith('\t') else '' for line in lines]
+  return '```\n' + '\n'.join(recipes) + '\n```'
+
+
+def test_makefile_commands_run():
+  # The fence moves every line down one.
+  problems = _problems(_makefile_as_shell(), 'Makefile', first_line=0)
   assert not problems, '\n'.join(problems)
 
 
