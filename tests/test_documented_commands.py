@@ -283,8 +283,10 @@ def _absl_flags() -> frozenset[str]:
        'from absl import app, flags, logging\n'
        'print(" ".join(flags.FLAGS))'],
       capture_output=True, text=True, check=True)
-  return frozenset(result.stdout.split()) | {'help', 'helpshort', 'helpfull',
-                                             'helpxml'}
+  # app.run defines the --help family when it runs; the parser itself reads
+  # --flagfile and --undefok.
+  return frozenset(result.stdout.split()) | {
+      'help', 'helpshort', 'helpfull', 'helpxml', 'flagfile', 'undefok'}
 
 
 @functools.cache
