@@ -8,6 +8,9 @@ toolchain. `--nobuild` stops after analysis, which also catches a dep that
 names no target (plain `bazel query //...` does not); neither sees a
 missing source file (only a real build does, 20 s; test_build_files does).
 
+The second test plants a duplicate label and a dep on no target in a copy
+of the BUILD files and sees the same command fail on both.
+
 Each run is `--batch` in a private output root under /tmp: no server is
 left behind, and none is shared with (or locked against) a developer's own
 Bazel or an enclosing `bazel test`. `.bazelrc` turns off the convenience
@@ -64,8 +67,13 @@ def _errors(stderr: str) -> str:
                     if line.startswith('ERROR')][:20])
 
 
+# Loading (BUILD and .bzl files, macros) and analysis (labels resolve,
+# `$(location)`, the toolchain), no build; every error, not the first.
+LOAD = ('build', '--nobuild', '--keep_going', '//...')
+
+
 def test_bazel_loads_and_analyses_every_target():
-  result = _bazel(REPO_ROOT, 'build', '--nobuild', '--keep_going', '//...')
+  result = _bazel(REPO_ROOT, *LOAD)
   assert result.returncode == 0, _errors(result.stderr) or result.stderr
   found = re.search(r'Found (\d+) targets', result.stderr)
   assert found, result.stderr
@@ -76,7 +84,7 @@ def test_bazel_loads_and_analyses_every_target():
 
 
 def _copy_build_tree(destination: str) -> None:
-  """Copies what Bazel reads to load the packages: BUILD, .bzl, WORKSPACE."""
+  """Copies what Bazel reads to analyse the packages (no sources)."""
   for dirpath, dirnames, files in os.walk(REPO_ROOT):
     dirnames[:] = [d for d in dirnames
                    if not d.startswith(('.', 'bazel-')) and d != 'workdirs']
@@ -87,18 +95,33 @@ def _copy_build_tree(destination: str) -> None:
         os.makedirs(os.path.join(destination, relative), exist_ok=True)
         shutil.copy(os.path.join(dirpath, name),
                     os.path.join(destination, relative, name))
+  # The venv toolchain (third_party/bazel/venv_python.bzl) needs only the
+  # interpreter's path to exist.
+  os.makedirs(os.path.join(destination, '.venv', 'bin'))
+  os.symlink(os.path.join(REPO_ROOT, '.venv', 'bin', 'python3'),
+             os.path.join(destination, '.venv', 'bin', 'python3'))
 
 
-def test_a_label_listed_twice_fails_the_load(tmp_path):
-  _copy_build_tree(str(tmp_path))
-  path = tmp_path / 'tests' / 'BUILD'
+def _plant(path, edit) -> str:
+  """Applies `edit` (a function of a deps list's first label) to a BUILD file."""
   build = path.read_text()
-  first_dep = re.search(r'deps = \[\s*("[^"]+",)', build)
-  assert first_dep, 'no deps list in tests/BUILD to plant a duplicate in'
-  path.write_text(build[:first_dep.end()] + first_dep.group(1)
-                  + build[first_dep.end():])
-  result = _bazel(str(tmp_path), 'query', '//...')
-  label = first_dep.group(1).strip('",')
-  label = '//tests' + label if label.startswith(':') else label
+  first_dep = re.search(r'deps = \[\s*"([^"]+)",', build)
+  assert first_dep, f'no deps list in {path} to plant an error in'
+  path.write_text(build[:first_dep.start(1) - 1] + edit(first_dep.group(1))
+                  + build[first_dep.end(1) + 1:])
+  label = first_dep.group(1)
+  package = path.parent.name
+  return f'//{package}{label}' if label.startswith(':') else label
+
+
+def test_the_load_fails_on_a_duplicate_label_and_a_missing_target(tmp_path):
+  _copy_build_tree(str(tmp_path))
+  duplicated = _plant(tmp_path / 'tests' / 'BUILD',
+                      lambda label: f'"{label}", "{label}"')
+  _plant(tmp_path / 'train' / 'BUILD',
+         lambda label: f'"//train:no_such_target", "{label}"')
+  result = _bazel(str(tmp_path), *LOAD)
+  errors = _errors(result.stderr) or result.stderr
   assert result.returncode != 0
-  assert f"Label '{label}' is duplicated" in result.stderr, result.stderr
+  assert f"Label '{duplicated}' is duplicated" in errors, errors
+  assert "rule '//train:no_such_target' does not exist" in errors, errors
