@@ -1,10 +1,19 @@
 r"""Gemma 3 270M (the registry's pretrained model): steering, fine-tuning, SFT.
 
-The steering study (the main layer, the layer sweep, the report; RESULTS.md
-gives its time):
+The steering study (the main layer, the layer sweep, the report;
+studies/gemma_steering/README.md gives its time):
 
-  python -m launch.gemma_steering --config=configs/gemma.py \
+  python -m studies.gemma_steering --config=configs/gemma.py \
       --workdir=workdirs/gemma_steering
+
+Its config is the steering evaluation's schema (configs/steering.py's
+fields, read by `train.steering.evaluation.check_config`) with a GGUF file
+(`gguf`, `shape`, `dtype`) in place of a trained LM's workdir, the
+held-out windows' length (`window_len`), the layer sweep's fields and
+`generation.enabled`. One evaluation alone:
+
+  python -m launch.steer_eval --config=configs/gemma.py \
+      --workdir=workdirs/gemma_steer
 
 Fine-tuning on the shared loop (`finetune`: next-token loss on the
 templated reviews and Python's documentation; `sft`: answers to arithmetic

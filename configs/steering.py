@@ -1,5 +1,9 @@
 r"""Steering evaluation: methods x alpha on the in-project LM (offline).
 
+The schema is `train.steering.evaluation`'s, shared with Gemma's
+(configs/gemma.py), which names a GGUF file where this names an LM's
+workdir (`lm_workdir`).
+
 Train the LM first (configs/lm.py), then:
 
   python -m launch.steer_eval --config=configs/steering.py \

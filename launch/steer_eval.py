@@ -1,7 +1,12 @@
-r"""Evaluate steering methods on a trained LM.
+r"""Evaluate steering methods on a trained LM, or on Gemma 3.
 
   python -m launch.steer_eval --config=configs/steering.py \
     --config.lm_workdir=workdirs/lm --workdir=workdirs/steer
+  python -m launch.steer_eval --config=configs/gemma.py \
+    --workdir=workdirs/gemma_steer
+
+One evaluation (`train.steering.evaluation`) for both: the config names
+the LM, a trained LM's workdir or a Gemma 3 GGUF file.
 
 A mistake in the config or flags ends the run before any compute with one
 line naming the setting and the valid choices (exit status 2); a workdir

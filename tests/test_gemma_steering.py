@@ -1,36 +1,26 @@
-"""The steering study on Gemma 3 270M (train.steering.gemma_eval,
-studies.gemma_steering.layers).
+"""The steering study on Gemma 3 270M (studies.gemma_steering.layers).
 
-The economies of `gemma_eval` (a KV-cached context, log-probabilities and
-KL inside the compiled function) are checked against the in-project
-evaluation's full-sequence path, and the study is run end to end at
-`runlocal` size, reused, and refused on another config or file: on the
-tests' two-layer Gemma 3 files, and on the real 270M one `slow`.
+The study is run end to end at `runlocal` size, reused, and refused on
+another config or file: on the tests' two-layer Gemma 3 files, and on the
+real 270M one `slow`. The evaluation it runs is the in-project study's
+(tests/test_steering_evaluation.py checks its scorers on both models).
 """
 
-import dataclasses
 import json
 import os
 import subprocess
 import sys
 
-import jax
 import ml_collections
 import numpy as np
 import pytest
 
 from configs import gemma as gemma_config
-from geom import steering as steering_lib
 from studies.gemma_steering import layers as gemma_study
 from train.errors import ConfigError
 from train.errors import UsageError
-from train.lm import corpus as text_corpus
-from train.lm import data as lm_data
-from train.lm import gemma
 from train.lm import gemma_gguf
-from train.lm import hooks as steering_hooks
-from train.steering import evaluation
-from train.steering import gemma_eval
+from train.steering import generations
 
 from tests import tiny_gemma
 
@@ -42,94 +32,11 @@ def gemma_file(tmp_path_factory):
   return gemma_gguf.registry_file(str(tmp_path_factory.mktemp('gemma')))
 
 
-# The economies are checked on a two-layer file by default, and on the
-# real 270M file `slow` (docs/slow_tests.md). Both of the small file's
-# layers are local (Gemma 3 makes every sixth global): its window of 64
-# tokens reaches the left padding of the shorter contexts from their
-# choices, and the longer contexts run past it.
-@pytest.fixture(scope='module', params=[
-    'tiny', pytest.param('270m', marks=pytest.mark.slow)])
-def lm(request, tmp_path_factory):
-  if request.param == 'tiny':
-    path, layer = tiny_gemma.write(
-        tmp_path_factory.mktemp('lm') / 'g.gguf',
-        tiny_gemma.tensors(np.random.default_rng(0)),
-        dataclasses.replace(tiny_gemma.SHAPE, sliding_window=64)), 0
-  else:
-    path, layer = request.getfixturevalue('gemma_file'), 6
-  loaded = gemma_gguf.load(path)
-  model = gemma.Gemma3(loaded.shape, max_len=256)
-  layer_path = steering_hooks.resolve_layer(loaded.params, layer)
-  pairs = text_corpus.contrastive_pairs(8, 1)
-  direction, coefficient = evaluation.extract(
-      model, loaded.params, layer_path, pairs, 'mean_diff', 'mean',
-      loaded.tokenizer)
-  return dict(model=model, params=loaded.params, tokenizer=loaded.tokenizer,
-              layer_path=layer_path, direction=direction,
-              coefficient=coefficient,
-              paths=steering_hooks.layer_paths(loaded.params))
-
-
-def _steerings(lm):
-  """Addition at 0.05, and the gated rotation with kappa 1, beta -0.9: at
-  block 6 every token's cosine to the direction is about 0.3 to 0.7, so
-  delta = -tanh(cos) > -0.9 steers each token by its own fraction (kappa 20
-  saturates the gate shut there)."""
-  return [evaluation.make_steering('addition', lm['direction'], 0.05,
-                                   kappa=20.0, beta=0.0,
-                                   coefficient=lm['coefficient']),
-          steering_lib.Steering('spherical', lm['direction'], alpha=0.5,
-                                kappa=1.0, beta=-0.9, gate=True)]
-
-
-def test_cached_choice_scores_match_the_full_sequence(lm):
-  """The context prefilled once, then the last context token and the choice
-  steered on its cache, against `evaluation.mc_logprobs` (every token of
-  every row run in one pass, steered by the mask)."""
-  items = text_corpus.mc_task('cloze', 3, 7) + text_corpus.mc_task('copa', 3, 7)
-  tok = lm['tokenizer']
-  cached = gemma_eval.encode_cached_mc(items, tok)
-  full = evaluation.encode_mc(items, tokenizer=tok)
-  assert cached.score.sum() == full.score_mask.sum()
-  assert (cached.prefix[:, -1] != 0).all()  # Left padding.
-  scorer = gemma_eval.MCScorer(lm['model'], lm['params'], cached,
-                               lm['layer_path'])
-  unsteered, _, _ = scorer.logprobs(evaluation.make_steering(
-      'none', lm['direction'], 0.0, kappa=20.0, beta=0.0, coefficient=1.0))
-  for steering in _steerings(lm):
-    total, mean, stats = scorer.logprobs(steering)
-    want_total, want_mean, want_stats = evaluation.mc_logprobs(
-        lm['model'], lm['params'], full, steering, lm['layer_path'])
-    np.testing.assert_allclose(total, want_total, atol=2e-3, rtol=1e-4)
-    np.testing.assert_allclose(mean, want_mean, atol=2e-3, rtol=1e-4)
-    assert float(stats.tokens) == float(want_stats.tokens)
-    assert float(stats.triggered) == float(want_stats.triggered) > 0
-    assert np.abs(total - unsteered).max() > 0.1  # The steering did act.
-
-
-def test_heldout_kl_matches_the_full_logits_path(lm):
-  windows = lm_data.heldout_windows(lm['tokenizer'], 3, 24)
-  assert windows.shape == (3, 25)
-  assert (windows[:, 0] == 2).all()  # Gemma's BOS.
-  scorer = gemma_eval.HeldoutScorer(lm['model'], lm['params'], windows,
-                                    lm['layer_path'], lm['paths'][-1],
-                                    lm['direction'])
-  steering = _steerings(lm)[0]
-  got = scorer.metrics(steering)
-  want = evaluation.heldout_metrics(lm['model'], lm['params'], windows,
-                                    steering, lm['layer_path'],
-                                    [lm['layer_path'], lm['paths'][-1]])
-  assert got['kl'] > 1e-4
-  for key in ('kl', 'ce', 'trigger_rate', 'norm_ratio_at', 'norm_ratio_last'):
-    np.testing.assert_allclose(got[key], want[key], rtol=2e-3, atol=1e-5,
-                               err_msg=key)
-
-
 def test_until_eos_and_the_lexicon_judge():
   rows = np.array([[5, 6, 1, 7, 1], [5, 6, 7, 8, 9], [1, 4, 4, 4, 4]])
-  np.testing.assert_array_equal(gemma_eval.until_eos(rows, 1), [
+  np.testing.assert_array_equal(generations.until_eos(rows, 1), [
       [1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
-  pos, neg, neutral = gemma_eval.vader_scores(
+  pos, neg, neutral = generations.vader_scores(
       ['What a wonderful, lovely day.', 'I hate this awful place.',
        'The train leaves at nine.'])
   assert pos > 0.5 and neg < -0.5 and neutral == 0.0

@@ -14,7 +14,7 @@ import sys
 
 from studies.gemma_steering import layers
 from train import metrics
-from train.steering import gemma_eval
+from train.steering import evaluation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, 'studies', 'gemma_steering', 'results')
@@ -46,7 +46,7 @@ def test_the_gate_ablation_rebuilds_from_its_evaluation():
   assert (metrics.dumps(summary, indent=2, sort_keys=True) + '\n'
           == _read('gate_ablation', 'study.json'))
   run = runs['layer6']
-  assert (gemma_eval.markdown_table(run['rows'], list(run['meta']['tasks']))
+  assert (evaluation.markdown_table(run['rows'], list(run['meta']['tasks']))
           == _read('gate_ablation', 'layer6_results.md'))
 
 

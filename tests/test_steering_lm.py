@@ -20,6 +20,8 @@ from train.lm import decoder as decoder_lm
 from train.lm import generate as lm_generate
 from train.lm import hooks as steering_hooks
 from train.steering import evaluation as steering_eval
+from train.steering import generations
+from train.steering import scoring
 from train.steering import vectors as steering_vectors
 
 MODEL = decoder_lm.DecoderLM(vocab_size=64, d_model=32, num_layers=3,
@@ -344,11 +346,11 @@ def test_multiple_choice_scores_equal_a_direct_computation(params):
   p = jax.jit(model.init)(jax.random.key(5),
                           jnp.zeros((1, 4), jnp.int32))['params']
   items = text_corpus.mc_task('cloze', 3, seed=0)
-  batch = steering_eval.encode_mc(items, 200)
+  batch = scoring.encode_mc(items)
   steer = st.Steering('spherical', jax.random.normal(jax.random.key(6), (32,)),
                       alpha=0.5, gate=False)
-  total, mean, stats = steering_eval.mc_logprobs(model, p, batch, steer,
-                                                 'block_0')
+  total, mean, stats = scoring.MCScorer(model, p, batch,
+                                       'block_0').logprobs(steer)
 
   @jax.jit
   def row_logits(seq, mask):
@@ -414,7 +416,7 @@ def test_generation_ce_under_the_unsteered_model_equals_a_direct_computation(
   changes the texts and so their CE."""
   tokens, valid = _prompts()
   steer = _steering(alpha=0.9)
-  out = steering_eval.generation_metrics(
+  out = generations.generation_metrics(
       MODEL, params, (tokens, valid), steer, 'block_1', 7, 1.0, seed=4,
       tokenizer=_VocabTokenizer())
   gen = _generate(MODEL, params, tokens, valid, 7, steering=steer,
@@ -430,7 +432,7 @@ def test_generation_ce_under_the_unsteered_model_equals_a_direct_computation(
     for i in range(len(prompt), len(seq)):
       nll.append(-logp[i - 1, seq[i]])
   np.testing.assert_allclose(out['gen_ce'], np.mean(nll), rtol=1e-5)
-  plain = steering_eval.generation_metrics(
+  plain = generations.generation_metrics(
       MODEL, params, (tokens, valid), None, 'block_1', 7, 1.0, seed=4,
       tokenizer=_VocabTokenizer())
   assert plain['gen_ce'] != out['gen_ce']

@@ -1,8 +1,9 @@
 """Gemma 3 270M steered at its main layer and a sweep of layers, and the report.
 
-`run(config, workdir, targets, num_samples)` evaluates (`gemma_eval`) the
-config's grid at `config.layer` in `layer<L>/`, and `config.sweep_methods`
-(without generations) at each of `config.sweep_layers` in `layer<L>/`;
+`run(config, workdir, targets, num_samples)` evaluates
+(`train.steering.evaluation`) the config's grid at `config.layer` in
+`layer<L>/`, and `config.sweep_methods` (without generations) at each of
+`config.sweep_layers` in `layer<L>/`;
 then `studies.steering.report` (the in-project study's report) compares
 methods at matched KL over the item sets and items (one model: the
 intervals cover item sets and items, not other models), and a layer-sweep
@@ -30,7 +31,7 @@ from train import stats
 from train import workdir_lock
 from train.errors import UsageError
 from train.lm import gemma_gguf
-from train.steering import gemma_eval
+from train.steering import evaluation
 
 
 SWEEP_FIELDS = ('sweep_layers', 'sweep_methods', 'sweep_items')
@@ -80,7 +81,7 @@ def _finished(config, path: str, sha: str) -> dict | None:
 
 
 def _check(config, targets: Sequence[float], num_samples: int) -> None:
-  gemma_eval.check_config(config)
+  evaluation.check_config(config)
   for field in ('methods', 'sweep_methods'):
     if 'none' not in config[field]:
       raise UsageError(field, tuple(config[field]), 'must hold \'none\' (the '
@@ -91,11 +92,11 @@ def _check(config, targets: Sequence[float], num_samples: int) -> None:
   if len(config.sweep_methods) < 2:
     raise UsageError('sweep_methods', tuple(config.sweep_methods),
                      'give \'none\' and at least one method')
-  bad = [m for m in config.sweep_methods if m not in gemma_eval.evaluation.METHODS]
+  bad = [m for m in config.sweep_methods if m not in evaluation.METHODS]
   if bad:
     raise UsageError('sweep_methods', tuple(config.sweep_methods),
                      f'unknown method {bad[0]!r}',
-                     gemma_eval.evaluation.METHODS)
+                     evaluation.METHODS)
   if not targets or list(targets) != sorted(targets) or min(targets) <= 0:
     raise UsageError('targets', tuple(targets), 'give increasing KL values > 0')
   if num_samples < 100:
@@ -119,7 +120,7 @@ def run(config, workdir: str, targets: Sequence[float],
     for name, c in steps:
       if done[name] is None:
         logging.info('evaluating %s', name)
-        gemma_eval.evaluate(c, os.path.join(workdir, name))
+        evaluation.evaluate(c, os.path.join(workdir, name))
         done[name] = _finished(c, os.path.join(workdir, name), sha)
       else:
         logging.info('%s: reusing the finished evaluation', name)

@@ -198,8 +198,8 @@ def programs(config: ml_collections.ConfigDict, devices: Sequence[Any],
     mesh, rules, progs = evaluation.programs(config, model, devices)
     return [Group('generation', mesh_description(mesh, rules), progs)]
   if task == 'gemma_steering':
-    from train.steering import gemma_eval  # pylint: disable=g-import-not-at-top
-    mesh, rules, progs = gemma_eval.programs(config, devices)
+    from train.steering import evaluation  # pylint: disable=g-import-not-at-top
+    mesh, rules, progs = evaluation.programs(config, None, devices)
     return [Group('evaluation', mesh_description(mesh, rules), progs)]
   raise ConfigError('task', task, 'unknown task', TASKS)
 

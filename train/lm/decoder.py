@@ -14,6 +14,10 @@ valid keys at slots up to its own. The cache holds every layer's keys
 and values for `max_len` slots, which slots are valid, and the number of
 slots written.
 
+The blocks (`Block`: attention, MLP, norms) serve Gemma 3 as well
+(`train.lm.gemma`): what its blocks do differently is a `Recipe`, and
+`run_blocks` runs either family's blocks over the cache.
+
 Parameters carry logical axes ('vocab', 'embed', 'heads', 'kv_heads',
 'mlp') for `train.sharding`; block i is the submodule `block_i`, whose
 output (the residual stream after the block) is what
@@ -29,6 +33,7 @@ defaults (one key/value head per query head, float32, no remat) compute
 exactly what the model computed before they existed.
 """
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -67,16 +72,86 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
   return nn.with_logical_constraint(x, axes)
 
 
-class RMSNorm(nn.Module):
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """How a family's blocks differ from the in-project decoder's (the
+  defaults); Gemma 3 (`train.lm.gemma`) sets every field.
+
+  Attributes:
+    activation: the gated MLP's gate, 'silu' (SwiGLU) or 'gelu_tanh'
+      (GeGLU, gelu's tanh approximation).
+    norm_plus_one: RMSNorm scales by (1 + w), w zero at init, instead of
+      by w, one at init.
+    sandwich_norms: RMSNorm after the attention and the MLP too.
+    qk_norm: RMS-normalised queries and keys before the rotary embedding.
+    prescaled_queries: queries times 1/sqrt(head_dim) before the logits,
+      instead of the logits divided by sqrt(head_dim) (the same product,
+      rounded differently: each family keeps its reference's order).
+    eps: every RMSNorm's epsilon.
+  """
+  activation: str = 'silu'
+  norm_plus_one: bool = False
+  sandwich_norms: bool = False
+  qk_norm: bool = False
+  prescaled_queries: bool = False
   eps: float = 1e-6
+
+
+DECODER = Recipe()
+ACTIVATIONS = {'silu': nn.silu,
+               'gelu_tanh': lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+class RMSNorm(nn.Module):
+  """RMS normalisation, scaling by w (ones at init), or with `plus_one` by
+  (1 + w) (zeros at init, so zero weights are the identity)."""
+  eps: float = 1e-6
+  axis_name: str | None = 'embed'
+  plus_one: bool = False
 
   @nn.compact
   def __call__(self, x):
-    scale = self.param('scale', _param(nn.initializers.ones, ('embed',)),
+    init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+    scale = self.param('scale', _param(init, (self.axis_name,)),
                        (x.shape[-1],))
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + self.eps)
-    return (y * scale).astype(x.dtype)
+    return (y * ((1.0 + scale) if self.plus_one else scale)).astype(x.dtype)
+
+
+class Slots(NamedTuple):
+  """Where one call's tokens sit among the cache's slots.
+
+  Attributes:
+    positions: (batch, seq) rotary position of each query: the valid
+      tokens before it, so left padding shifts nothing.
+    key_valid: (batch, slots) the keys holding real tokens.
+    key_positions: (batch, slots) each key's position (for windows).
+    query_slots: (seq,) the queries' slots.
+    start: the first slot this call writes.
+  """
+  positions: jax.Array
+  key_valid: jax.Array
+  key_positions: jax.Array
+  query_slots: jax.Array
+  start: jax.Array
+
+
+def slots(valid: jax.Array, cache: 'Cache | None') -> Slots:
+  """The slots of a call on `valid` (batch, seq), after `cache` (or none)."""
+  seq = valid.shape[1]
+  if cache is None:
+    start = jnp.zeros((), jnp.int32)
+    key_valid = valid
+  else:
+    start = cache.length
+    key_valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, valid,
+                                                    start, axis=1)
+  key_positions = jnp.cumsum(key_valid, axis=1, dtype=jnp.int32) - 1
+  positions = jnp.maximum(jax.lax.dynamic_slice_in_dim(
+      key_positions, start, seq, axis=1), 0)
+  return Slots(positions, key_valid, key_positions, start + jnp.arange(seq),
+               start)
 
 
 def rotary(x: jax.Array, positions: jax.Array,
@@ -140,44 +215,63 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array,
 
 
 class Attention(nn.Module):
+  """Grouped-query attention with rotary positions at `rope_base`
+  (positions divided by `rope_scale`), over every earlier valid key or,
+  with `window`, the keys less than `window` positions back."""
   num_heads: int
   head_dim: int
   num_kv_heads: int | None = None  # None: one per query head.
+  recipe: Recipe = DECODER
+  rope_base: float = 10000.0
+  rope_scale: float = 1.0
+  window: int | None = None
 
   @nn.compact
-  def __call__(self, x, positions, key_valid, query_slots, layer_cache):
+  def __call__(self, x, at: Slots, layer_cache):
     # Parameters are float32; they compute in x's dtype.
     dense = lambda name, axes, shape: self.param(
         name, _param(nn.initializers.lecun_normal(), axes),
         shape).astype(x.dtype)
     d = x.shape[-1]
-    kv_heads = self.num_kv_heads or self.num_heads
+    h, hd = self.num_heads, self.head_dim
+    kv_heads = self.num_kv_heads or h
     # Shared key/value heads get their own logical axis: they may not
     # split over as many devices as the query heads.
-    kv_axis = 'heads' if kv_heads == self.num_heads else 'kv_heads'
+    kv_axis = 'heads' if kv_heads == h else 'kv_heads'
     q = jnp.einsum('bsd,dhk->bshk', x,
-                   dense('query', ('embed', 'heads', None),
-                         (d, self.num_heads, self.head_dim)))
+                   dense('query', ('embed', 'heads', None), (d, h, hd)))
     k = jnp.einsum('bsd,dhk->bshk', x,
-                   dense('key', ('embed', kv_axis, None),
-                         (d, kv_heads, self.head_dim)))
+                   dense('key', ('embed', kv_axis, None), (d, kv_heads, hd)))
     v = jnp.einsum('bsd,dhk->bshk', x,
                    dense('value', ('embed', kv_axis, None),
-                         (d, kv_heads, self.head_dim)))
-    q, k = rotary(q, positions), rotary(k, positions)
+                         (d, kv_heads, hd)))
+    r = self.recipe
+    if r.qk_norm:
+      q = RMSNorm(r.eps, None, r.norm_plus_one, name='query_norm')(q)
+      k = RMSNorm(r.eps, None, r.norm_plus_one, name='key_norm')(k)
+    rope_positions = at.positions.astype(jnp.float32) / self.rope_scale
+    q = rotary(q, rope_positions, self.rope_base)
+    k = rotary(k, rope_positions, self.rope_base)
+    if r.prescaled_queries:
+      q = q * jnp.asarray(hd ** -0.5, q.dtype)
+      divisor = None
+    else:
+      divisor = jnp.sqrt(jnp.float32(hd)).astype(q.dtype)
     q = constrain(q, ('batch', None, 'heads', None))
     k, v = write_cache(layer_cache, k, v)
-    allowed = causal_mask(k.shape[1], key_valid, query_slots)
-    scale = jnp.sqrt(jnp.float32(self.head_dim)).astype(q.dtype)
-    out = attend(q, k, v, allowed, scale)
-    o = self.param('out', _param(nn.initializers.lecun_normal(),
-                                 ('heads', None, 'embed')),
-                   (self.num_heads, self.head_dim, d)).astype(x.dtype)
+    allowed = causal_mask(k.shape[1], at.key_valid, at.query_slots)
+    if self.window is not None:
+      allowed &= (at.positions[:, :, None] - at.key_positions[:, None, :]
+                  < self.window)
+    out = attend(q, k, v, allowed, divisor)
+    o = dense('out', ('heads', None, 'embed'), (h, hd, d))
     return jnp.einsum('bshk,hkd->bsd', out, o), (k, v)
 
 
 class MLP(nn.Module):
+  """The gated MLP: down(act(x gate) * (x up))."""
   hidden: int
+  activation: str = 'silu'
 
   @nn.compact
   def __call__(self, x):
@@ -188,26 +282,56 @@ class MLP(nn.Module):
     gate = param('gate', ('embed', 'mlp'), (d, self.hidden))
     up = param('up', ('embed', 'mlp'), (d, self.hidden))
     down = param('down', ('mlp', 'embed'), (self.hidden, d))
-    hidden = constrain(nn.silu(x @ gate) * (x @ up), ('batch', None, 'mlp'))
-    return hidden @ down
+    hidden = ACTIVATIONS[self.activation](x @ gate) * (x @ up)
+    return constrain(hidden, ('batch', None, 'mlp')) @ down
 
 
 class Block(nn.Module):
-  """x + attn(norm(x)), then + mlp(norm(.)); returns (residual stream, new k/v)."""
+  """x + attn(norm(x)), then + mlp(norm(.)) (with `sandwich_norms` each
+  output normed too); returns (residual stream, new k/v)."""
   num_heads: int
   head_dim: int
   mlp_dim: int
   num_kv_heads: int | None = None
+  recipe: Recipe = DECODER
+  rope_base: float = 10000.0
+  rope_scale: float = 1.0
+  window: int | None = None
 
   @nn.compact
-  def __call__(self, x, positions, key_valid, query_slots, layer_cache=None):
+  def __call__(self, x, at: Slots, layer_cache=None):
+    r = self.recipe
+    norm = lambda name: RMSNorm(r.eps, plus_one=r.norm_plus_one, name=name)
+    post = lambda name, y: norm(name)(y) if r.sandwich_norms else y
     attn, kv = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
+                         r, self.rope_base, self.rope_scale, self.window,
                          name='attention')(
-        RMSNorm(name='attention_norm')(x), positions, key_valid, query_slots,
-        layer_cache)
-    x = x + attn
-    x = x + MLP(self.mlp_dim, name='mlp')(RMSNorm(name='mlp_norm')(x))
+        norm('attention_norm')(x), at, layer_cache)
+    x = x + post('post_attention_norm', attn)
+    x = x + post('post_mlp_norm', MLP(self.mlp_dim, r.activation,
+                                      name='mlp')(norm('mlp_norm')(x)))
     return x, kv
+
+
+def run_blocks(blocks, x: jax.Array, valid: jax.Array | None,
+               cache: 'Cache | None') -> tuple[jax.Array, 'Cache | None']:
+  """The residual stream after `blocks` (each a `Block`) from x (batch,
+  seq, d) of the tokens `valid` marks (None: all), and the cache extended
+  by this call's slots (None without a cache)."""
+  if valid is None:
+    valid = jnp.ones(x.shape[:2], bool)
+  at = slots(valid, cache)
+  new_keys, new_values = [], []
+  for i, block in enumerate(blocks):
+    layer_cache = (None if cache is None
+                   else (cache.keys[i], cache.values[i], at.start))
+    x, (k, v) = block(constrain(x, ('batch', None, None)), at, layer_cache)
+    new_keys.append(k)
+    new_values.append(v)
+  if cache is None:
+    return x, None
+  return x, Cache(tuple(new_keys), tuple(new_values), at.key_valid,
+                  at.start + valid.shape[1])
 
 
 class DecoderLM(nn.Module):
@@ -263,48 +387,25 @@ class DecoderLM(nn.Module):
       cache: None for a full sequence; else the cache to extend by `seq`
         slots (prefill or one decoding step).
     """
-    if valid is None:
-      valid = jnp.ones(tokens.shape, bool)
-    seq = tokens.shape[1]
-    if cache is None:
-      start = jnp.zeros((), jnp.int32)
-      key_valid = valid
-      prior = jnp.zeros((tokens.shape[0],), jnp.int32)
-    else:
-      start = cache.length
-      key_valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, valid,
-                                                      start, axis=1)
-      prior = jnp.sum(cache.valid, axis=1, dtype=jnp.int32)
-    positions = prior[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
-    positions = jnp.maximum(positions, 0)
-    query_slots = start + jnp.arange(seq)
     dtype = jnp.dtype(self.dtype)
     x = jnp.take(self.embed, tokens, axis=0).astype(dtype)
-    new_keys, new_values = [], []
-    for i, block in enumerate(self.blocks):
-      layer_cache = (None if cache is None
-                     else (cache.keys[i], cache.values[i], start))
-      x, (k, v) = block(constrain(x, ('batch', None, None)), positions,
-                        key_valid, query_slots, layer_cache)
-      new_keys.append(k)
-      new_values.append(v)
+    x, cache = run_blocks(self.blocks, x, valid, cache)
     logits = constrain((self.final_norm(x) @ self.head.astype(dtype)
                          ).astype(jnp.float32), ('batch', None, 'vocab'))
-    if cache is None:
-      return logits, None
-    return logits, Cache(tuple(new_keys), tuple(new_values), key_valid,
-                         start + seq)
+    return logits, cache
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
 
 
-def init_cache(model: DecoderLM, batch: int, max_len: int | None = None,
+def init_cache(model: Any, batch: int, max_len: int | None = None,
                dtype: Any = None) -> Cache:
   """An empty cache of `max_len` slots (default `model.max_len`), in
   `dtype` (default: the model's compute dtype)."""
   max_len = model.max_len if max_len is None else max_len
-  # Gemma's heads are wider than d_model / num_heads.
-  head_dim = getattr(model, 'head_dim', model.d_model // model.num_heads)
   zeros = jnp.zeros((batch, max_len, model.num_kv_heads or model.num_heads,
-                     head_dim), model.dtype if dtype is None else dtype)
+                     model.head_dim), model.dtype if dtype is None else dtype)
   return Cache(keys=(zeros,) * model.num_layers,
                values=(zeros,) * model.num_layers,
                valid=jnp.zeros((batch, max_len), bool),

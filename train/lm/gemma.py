@@ -19,11 +19,15 @@ library (`gemma.gm.nn._modules`, 3.3.0) and llama.cpp
 - input embeddings scaled by sqrt(d_model) (in the compute dtype), the
   output head tied to them, no logit soft-capping.
 
-The call is `train.lm.decoder.DecoderLM`'s: `(tokens, valid, cache) ->
-(logits, cache)`, with left padding, absolute cache slots and positions
-counting valid tokens, so `train.lm.generate`, `train.lm.hooks` (blocks
-are `block_<i>`, whose output is the residual stream) and the trainer run
-on it unchanged. Parameters carry the decoder's logical axes ('vocab',
+The layers are the in-project decoder's (`train.lm.decoder.Block`,
+attention, cache and masks), with the differences above stated once in
+`RECIPE` and per layer in `block`; the embedding scale and the tied head
+are in `Gemma3.__call__`. Both models satisfy `train.lm.interface`'s
+`LanguageModel`: `(tokens, valid, cache) -> (logits, cache)`, with left
+padding, absolute cache slots and positions counting valid tokens, so
+`train.lm.generate`, `train.lm.hooks` (blocks are `block_<i>`, whose
+output is the residual stream), the steering evaluation and the trainer
+run on either. Parameters carry the decoder's logical axes ('vocab',
 'embed', 'heads', 'kv_heads', 'mlp') for `train.sharding`.
 
 `SHAPES` holds the published text-model shapes (270m, 1b, 4b, from the
@@ -86,103 +90,24 @@ def same_dims(a: Shape, b: Shape) -> bool:
   return dims(a) == dims(b)
 
 
-def _param(init, axes):
-  return nn.with_logical_partitioning(init, axes)
+# Gemma 3's blocks against the in-project decoder's (`decoder.Recipe`).
+RECIPE = decoder.Recipe(activation='gelu_tanh', norm_plus_one=True,
+                        sandwich_norms=True, qk_norm=True,
+                        prescaled_queries=True)
 
 
-class RMSNorm(nn.Module):
-  """RMS normalisation scaling by (1 + scale); scale starts at zero."""
-  eps: float = 1e-6
-  axis_name: str | None = 'embed'
-
-  @nn.compact
-  def __call__(self, x):
-    scale = self.param('scale', _param(nn.initializers.zeros,
-                                       (self.axis_name,)), (x.shape[-1],))
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + self.eps)
-    return (y * (1.0 + scale)).astype(x.dtype)
-
-
-class Attention(nn.Module):
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  rope_base: float
-  rope_scale: float
-  window: int | None  # None: global attention.
-  eps: float
-
-  @nn.compact
-  def __call__(self, x, positions, key_valid, key_positions, query_slots,
-               layer_cache):
-    dense = lambda name, axes, shape: self.param(
-        name, _param(nn.initializers.lecun_normal(), axes),
-        shape).astype(x.dtype)
-    d = x.shape[-1]
-    h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
-    kv_axis = 'heads' if kvh == h else 'kv_heads'
-    q = jnp.einsum('bsd,dhk->bshk', x,
-                   dense('query', ('embed', 'heads', None), (d, h, hd)))
-    k = jnp.einsum('bsd,dhk->bshk', x,
-                   dense('key', ('embed', kv_axis, None), (d, kvh, hd)))
-    v = jnp.einsum('bsd,dhk->bshk', x,
-                   dense('value', ('embed', kv_axis, None), (d, kvh, hd)))
-    q = RMSNorm(self.eps, None, name='query_norm')(q)
-    k = RMSNorm(self.eps, None, name='key_norm')(k)
-    rope_positions = positions.astype(jnp.float32) / self.rope_scale
-    q = decoder.rotary(q, rope_positions, self.rope_base)
-    k = decoder.rotary(k, rope_positions, self.rope_base)
-    q = q * jnp.asarray(hd ** -0.5, q.dtype)
-    q = decoder.constrain(q, ('batch', None, 'heads', None))
-    k, v = decoder.write_cache(layer_cache, k, v)
-    allowed = decoder.causal_mask(k.shape[1], key_valid, query_slots)
-    if self.window is not None:
-      allowed &= (positions[:, :, None] - key_positions[:, None, :]
-                  < self.window)
-    out = decoder.attend(q, k, v, allowed)
-    o = dense('out', ('heads', None, 'embed'), (h, hd, d))
-    return jnp.einsum('bshk,hkd->bsd', out, o), (k, v)
-
-
-class MLP(nn.Module):
-  hidden: int
-
-  @nn.compact
-  def __call__(self, x):
-    d = x.shape[-1]
-    param = lambda name, axes, shape: self.param(
-        name, _param(nn.initializers.lecun_normal(), axes),
-        shape).astype(x.dtype)
-    gate = param('gate', ('embed', 'mlp'), (d, self.hidden))
-    up = param('up', ('embed', 'mlp'), (d, self.hidden))
-    down = param('down', ('mlp', 'embed'), (self.hidden, d))
-    hidden = jax.nn.gelu(x @ gate, approximate=True) * (x @ up)
-    return decoder.constrain(hidden, ('batch', None, 'mlp')) @ down
-
-
-class Block(nn.Module):
-  """Sandwich-normed attention then GeGLU; returns (residual stream, k/v)."""
-  shape: Shape
-  is_global: bool
-
-  @nn.compact
-  def __call__(self, x, positions, key_valid, key_positions, query_slots,
-               layer_cache=None):
-    sh = self.shape
-    norm = lambda name: RMSNorm(sh.rms_eps, name=name)
-    attn, kv = Attention(
-        sh.num_heads, sh.num_kv_heads, sh.head_dim,
-        rope_base=sh.global_base if self.is_global else sh.local_base,
-        rope_scale=sh.global_scale if self.is_global else 1.0,
-        window=None if self.is_global else sh.sliding_window,
-        eps=sh.rms_eps, name='attention')(
-            norm('attention_norm')(x), positions, key_valid, key_positions,
-            query_slots, layer_cache)
-    x = x + norm('post_attention_norm')(attn)
-    x = x + norm('post_mlp_norm')(MLP(sh.mlp_dim, name='mlp')(
-        norm('mlp_norm')(x)))
-    return x, kv
+def block(shape: Shape, is_global: bool, module=decoder.Block,
+          name: str | None = None) -> decoder.Block:
+  """Block of a layer: global ones attend to every position with
+  `global_base` and positions divided by `global_scale`, local ones to the
+  `sliding_window` previous positions with `local_base`."""
+  return module(shape.num_heads, shape.head_dim, shape.mlp_dim,
+                shape.num_kv_heads,
+                dataclasses.replace(RECIPE, eps=shape.rms_eps),
+                rope_base=shape.global_base if is_global else shape.local_base,
+                rope_scale=shape.global_scale if is_global else 1.0,
+                window=None if is_global else shape.sliding_window,
+                name=name)
 
 
 class Gemma3(nn.Module):
@@ -200,7 +125,7 @@ class Gemma3(nn.Module):
   dtype: str = 'float32'
   remat: bool = False
 
-  # The attributes `train.lm.decoder.init_cache` and the generators read.
+  # The shape attributes of `train.lm.interface.LanguageModel`.
   @property
   def num_layers(self) -> int:
     return self.shape.num_layers
@@ -234,59 +159,27 @@ class Gemma3(nn.Module):
       raise ValueError(f'num_heads={sh.num_heads} is not divisible by '
                        f'num_kv_heads={sh.num_kv_heads}')
     self.embed = self.param(
-        'embedding', _param(nn.initializers.normal(1.0), ('vocab', 'embed')),
+        'embedding', nn.with_logical_partitioning(nn.initializers.normal(1.0),
+                                                  ('vocab', 'embed')),
         (sh.vocab_size, sh.d_model))
-    block = nn.remat(Block) if self.remat else Block
-    self.blocks = [block(sh, self.is_global(i), name=f'block_{i}')
+    module = nn.remat(decoder.Block) if self.remat else decoder.Block
+    self.blocks = [block(sh, self.is_global(i), module, name=f'block_{i}')
                    for i in range(sh.num_layers)]
-    self.final_norm = RMSNorm(sh.rms_eps)
+    self.final_norm = decoder.RMSNorm(sh.rms_eps, plus_one=True)
 
   def __call__(self, tokens: jax.Array, valid: jax.Array | None = None,
                cache: decoder.Cache | None = None
                ) -> tuple[jax.Array, decoder.Cache | None]:
-    """Logits (batch, seq, vocab) float32, and the updated cache (or None).
-
-    Args:
-      tokens: (batch, seq) int token ids.
-      valid: (batch, seq) bool, real tokens (default: all).
-      cache: None for a full sequence; else the cache to extend by `seq`
-        slots (prefill or one decoding step).
-    """
-    if valid is None:
-      valid = jnp.ones(tokens.shape, bool)
-    seq = tokens.shape[1]
-    if cache is None:
-      start = jnp.zeros((), jnp.int32)
-      key_valid = valid
-    else:
-      start = cache.length
-      key_valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, valid,
-                                                      start, axis=1)
-    # A slot's position counts the valid slots before it, for queries and
-    # keys alike, so left padding shifts nothing.
-    key_positions = jnp.cumsum(key_valid, axis=1, dtype=jnp.int32) - 1
-    positions = jnp.maximum(jax.lax.dynamic_slice_in_dim(
-        key_positions, start, seq, axis=1), 0)
-    query_slots = start + jnp.arange(seq)
+    """Logits (batch, seq, vocab) float32, and the updated cache (or
+    None): the call of `decoder.DecoderLM.__call__`."""
     dtype = jnp.dtype(self.dtype)
     x = jnp.take(self.embed, tokens, axis=0).astype(dtype)
     x = x * jnp.sqrt(jnp.float32(self.shape.d_model)).astype(dtype)
-    new_keys, new_values = [], []
-    for i, block in enumerate(self.blocks):
-      layer_cache = (None if cache is None
-                     else (cache.keys[i], cache.values[i], start))
-      x, (k, v) = block(decoder.constrain(x, ('batch', None, None)),
-                        positions, key_valid, key_positions, query_slots,
-                        layer_cache)
-      new_keys.append(k)
-      new_values.append(v)
+    x, cache = decoder.run_blocks(self.blocks, x, valid, cache)
+    # The head is the embedding, tied.
     logits = jnp.einsum('bsd,vd->bsv', self.final_norm(x),
                         self.embed.astype(dtype)).astype(jnp.float32)
-    logits = decoder.constrain(logits, ('batch', None, 'vocab'))
-    if cache is None:
-      return logits, None
-    return logits, decoder.Cache(tuple(new_keys), tuple(new_values),
-                                 key_valid, start + seq)
+    return decoder.constrain(logits, ('batch', None, 'vocab')), cache
 
 
 def param_count(params: Any) -> int:

@@ -1,4 +1,6 @@
-"""Scoring and generation with an optional steering operator at one layer.
+"""Scoring and generation with an optional steering operator at one layer,
+for any `train.lm.interface.LanguageModel` (the in-project decoder or
+Gemma 3).
 
 Scoring runs the full sequence once and steers the tokens of a mask. Two
 generation modes, as the reference implementation motivates:
@@ -22,8 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from geom import steering as steering_lib
-from train.lm import decoder as decoder_lm
 from train.lm import hooks as steering_hooks
+from train.lm import interface
 
 MODES = ('cached', 'recompute')
 
@@ -47,16 +49,16 @@ def _add(a: steering_lib.SteerStats,
   return a if b is None else jax.tree.map(jnp.add, a, b)
 
 
-def score(model: decoder_lm.DecoderLM, params: Any, tokens: jax.Array,
+def score(model: interface.LanguageModel, params: Any, tokens: jax.Array,
           valid: jax.Array, steering: steering_lib.Steering | None = None,
           layer_path: str | None = None,
           steer_mask: jax.Array | None = None,
           watch: tuple[str, ...] = ()) -> tuple[jax.Array,
                                                 steering_hooks.Recorder]:
   """Full-sequence logits (batch, seq, vocab) with `steer_mask` tokens steered."""
-  with steering_hooks.steered(steering, layer_path, steer_mask,
-                              watch) as recorder:
-    logits, _ = model.apply({'params': params}, tokens, valid)
+  logits, _, recorder = interface.apply(
+      model, params, tokens, valid, steering=steering, layer_path=layer_path,
+      steer_mask=steer_mask, watch=watch)
   return logits, recorder
 
 
@@ -67,7 +69,7 @@ def _pick(logits: jax.Array, rng: jax.Array | None,
   return jax.random.categorical(rng, logits / temperature).astype(jnp.int32)
 
 
-def generate(model: decoder_lm.DecoderLM, params: Any, prompt: jax.Array,
+def generate(model: interface.LanguageModel, params: Any, prompt: jax.Array,
              prompt_valid: jax.Array, num_steps: int, *,
              steering: steering_lib.Steering | None = None,
              layer_path: str | None = None, mode: str = 'cached',
@@ -102,20 +104,18 @@ def generate(model: decoder_lm.DecoderLM, params: Any, prompt: jax.Array,
   step_rng = lambda i: None if rng is None else jax.random.fold_in(rng, i)
 
   if mode == 'cached':
-    cache = decoder_lm.init_cache(model, batch, total)
     last = jnp.zeros_like(prompt_valid).at[:, -1].set(True)
-    with steering_hooks.steered(steering, layer_path, last) as rec:
-      logits, cache = model.apply({'params': params}, prompt, prompt_valid,
-                                  cache)
+    logits, cache, rec = interface.prefill(
+        model, params, prompt, prompt_valid, total, steering=steering,
+        layer_path=layer_path, steer_mask=last)
     first = logits[:, -1]
     stats = _add(_zero_stats(), rec.stats)
 
     def body(carry, i):
       token, cache, stats = carry
-      with steering_hooks.steered(steering, layer_path, None) as rec:
-        logits, cache = model.apply({'params': params}, token[:, None],
-                                    jnp.ones((batch, 1), bool), cache)
-      logits = logits[:, 0]
+      logits, cache, rec = interface.step(model, params, token, cache,
+                                          steering=steering,
+                                          layer_path=layer_path)
       nxt = _pick(logits, step_rng(i), temperature)
       return (nxt, cache, _add(stats, rec.stats)), (nxt, logits)
 
@@ -136,9 +136,9 @@ def generate(model: decoder_lm.DecoderLM, params: Any, prompt: jax.Array,
     buf, valid, stats = carry
     slot = plen - 1 + i
     at_slot = (jnp.arange(total) == slot)[None, :]
-    with steering_hooks.steered(steering, layer_path,
-                                jnp.broadcast_to(at_slot, buf.shape)) as rec:
-      logits, _ = model.apply({'params': params}, buf, valid)
+    logits, _, rec = interface.apply(
+        model, params, buf, valid, steering=steering, layer_path=layer_path,
+        steer_mask=jnp.broadcast_to(at_slot, buf.shape))
     logits = jax.lax.dynamic_index_in_dim(logits, slot, axis=1,
                                           keepdims=False)
     nxt = _pick(logits, step_rng(i), temperature)

@@ -13,8 +13,9 @@
            registry package: with an empty `gguf` they only compile
            (`launch.compile` builds on shapes, nothing is read).
 
-Both take the same call, `(tokens, valid, cache) -> (logits, cache)`, so
-the trainers, generation, steering hooks, SFT and GRPO run on either. A
+Both are a `train.lm.interface.LanguageModel`: the same call, `(tokens,
+valid, cache) -> (logits, cache)`, so the trainers, generation, steering
+hooks and evaluation, SFT and GRPO run on either. A
 pretrained model's file is an input of the run: its SHA-256 is recorded
 with every checkpoint (`GGUF_FINGERPRINT`) and a resume from another file
 is refused, as for any pinned input.

@@ -1,24 +1,36 @@
-"""Offline evaluation of steering methods on the in-project LM.
+"""The steering evaluation: methods x alpha on a language model, offline.
+
+One evaluation for both kinds of LM (`train.lm.interface`): the
+in-project decoder trained by `launch.train` (configs/steering.py names
+its workdir, `lm_workdir`), and Gemma 3 from a GGUF file (configs/gemma.py
+names it, `gguf` and `shape`; empty `gguf`: the registry's 270M). A config
+names one of the two (`lm_kind`); the rest of its fields are shared.
 
 For each method and strength alpha, with the direction extracted at one
 layer from contrastive pairs (positive vs negative reviews that differ
-only in sentiment words):
+only in sentiment words; or, in-project, read from `vector_file`):
 
 - multiple choice (`text_corpus.mc_task`: 'copa' and 'cloze'): accuracy
   of choosing the positive continuation, scoring each choice by its
   summed and by its mean (length-normalised) log-probability; steering
   covers the last context token through the choice tokens, as in the
-  reference's evaluation;
-- held-out text of each source of the LM's mixture, steered at every
-  token: KL(unsteered || steered) per token, the steered cross-entropy,
-  the ratio of activation norms steered / unsteered at the steered layer,
-  the next one and the last, and the gate's trigger rate;
+  reference's evaluation (`scoring.MCScorer`: the contexts run once into a
+  KV cache);
+- held-out text steered at every token (`scoring.HeldoutScorer`):
+  KL(unsteered || steered) per token, the steered cross-entropy, the
+  ratio of activation norms steered / unsteered at the steered layer, the
+  next one and the last, and the gate's trigger rate. In-project: the
+  test split of each source of the LM's own mixture, in columns per source
+  (`<source>_kl`, ...; `kl` and `trigger_rate` their means); Gemma:
+  `lm_data.heldout_windows` (Python's documentation and template reviews,
+  which the direction never saw), one set;
 - generations after neutral prompts (KV-cached, sampled with one fixed
-  key for all methods): the share of sentiment words that are positive
-  (the lexicons are the template grammar's words that occur only on one
-  side), distinct-1/2, the 3-gram repetition rate, and the cross-entropy
-  of the generated tokens under the unsteered model (`gen_ce`, nats per
-  token: how far the text strays from what the model itself writes).
+  key for all methods; `generations`): the positive share of the texts,
+  judged by the template grammar's lexicon (in-project: what those LMs
+  write) or by VADER (Gemma: free English), distinct-1/2, the 3-gram
+  repetition rate, and the unsteered model's cross-entropy of the
+  generated tokens (`gen_ce`). Gemma's `generation.enabled=False` skips
+  them (the study's layer sweep).
 
 Methods: 'none', 'addition' (x + alpha c mu, c = mean activation norm at
 the layer), 'addition_renorm' (the same, rescaled to |x|),
@@ -29,13 +41,12 @@ and 'spherical_gate' (the vMF gate with kappa and beta).
 Item sets: `mc_seeds` draws one item set per seed for each task; rows
 hold the accuracy over all of them and each item's correctness per set
 (`{task}_correct_sum` / `_correct_mean`: one 0/1 list per set), what
-the steering study's bootstrap resamples.
+the steering studies' bootstrap resamples.
 """
 
 import functools
 import json
 import os
-import re
 from typing import Any, NamedTuple
 
 from absl import logging
@@ -55,12 +66,17 @@ from train import workdir_lock
 from train.errors import ConfigError
 from train.lm import corpus as text_corpus
 from train.lm import data as lm_data
-from train.lm import decoder as decoder_lm
+from train.lm import gemma
+from train.lm import gemma_gguf
 from train.lm import generate as lm_generate
+from train.lm import hooks as steering_hooks
+from train.lm import interface
+from train.lm import models as lm_models
 from train.lm import tokenizer as lm_tokenizer
 from train.lm import trainer as lm_trainer
-from train.lm import hooks as steering_hooks
+from train.steering import generations
 from train.steering import pareto
+from train.steering import scoring
 from train.steering import vectors as steering_vectors
 
 METHODS = ('none', 'addition', 'addition_renorm', 'addition_gate',
@@ -85,6 +101,20 @@ def make_steering(method: str, direction, alpha: float, *, kappa: float,
                                gate=method == 'spherical_gate')
 
 
+KINDS = ('decoder', 'gemma')
+
+
+def lm_kind(config: ml_collections.ConfigDict) -> str:
+  """'gemma' for a config that names a GGUF file (configs/gemma.py), else
+  'decoder' (configs/steering.py: a trained LM's workdir)."""
+  return 'gemma' if 'gguf' in config else 'decoder'
+
+
+# How the generations' sentiment is judged, by the LM's kind (see the
+# module docstring).
+JUDGES = {'decoder': 'lexicon', 'gemma': 'vader'}
+
+
 def _right_pad(seqs: list[np.ndarray], length: int) -> tuple[np.ndarray,
                                                               np.ndarray]:
   tokens = np.zeros((len(seqs), length), np.int32)
@@ -97,261 +127,17 @@ def _right_pad(seqs: list[np.ndarray], length: int) -> tuple[np.ndarray,
   return tokens, valid
 
 
-class MCBatch(NamedTuple):
-  """All choices of a task as rows (item-major, choice-minor)."""
-  tokens: np.ndarray       # (items * 2, L)
-  valid: np.ndarray        # (items * 2, L)
-  score_mask: np.ndarray   # (items * 2, L): positions whose NEXT byte is a
-                           # choice byte (the logits that score the choice).
-  steer_mask: np.ndarray   # (items * 2, L): last context byte .. choice end.
-  labels: np.ndarray       # (items,) index of the positive choice.
-
-
-def encode_mc(items: list[text_corpus.MCItem], length: int | None = None,
-              tokenizer: lm_tokenizer.Tokenizer | None = None) -> MCBatch:
-  """Every choice after its item's context, right-padded to `length`
-  (default: the longest). The context is the tokens that lie wholly in
-  `prefix()`, a token that straddles the boundary (a subword holding the
-  separator's space) is scored with the choice (`lm_tokenizer.split`);
-  for bytes that is exactly BOS + prefix bytes, then the choice's."""
-  tokenizer = tokenizer or lm_tokenizer.ByteTokenizer()
-  parts = [lm_tokenizer.split(tokenizer, item.prefix(), choice)
-           for item in items for choice in item.choices]
-  if length is None:
-    length = max(len(c) + len(a) for c, a in parts)
-  seqs, score, steer = [], [], []
-  for ctx, ans in parts:
-    seqs.append(np.concatenate([ctx, ans]))
-    m = np.zeros(length, bool)
-    m[len(ctx) - 1:len(ctx) - 1 + len(ans)] = True
-    score.append(m)
-    s = np.zeros(length, bool)
-    s[len(ctx) - 1:len(ctx) + len(ans)] = True
-    steer.append(s)
-  tokens, valid = _right_pad(seqs, length)
-  return MCBatch(tokens, valid, np.stack(score), np.stack(steer),
-                 np.array([it.label for it in items], np.int32))
-
-
-@functools.partial(jax.jit, static_argnames=('model', 'layer_path', 'watch'))
-def _steered_logprobs(model, params, tokens, valid, steer_mask, steering,
-                      layer_path, watch=()):
-  logits, rec = lm_generate.score(model, params, tokens, valid, steering,
-                                  layer_path, steer_mask, watch)
-  return jax.nn.log_softmax(logits), rec.stats, rec.norms
-
-
-def mc_logprobs(model, params, batch: MCBatch, steering, layer_path: str,
-                chunk: int = 128) -> tuple[np.ndarray, np.ndarray,
-                                           steering_lib.SteerStats]:
-  """Summed and mean log-probabilities of each choice, (items, 2) each, and
-  the steering statistics."""
-  sums, counts, stats = [], [], []
-  n = len(batch.tokens)
-  for i in range(0, n, chunk):
-    sl = slice(i, min(i + chunk, n))
-    logp, st, _ = _steered_logprobs(
-        model, params, batch.tokens[sl], batch.valid[sl],
-        batch.steer_mask[sl], steering, layer_path)
-    nxt = np.roll(batch.tokens[sl], -1, axis=1)
-    lp = np.take_along_axis(np.asarray(logp), nxt[..., None], -1)[..., 0]
-    sums.append((lp * batch.score_mask[sl]).sum(1))
-    counts.append(batch.score_mask[sl].sum(1))
-    stats.append(jax.device_get(st))
-  total = np.concatenate(sums).reshape(-1, 2)
-  mean = total / np.concatenate(counts).reshape(-1, 2)
-  return total, mean, jax.tree.map(lambda *x: sum(x), *stats)
-
-
-def mc_accuracy(model, params, batch: MCBatch, steering,
-                layer_path: str) -> dict[str, Any]:
-  """Accuracy on summed and on mean log-prob, the trigger rate, and each
-  item's correctness (0/1 lists `correct_sum`, `correct_mean`, in item
-  order: what a bootstrap over items resamples)."""
-  total, mean, stats = mc_logprobs(model, params, batch, steering, layer_path)
-  correct_sum = total.argmax(1) == batch.labels
-  correct_mean = mean.argmax(1) == batch.labels
-  return {'acc_sum': float(np.mean(correct_sum)),
-          'acc_mean': float(np.mean(correct_mean)),
-          'trigger_rate': float(stats.trigger_rate),
-          'correct_sum': correct_sum.astype(int).tolist(),
-          'correct_mean': correct_mean.astype(int).tolist()}
-
-
-def heldout_metrics(model, params, windows: np.ndarray, steering,
-                    layer_path: str, layer_paths: list[str],
-                    base: dict[str, Any] | None = None) -> dict[str, Any]:
-  """KL to the unsteered model, CE and norm ratios on held-out windows.
-
-  `base` caches the unsteered pass (as returned under the 'base' key).
-  """
-  tokens = np.asarray(windows[:, :-1], np.int32)
-  targets = np.asarray(windows[:, 1:], np.int32)
-  valid = np.ones_like(tokens, bool)
-  k = layer_paths.index(layer_path)
-  watch = tuple(layer_paths[k:])
-  if base is None:
-    logp0, _, norms0 = _steered_logprobs(
-        model, params, tokens, valid, valid,
-        steering_lib.Steering('none', steering.direction, alpha=0.0),
-        layer_path, watch)
-    base = {'logp': logp0, 'norms': norms0}
-  logp, stats, norms = _steered_logprobs(model, params, tokens, valid, valid,
-                                         steering, layer_path, watch)
-  p0 = jnp.exp(base['logp'])
-  kl = float(jnp.mean(jnp.sum(p0 * (base['logp'] - logp), -1)))
-  ce = float(-jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1)))
-  ratio = {p: float(jnp.mean(norms[p] / jnp.maximum(base['norms'][p], 1e-12)))
-           for p in watch}
-  out = {'kl': kl, 'ce': ce,
-         'trigger_rate': float(stats.triggered / stats.tokens),
-         'norm_ratio_at': ratio[watch[0]],
-         'norm_ratio_next': ratio[watch[min(1, len(watch) - 1)]],
-         'norm_ratio_last': ratio[watch[-1]], 'base': base}
-  return out
-
-
-def _lexicon(sentences, others) -> frozenset[str]:
-  words = lambda pool: {w for s in pool for w in re.findall(r'[a-z]+', s)}
-  return frozenset(words(sentences) - words(others))
-
-
-POSITIVE_WORDS = _lexicon(text_corpus.POSITIVE_SENTENCES,
-                          text_corpus.NEGATIVE_SENTENCES
-                          | set(text_corpus.NEUTRAL_SENTENCES))
-NEGATIVE_WORDS = _lexicon(text_corpus.NEGATIVE_SENTENCES,
-                          text_corpus.POSITIVE_SENTENCES
-                          | set(text_corpus.NEUTRAL_SENTENCES))
-
-
-def positive_share(texts: list[str]) -> float:
-  """Positive / (positive + negative) sentiment words in `texts` (nan if none)."""
-  pos = neg = 0
-  for t in texts:
-    for w in re.findall(r'[a-z]+', t.lower()):
-      pos += w in POSITIVE_WORDS
-      neg += w in NEGATIVE_WORDS
-  return pos / (pos + neg) if pos + neg else float('nan')
-
-
-def generation_prompts(n: int, tokenizer: lm_tokenizer.Tokenizer | None = None
-                       ) -> tuple[np.ndarray, np.ndarray]:
-  """Left-padded BOS + neutral premise + ' ' prompts. With subwords the
-  trailing space is left out: it starts the next word's token, which the
-  model is to choose, rather than standing alone as a token it rarely saw."""
-  tokenizer = tokenizer or lm_tokenizer.ByteTokenizer()
-  separator = text_corpus.MCItem.SEPARATOR if tokenizer.kind == 'byte' else ''
-  premises = [text_corpus.PREMISES[i % len(text_corpus.PREMISES)]
-              for i in range(n)]
-  seqs = [lm_tokenizer.encode_document(tokenizer, p + separator)
-          for p in premises]
-  length = max(len(s) for s in seqs)
-  tokens = np.zeros((n, length), np.int32)
-  valid = np.zeros((n, length), bool)
-  for i, s in enumerate(seqs):
-    tokens[i, length - len(s):] = s
-    valid[i, length - len(s):] = True
-  return tokens, valid
-
-
-@functools.partial(jax.jit, static_argnames=('model', 'layer_path',
-                                             'num_steps', 'mode', 'temperature'))
-def _generate(model, params, prompt, valid, steering, rng, layer_path,
-              num_steps, mode, temperature):
-  return lm_generate.generate(model, params, prompt, valid, num_steps,
-                              steering=steering, layer_path=layer_path,
-                              mode=mode, temperature=temperature, rng=rng)
-
-
-@functools.partial(jax.jit, static_argnames=('model',))
-def _unsteered_ce(model, params, prompt, valid, generated):
-  tokens = jnp.concatenate([prompt, generated], axis=1)
-  mask = jnp.concatenate([valid, jnp.ones(generated.shape, bool)], axis=1)
-  logits, _ = lm_generate.score(model, params, tokens, mask)
-  # The logits at the last prompt position onward predict the generation.
-  logp = jax.nn.log_softmax(
-      logits[:, prompt.shape[1] - 1:-1].astype(jnp.float32))
-  return -jnp.mean(jnp.take_along_axis(logp, generated[..., None], -1))
-
-
-def programs(config: ml_collections.ConfigDict,
-             lm_config: ml_collections.ConfigDict, devices: list
-             ) -> tuple[Mesh, Any, list[aot.Program]]:
-  """For `launch.compile`: the generation of each of `config.methods` as
-  the evaluation compiles it (steered at `config.layer`, KV-cached or
-  recomputed per `config.generation.mode`), for the LM `lm_config`
-  describes, on shapes only and one of `devices` (the evaluation runs on
-  one device). Prompts are as long as the byte tokenizer makes them (the
-  longest a tokenizer makes them). Returns the mesh, no rules, and the
-  programs."""
-  check_config(config, require_lm=False)
-  model = lm_trainer.create_model(lm_config)
-  params = nn.meta.unbox(jax.eval_shape(
-      functools.partial(lm_trainer.init_variables, model),
-      jax.random.key(0)))['params']
-  try:
-    layer_path = steering_hooks.resolve_layer(params, config.layer)
-  except ValueError as e:
-    raise ConfigError('layer', config.layer, str(e).split(': ', 1)[1]) from None
-  prompt, _ = generation_prompts(config.generation.prompts)
-  gen = config.generation
-  if prompt.shape[1] + gen.steps > model.max_len:
-    raise ConfigError('generation.steps', gen.steps,
-                      f'prompts of {prompt.shape[1]} tokens and this many '
-                      f'steps exceed the LM\'s max_len={model.max_len}')
-  mesh = Mesh(np.array(devices[:1]), ('data',))
-  repl = NamedSharding(mesh, PartitionSpec())
-  place = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=repl), tree)
-  direction = jax.ShapeDtypeStruct((model.d_model,), np.float32)
-  out = []
-  for method in config.methods:
-    steer = jax.eval_shape(lambda d, m=method: make_steering(
-        m, d, 0.5, kappa=config.kappa, beta=config.beta, coefficient=1.0),
-                           direction)
-    fn = jax.jit(lambda p, tokens, valid, s, rng: lm_generate.generate(
-        model, p, tokens, valid, gen.steps, steering=s,
-        layer_path=layer_path, mode=gen.mode, temperature=gen.temperature,
-        rng=rng))
-    out.append(aot.Program(
-        f'generate ({method}, {gen.mode}, {gen.steps} tokens)', fn,
-        place((params, jax.ShapeDtypeStruct(prompt.shape, np.int32),
-               jax.ShapeDtypeStruct(prompt.shape, np.bool_), steer,
-               jax.eval_shape(lambda: jax.random.key(0))))))
-  return mesh, None, out
-
-
-def generation_metrics(model, params, prompts, steering, layer_path: str,
-                       num_steps: int, temperature: float, seed: int,
-                       mode: str = 'cached',
-                       tokenizer: lm_tokenizer.Tokenizer | None = None
-                       ) -> dict[str, Any]:
-  """Measures of the texts generated after `prompts` (tokens, valid)."""
-  tokenizer = tokenizer or lm_tokenizer.ByteTokenizer()
-  gen = _generate(model, params, prompts[0], prompts[1], steering,
-                  jax.random.key(seed), layer_path, num_steps, mode,
-                  temperature)
-  texts = [tokenizer.decode(row) for row in np.asarray(gen.tokens)]
-  return {'positive_share': positive_share(texts),
-          'distinct_1': text_corpus.distinct_n(texts, 1),
-          'distinct_2': text_corpus.distinct_n(texts, 2),
-          'repetition_3': text_corpus.repetition_rate(texts, 3),
-          'gen_ce': float(_unsteered_ce(model, params, prompts[0], prompts[1],
-                                        gen.tokens)),
-          'samples': texts[:3]}
-
-
 @functools.partial(jax.jit, static_argnames=('model', 'layer_path'))
 def _capture(model, params, tokens, valid, layer_path):
-  with steering_hooks.steered(None, None, capture=(layer_path,)) as rec:
-    model.apply({'params': params}, tokens, valid)
+  _, _, rec = interface.apply(model, params, tokens, valid,
+                              capture=(layer_path,))
   return rec.hidden[layer_path]
 
 
 POSITIONS = ('last', 'mean')
 
 
-def extract(model: decoder_lm.DecoderLM, params, layer_path: str,
+def extract(model: interface.LanguageModel, params, layer_path: str,
             pairs: list[tuple[str, str]], method: str = 'mean_diff',
             position: str = 'last',
             tokenizer: lm_tokenizer.Tokenizer | None = None
@@ -385,13 +171,17 @@ def extract(model: decoder_lm.DecoderLM, params, layer_path: str,
 
 # Items per task and item set: one batch holds every set of a task.
 MAX_ITEMS = 10_000
+# Gemma's bounds: held-out windows, generated tokens.
+GEMMA_MAX_WINDOWS = 4096
+GEMMA_MAX_STEPS = 256
 
 
 def check_config(config, require_lm: bool = True) -> None:
   """ConfigError naming the field, before anything is loaded or run;
-  `require_lm=False` lets the LM's workdir be unset (compiling needs its
-  config only)."""
-  if require_lm and not config.get('lm_workdir'):
+  `require_lm=False` lets an in-project LM's workdir be unset (compiling
+  needs its config only)."""
+  if lm_kind(config) == 'decoder' and require_lm and not config.get(
+      'lm_workdir'):
     raise ConfigError('lm_workdir', config.get('lm_workdir'),
                       'is required: the workdir of a trained LM '
                       '(python -m launch.train --config=configs/lm.py)')
@@ -439,13 +229,107 @@ def check_config(config, require_lm: bool = True) -> None:
     if field in ('direction.pairs', 'generation.prompts') and (
         value > MAX_ITEMS):
       raise ConfigError(field, value, f'must be at most {MAX_ITEMS}')
+  if lm_kind(config) == 'gemma':
+    _check_gemma(config)
 
 
-def _direction(config, model, params, layer_path: str,
-               tokenizer: lm_tokenizer.Tokenizer
+def _check_gemma(config) -> None:
+  """The fields of a Gemma evaluation (configs/gemma.py)."""
+  if 'lm_workdir' in config:
+    raise ConfigError('lm_workdir', config.lm_workdir, 'a config names '
+                      'one LM: a trained LM\'s workdir or a Gemma file '
+                      '(gguf), not both')
+  if config.dtype not in gemma.DTYPES:
+    raise ConfigError('dtype', config.dtype, 'not a parameter dtype',
+                      gemma.DTYPES)
+  if config.shape not in (*gemma.SHAPES, lm_models.FILE_SHAPE):
+    raise ConfigError('shape', config.shape, 'not a Gemma 3 shape',
+                      (*gemma.SHAPES, lm_models.FILE_SHAPE))
+  if config.gguf and not os.path.isfile(config.gguf):
+    raise ConfigError('gguf', config.gguf, 'no such file (empty: the '
+                      'registry package\'s Gemma 3 270M)')
+  if config.shape == lm_models.FILE_SHAPE and not config.gguf:
+    raise ConfigError('shape', config.shape,
+                      "the file's own shape needs --config.gguf")
+  shape = lm_models.shape_named(config.shape, config.gguf)
+  for layer in (config.layer, *config.get('sweep_layers', ())):
+    if not isinstance(layer, int) or not 0 <= layer < shape.num_layers:
+      raise ConfigError('layer' if layer == config.layer else 'sweep_layers',
+                        layer, f'Gemma 3 {config.shape} has blocks 0..'
+                        f'{shape.num_layers - 1}')
+  if not isinstance(config.window_len, int) or not 8 <= config.window_len <= 512:
+    raise ConfigError('window_len', config.window_len,
+                      'must be an integer in [8, 512] (tokens per held-out '
+                      'window)')
+  if config.heldout_windows > GEMMA_MAX_WINDOWS:
+    raise ConfigError('heldout_windows', config.heldout_windows,
+                      f'must be at most {GEMMA_MAX_WINDOWS}')
+  gen = config.generation
+  if gen.prompts > len(generations.PROMPTS):
+    raise ConfigError('generation.prompts', gen.prompts,
+                      f'there are {len(generations.PROMPTS)} prompts')
+  if gen.steps > GEMMA_MAX_STEPS:
+    raise ConfigError('generation.steps', gen.steps,
+                      f'must be at most {GEMMA_MAX_STEPS}')
+
+
+class Subject(NamedTuple):
+  """The LM an evaluation steers, and what its kind measures it on.
+
+  Attributes:
+    lm: the model, parameters, tokenizer and fingerprint.
+    meta: where it came from (results.json's first `meta` fields).
+    heldout: held-out windows (N, len + 1) by source name; one set named
+      None gives unprefixed columns.
+    prompts: the generations' prompts (tokens, valid), left-padded.
+  """
+  lm: interface.Loaded
+  meta: dict[str, Any]
+  heldout: dict[str | None, np.ndarray]
+  prompts: tuple[np.ndarray, np.ndarray]
+
+
+def _trained_lm(config) -> Subject:
+  lm = lm_trainer.load_trained(config.lm_workdir)
+  params = jax.device_get(lm.params)
+  heldout = {s: lm_data.load_windows(
+      lm.config.data, 'test', lm.config.seed, only=s,
+      tokenizer=lm.tokenizer).tokens[:config.heldout_windows]
+             for s in lm_data.source_names(lm.config.data)}
+  return Subject(
+      interface.Loaded(lm.model, params, lm.tokenizer,
+                       steering_vectors.fingerprint(params)),
+      dict(lm_workdir=os.path.abspath(config.lm_workdir)), heldout,
+      generations.template_prompts(config.generation.prompts, lm.tokenizer))
+
+
+def _gemma(config) -> Subject:
+  if config.shape not in ('270m', lm_models.FILE_SHAPE) and not config.gguf:
+    raise ConfigError('shape', config.shape, 'only Gemma 3 270M ships in the '
+                      'registry; give --config.gguf for another shape '
+                      '(or compile it: python -m launch.compile)')
+  path = config.gguf or gemma_gguf.registry_file()
+  loaded = gemma_gguf.load(path, config.dtype)
+  if not gemma.same_dims(loaded.shape,
+                         lm_models.shape_named(config.shape, config.gguf)):
+    raise ConfigError('shape', config.shape, f'{path} holds another shape')
+  model = gemma.Gemma3(loaded.shape, max_len=1024, dtype=config.dtype)
+  tokenizer = loaded.tokenizer
+  return Subject(
+      interface.Loaded(model, loaded.params, tokenizer,
+                       'gguf-sha256:' + loaded.sha256),
+      dict(model='gemma-3-270m', gguf=os.path.abspath(path),
+           gguf_sha256=loaded.sha256),
+      {None: lm_data.heldout_windows(tokenizer, config.heldout_windows,
+                                     config.window_len)},
+      generations.open_prompts(config.generation.prompts, tokenizer))
+
+
+def _direction(config, lm: interface.Loaded, layer_path: str
                ) -> steering_vectors.SteeringVector:
   """The config's vector file (checked against the tokenizer, then the
   model), or a direction extracted from contrastive pairs at `layer_path`."""
+  tokenizer, params = lm.tokenizer, lm.params
   if config.get('vector_file'):
     try:
       vec = steering_vectors.load(config.vector_file)
@@ -466,12 +350,11 @@ def _direction(config, model, params, layer_path: str,
     return vec
   pairs = text_corpus.contrastive_pairs(config.direction.pairs,
                                         config.direction.seed)
-  direction, coefficient = extract(model, params, layer_path, pairs,
+  direction, coefficient = extract(lm.model, params, layer_path, pairs,
                                    config.direction.method,
                                    config.direction.position, tokenizer)
   return steering_vectors.SteeringVector(
-      direction, config.layer, layer_path,
-      steering_vectors.fingerprint(params),
+      direction, config.layer, layer_path, lm.fingerprint,
       dict(method=config.direction.method, pairs=config.direction.pairs,
            position=config.direction.position, coefficient=coefficient),
       tokenizer.fingerprint)
@@ -479,7 +362,8 @@ def _direction(config, model, params, layer_path: str,
 
 def evaluate(config, workdir: str) -> list[dict[str, Any]]:
   """Runs the method x alpha grid; writes results.json, results.md,
-  pareto.png and steering_vector.npz into `workdir`; returns the rows.
+  steering_vector.npz and (with generations) pareto.png into `workdir`;
+  returns the rows.
 
   Raises:
     UsageError: a setting is invalid, or does not fit the LM; nothing is
@@ -493,9 +377,10 @@ def evaluate(config, workdir: str) -> list[dict[str, Any]]:
 
 
 def _evaluate(config, workdir: str) -> list[dict[str, Any]]:
-  lm = lm_trainer.load_trained(config.lm_workdir)
-  lm_config, model, tokenizer = lm.config, lm.model, lm.tokenizer
-  params = jax.device_get(lm.params)
+  kind = lm_kind(config)
+  subject = (_gemma if kind == 'gemma' else _trained_lm)(config)
+  model, params, tokenizer = (subject.lm.model, subject.lm.params,
+                              subject.lm.tokenizer)
   try:
     layer_path = steering_hooks.resolve_layer(params, config.layer)
   except ValueError as e:
@@ -506,64 +391,65 @@ def _evaluate(config, workdir: str) -> list[dict[str, Any]]:
   items = {t: [it for seed in config.mc_seeds
                for it in text_corpus.mc_task(t, n, seed)]
            for t, n in config.tasks.items()}
-  mc = {t: encode_mc(its, tokenizer=tokenizer) for t, its in items.items()}
-  length = max(b.tokens.shape[1] for b in mc.values())
+  mc = {t: scoring.encode_mc(its, tokenizer) for t, its in items.items()}
+  length = max(b.longest for b in mc.values())
   if length > model.max_len:
     raise ConfigError('tasks', dict(config.tasks),
                       f'items of {length} tokens exceed the LM\'s max_len')
-  prompts = generation_prompts(config.generation.prompts, tokenizer)
-  if prompts[0].shape[1] + config.generation.steps > model.max_len:
-    raise ConfigError('generation.steps', config.generation.steps,
+  prompts = subject.prompts
+  gen_config = config.generation
+  if prompts[0].shape[1] + gen_config.steps > model.max_len:
+    raise ConfigError('generation.steps', gen_config.steps,
                       f'prompts of {prompts[0].shape[1]} tokens and this '
                       f'many steps exceed the LM\'s max_len={model.max_len}')
 
-  vec = _direction(config, model, params, layer_path, tokenizer)
+  vec = _direction(config, subject.lm, layer_path)
   steering_vectors.save(os.path.join(workdir, 'steering_vector.npz'), vec)
   coefficient = float(vec.info['coefficient'])
-  heldout = {s: lm_data.load_windows(
-      lm_config.data, 'test', lm_config.seed, only=s,
-      tokenizer=tokenizer).tokens[:config.heldout_windows]
-             for s in lm_data.source_names(lm_config.data)}
+  steer_at = lambda method, alpha: make_steering(
+      method, vec.direction, float(alpha), kappa=config.kappa,
+      beta=config.beta, coefficient=coefficient)
+  scorers = {t: scoring.MCScorer(model, params, batch, layer_path)
+             for t, batch in mc.items()}
+  heldout = {s: scoring.HeldoutScorer(model, params, windows, layer_path,
+                                      paths, steer_at('none', 0.0))
+             for s, windows in subject.heldout.items()}
 
-  rows, bases = [], {}
+  rows = []
   for method in config.methods:
     for alpha in ((0.0,) if method == 'none' else tuple(config.alphas)):
-      steer = make_steering(method, vec.direction, float(alpha),
-                            kappa=config.kappa, beta=config.beta,
-                            coefficient=coefficient)
+      steer = steer_at(method, alpha)
       row = {'method': method, 'alpha': float(alpha)}
-      for task, batch in mc.items():
+      for task, scorer in scorers.items():
         n = config.tasks[task]
-        for k, v in mc_accuracy(model, params, batch, steer,
-                                layer_path).items():
+        for k, v in scorer.accuracy(steer).items():
           if k.startswith('correct_'):
             v = [v[i:i + n] for i in range(0, len(v), n)]
           row[f'{task}_{k}'] = v
-      kls, trig = [], []
-      for source, windows in heldout.items():
-        out = heldout_metrics(model, params, windows, steer, layer_path,
-                              paths, bases.get(source))
-        bases[source] = out.pop('base')
-        for k, v in out.items():
-          row[f'{source}_{k}'] = v
-        kls.append(out['kl'])
-        trig.append(out['trigger_rate'])
-      row['kl'] = float(np.mean(kls))
-      row['trigger_rate'] = float(np.mean(trig))
-      gen = generation_metrics(model, params, prompts, steer, layer_path,
-                               config.generation.steps,
-                               config.generation.temperature,
-                               config.generation.seed, config.generation.mode,
-                               tokenizer)
-      row['samples'] = gen.pop('samples')
-      row.update(gen)
+      if list(heldout) == [None]:
+        row.update(heldout[None].metrics(steer))
+      else:
+        kls, trig = [], []
+        for source, scorer in heldout.items():
+          out = scorer.metrics(steer)
+          row.update({f'{source}_{k}': v for k, v in out.items()})
+          kls.append(out['kl'])
+          trig.append(out['trigger_rate'])
+        row['kl'] = float(np.mean(kls))
+        row['trigger_rate'] = float(np.mean(trig))
+      if gen_config.get('enabled', True):
+        gen = generations.generation_metrics(
+            model, params, prompts, steer, layer_path, gen_config.steps,
+            gen_config.temperature, gen_config.seed, gen_config.mode,
+            tokenizer, JUDGES[kind])
+        row['samples'] = gen.pop('samples')
+        row.update(gen)
       logging.info('%s alpha=%.2f: %s', method, alpha, {
           k: round(v, 4) for k, v in row.items()
           if isinstance(v, float) and k != 'alpha'})
       rows.append(row)
 
-  meta = dict(lm_workdir=os.path.abspath(config.lm_workdir),
-              layer=config.layer, layer_path=layer_path,
+  meta = dict(**subject.meta, layer=config.layer, layer_path=layer_path,
               mc_seeds=list(config.mc_seeds), tasks=dict(config.tasks),
               config=json.loads(config.to_json()),
               num_layers=len(paths), coefficient=coefficient,
@@ -572,37 +458,131 @@ def _evaluate(config, workdir: str) -> list[dict[str, Any]]:
               tokenizer_fingerprint=tokenizer.fingerprint)
   metrics_lib.write_json_atomic(os.path.join(workdir, 'results.json'),
                                 {'meta': meta, 'rows': rows})
-  table = markdown_table(rows, list(mc))
-  metrics_lib.write_text_atomic(os.path.join(workdir, 'results.md'), table)
-  pareto.plot_pareto(rows, list(mc), os.path.join(workdir, 'pareto.png'))
+  metrics_lib.write_text_atomic(os.path.join(workdir, 'results.md'),
+                                markdown_table(rows, list(mc)))
+  if 'positive_share' in rows[0]:
+    pareto.plot_pareto(rows, list(mc), os.path.join(workdir, 'pareto.png'))
   return rows
 
 
 def markdown_table(rows: list[dict[str, Any]], tasks: list[str]) -> str:
-  """One line per (method, alpha): accuracies, KL, CE, norms, triggers, text."""
-  # One CE column per held-out source (each has a `<source>_kl`); the
-  # generations' CE (`gen_ce`) has its own column at the end.
+  """One line per (method, alpha): accuracies, KL, CE, norms, triggers, text.
+
+  An in-project evaluation's rows have a CE column per held-out source
+  (each has a `<source>_kl`) and the norm ratios of the first source at,
+  after and at the end; Gemma's one held-out CE and the ratios at and at
+  the end. The generations' columns come last, with VADER's where it
+  judged them."""
   sources = sorted(k.removesuffix('_kl') for k in rows[0]
                    if k.endswith('_kl'))
-  ce_cols = [f'{s}_ce' for s in sources]
-  head = (['method', 'alpha']
-          + [f'{t} acc (sum / mean)' for t in tasks]
-          + ['KL', *[c.replace('_ce', ' CE') for c in ce_cols],
-             'norm ratio (at / next / last)', 'trigger rate',
-             'positive share', 'distinct-2', 'rep-3',
-             'generations CE (unsteered model)'])
-  src = ce_cols[0].removesuffix('_ce')
+  f3, f4 = '{:.3f}'.format, '{:.4f}'.format
+  if sources:
+    held = [(f'{s} CE', f'{s}_ce', f4) for s in sources]
+    ratios = [f'{sources[0]}_norm_ratio_{w}' for w in ('at', 'next', 'last')]
+    ratio_head = 'norm ratio (at / next / last)'
+  else:
+    held = [('held-out CE', 'ce', f4)]
+    ratios = ['norm_ratio_at', 'norm_ratio_last']
+    ratio_head = 'norm ratio (at / last)'
+  if 'vader_compound' in rows[0]:
+    gen = [('VADER positive', 'positive_share'),
+           ('VADER compound', 'vader_compound'), ('distinct-2', 'distinct_2'),
+           ('rep-3', 'repetition_3'), ('generations CE (unsteered)', 'gen_ce')]
+  elif 'positive_share' in rows[0]:
+    gen = [('positive share', 'positive_share'), ('distinct-2', 'distinct_2'),
+           ('rep-3', 'repetition_3'),
+           ('generations CE (unsteered model)', 'gen_ce')]
+  else:
+    gen = []
+  head = (['method', 'alpha'] + [f'{t} acc (sum / mean)' for t in tasks]
+          + ['KL', *(h for h, _, _ in held), ratio_head, 'trigger rate']
+          + [h for h, _ in gen])
   table = []
   for r in rows:
     cells = [r['method'], f'{r["alpha"]:.2f}']
     cells += [f'{r[f"{t}_acc_sum"]:.3f} / {r[f"{t}_acc_mean"]:.3f}'
               for t in tasks]
-    cells += [f'{r["kl"]:.4f}', *[f'{r[c]:.4f}' for c in ce_cols]]
-    cells += [f'{r[f"{src}_norm_ratio_at"]:.3f} / '
-              f'{r[f"{src}_norm_ratio_next"]:.3f} / '
-              f'{r[f"{src}_norm_ratio_last"]:.3f}',
-              f'{r["trigger_rate"]:.3f}', f'{r["positive_share"]:.3f}',
-              f'{r["distinct_2"]:.3f}', f'{r["repetition_3"]:.3f}',
-              f'{r["gen_ce"]:.3f}']
+    cells += [f4(r['kl']), *(f(r[k]) for _, k, f in held)]
+    cells += [' / '.join(f3(r[k]) for k in ratios), f3(r['trigger_rate'])]
+    cells += [f3(r[k]) for _, k in gen]
     table.append(cells)
   return stats.markdown_table(head, table, '-' * len(head)) + '\n'
+
+
+# Prompt length Gemma's compile-only programs assume: `PROMPTS` are 5 to
+# 10 Gemma tokens with BOS, and other shapes have no tokenizer here to
+# count.
+COMPILE_PROMPT_LEN = 16
+
+
+def programs(config: ml_collections.ConfigDict,
+             lm_config: ml_collections.ConfigDict | None, devices: list
+             ) -> tuple[Mesh, Any, list[aot.Program]]:
+  """For `launch.compile`: the generation of each of `config.methods` as
+  the evaluation compiles it (steered at `config.layer`, KV-cached or
+  recomputed per `config.generation.mode`), on shapes only and one of
+  `devices` (the evaluation runs on one device); for Gemma also the
+  held-out scoring pass (the in-project LM's held-out windows are its
+  training windows, whose forward pass its training job compiles). The
+  in-project LM is the one `lm_config` describes, with prompts as long as
+  the byte tokenizer makes them; Gemma's is `config.shape` in
+  `config.dtype` (`lm_config` unused). Returns the mesh, no rules, and the
+  programs."""
+  check_config(config, require_lm=False)
+  gen = config.generation
+  if lm_kind(config) == 'gemma':
+    model = gemma.Gemma3(lm_models.shape_named(config.shape, config.gguf),
+                         max_len=COMPILE_PROMPT_LEN + gen.steps,
+                         dtype=config.dtype)
+    dtype = jnp.dtype(config.dtype)
+    params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, dtype),
+        nn.meta.unbox(jax.eval_shape(
+            lambda k: model.init(k, jnp.zeros((1, 4), jnp.int32)),
+            jax.random.key(0)))['params'])
+    prompt_len = COMPILE_PROMPT_LEN
+  else:
+    model = lm_trainer.create_model(lm_config)
+    params = nn.meta.unbox(jax.eval_shape(
+        functools.partial(lm_trainer.init_variables, model),
+        jax.random.key(0)))['params']
+    prompt_len = generations.template_prompts(gen.prompts)[0].shape[1]
+    if prompt_len + gen.steps > model.max_len:
+      raise ConfigError('generation.steps', gen.steps,
+                        f'prompts of {prompt_len} tokens and this many '
+                        f'steps exceed the LM\'s max_len={model.max_len}')
+  try:
+    layer_path = steering_hooks.resolve_layer(params, config.layer)
+  except ValueError as e:
+    raise ConfigError('layer', config.layer, str(e).split(': ', 1)[1]) from None
+  mesh = Mesh(np.array(devices[:1]), ('data',))
+  repl = NamedSharding(mesh, PartitionSpec())
+  place = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=repl), tree)
+  direction = jax.ShapeDtypeStruct((model.d_model,), np.float32)
+  steering = lambda method: jax.eval_shape(lambda d: make_steering(
+      method, d, 0.5, kappa=config.kappa, beta=config.beta, coefficient=1.0),
+                                           direction)
+  prompt = jax.ShapeDtypeStruct((gen.prompts, prompt_len), np.int32)
+  prompt_valid = jax.ShapeDtypeStruct(prompt.shape, np.bool_)
+  out = []
+  for method in config.methods:
+    fn = jax.jit(lambda p, tokens, valid, s, rng: lm_generate.generate(
+        model, p, tokens, valid, gen.steps, steering=s,
+        layer_path=layer_path, mode=gen.mode, temperature=gen.temperature,
+        rng=rng))
+    out.append(aot.Program(
+        f'generate ({method}, {gen.mode}, {gen.steps} tokens)', fn,
+        place((params, prompt, prompt_valid, steering(method),
+               jax.eval_shape(lambda: jax.random.key(0))))))
+  if lm_kind(config) == 'gemma':
+    windows = jax.ShapeDtypeStruct(
+        (max(1, scoring.CHUNK_TOKENS // config.window_len),
+         config.window_len), np.int32)
+    fn = jax.jit(lambda p, tokens, s: scoring.window_logprobs(
+        model, p, tokens, s, layer_path, (layer_path,))[0])
+    out.append(aot.Program(
+        f'held-out log-probs ({config.methods[-1]}, {windows.shape[0]} x '
+        f'{windows.shape[1]} tokens)', fn,
+        place((params, windows, steering(config.methods[-1])))))
+  return mesh, None, out
