@@ -13,6 +13,8 @@ runs end to end on each.
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +36,7 @@ from train.steering import evaluation
 from train.steering import scoring
 
 from tests import tiny_gemma
+from tests.conftest import REPO_ROOT
 
 KINDS = ('decoder', 'gemma')
 
@@ -210,3 +213,21 @@ def test_one_evaluation_runs_both_models(kind, request, tmp_path):
   assert len(table.splitlines()) == 2 + len(rows)
   for name in ('steering_vector.npz', 'pareto.png'):
     assert os.path.exists(tmp_path / name), name
+
+
+@pytest.mark.parametrize('config, flag, message', [
+    ('configs/steering.py:runlocal', '--config.lm_workdir=/nonexistent',
+     'holds no checkpoints'),
+    ('configs/gemma.py:runlocal', '--config.layer=18',
+     'config.layer=18: Gemma 3 270m has blocks 0..17'),
+])
+def test_one_launcher_reads_both_configs(config, flag, message, tmp_path):
+  """`launch.steer_eval` takes either config; a bad one is refused in one
+  line by the one `check_config` (or the LM's loading) before compute."""
+  proc = subprocess.run(
+      [sys.executable, '-m', 'launch.steer_eval', f'--config={config}', flag,
+       f'--workdir={tmp_path}/out'], cwd=REPO_ROOT, capture_output=True,
+      text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr
+  lines = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
+  assert len(lines) == 1 and message in lines[0], proc.stderr
