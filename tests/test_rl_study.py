@@ -5,6 +5,7 @@ held workdir refused in one line before anything is trained
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -27,10 +28,17 @@ def _stored(workdir):
     return raw, f.read()
 
 
+def _files(root):
+  """{path: modification time} of every file below `root` but the lock
+  (which reading a finished run takes)."""
+  return {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
+          for d, _, files in os.walk(root) for f in files if f != '.lock'}
+
+
 def test_the_readme_commands_run_at_runlocal_size(tmp_path):
-  # The GAS room's command, then the staleness room's on the same workdir
-  # (as the GAS study shares the staleness study's warm starts): its
-  # warm start and synchronous run are read back, not trained again.
+  # The GAS room's command, then the staleness room's stress command in a
+  # workdir of its own with the warm start copied in (the README's runs
+  # linked it; a workdir now refuses a link that leaves it).
   workdir = str(tmp_path / 'study')
   result = _study('studies.gas', workdir, '--bounds=1',
                   '--corrections=decoupled', '--gas=full', '--gas_bound=2',
@@ -46,20 +54,28 @@ def test_the_readme_commands_run_at_runlocal_size(tmp_path):
   assert report.table(study, raw) + '\n' == text
   assert '| GAS full, s_base=2 |' in text and 'alpha' in text
   assert os.path.getsize(os.path.join(workdir, 'study.png')) > 1000
-  synced = os.path.getmtime(os.path.join(workdir, 's0_decoupled_seed0',
-                                         'results.json'))
 
-  result = _study('studies.rl_staleness', workdir, '--bounds=2',
-                  '--corrections=none', *_SMALL, timeout=600)
+  stress = tmp_path / 'stress'
+  stress.mkdir()
+  shutil.copytree(os.path.join(workdir, 'sft_0'), stress / 'sft_0')
+  before = _files(stress / 'sft_0')
+  overrides = ('optimizer.learning_rate=1e-4', 'runtime.deterministic=True')
+  result = _study('studies.rl_staleness', stress, '--bounds=2',
+                  '--corrections=none', '--set=' + ','.join(overrides),
+                  *_SMALL, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
-  raw, text = _stored(workdir)
+  raw, text = _stored(stress)
   assert sorted(raw) == ['async s=2, none|0', 'sync|0']
-  study = runs.Study(workdir, seeds=1, bounds=(2,), corrections=('none',),
-                     num_versions=2, runlocal=True)
+  study = runs.Study(str(stress), seeds=1, bounds=(2,),
+                     corrections=('none',), num_versions=2,
+                     overrides=overrides, runlocal=True)
   assert report.table(study, raw) + '\n' == text
   assert 'alpha' not in text
-  assert os.path.getmtime(os.path.join(
-      workdir, 's0_decoupled_seed0', 'results.json')) == synced
+  # The copied warm start was read, not trained again.
+  assert _files(stress / 'sft_0') == before
+  config, _ = runs.rl_config(study, 0, 2, 'none')
+  assert config.optimizer.learning_rate == 1e-4
+  assert config.runtime.deterministic is True
 
 
 # Each of these started training a warm start (or, --seeds=0, exited 0 with
