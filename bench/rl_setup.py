@@ -5,7 +5,7 @@ import os
 import ml_collections
 
 from configs import rl_sft
-from launch import entry
+from train.jobs import entry
 from train.rl import sft
 
 

@@ -14,7 +14,7 @@ no checkpoint in it that loads and verifies: 4; actors failing beyond
 join within --multihost_start_timeout: 1. SIGTERM saves a checkpoint and
 exits 0, SIGINT saves one and exits 130; the same command resumes the run.
 
-Several processes (`--multihost`, flags in `launch.multihost`) with
+Several processes (`--multihost`, flags in `train.jobs.multihost`) with
 `--config.rollout_processes=R`: processes 0..R-1 generate, the others
 learn; the first of those (process R) leads: it holds the workdir and
 writes the checkpoints, and with more than one learner process each
@@ -38,8 +38,8 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from launch import entry
-from launch import multihost
+from train.jobs import entry
+from train.jobs import multihost
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'RL config file (get_config(arg)).', lock_config=True)

@@ -18,7 +18,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from launch import entry
+from train.jobs import entry
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Evaluation config file (get_config(arg)).',

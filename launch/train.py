@@ -1,7 +1,7 @@
 r"""Train a model: `python -m launch.train --config=configs/X.py[:arg] --workdir=DIR`.
 
 Overrides: `--config.a.b=value`. Multi-host (TPU pods, or several processes
-on one machine): `--multihost` (`launch.multihost`) calls
+on one machine): `--multihost` (`train.jobs.multihost`) calls
 `jax.distributed.initialize()`, which finds the coordinator by itself on
 Cloud TPU; elsewhere pass `--coordinator_address`, `--num_processes` and
 `--process_id`. Those flags are checked before the processes meet (exit
@@ -22,9 +22,9 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from launch import entry
-from launch import multihost
-from launch import trainers
+from train.jobs import entry
+from train.jobs import multihost
+from train.jobs import trainers
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Experiment config file (get_config(arg)).',

@@ -27,7 +27,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from launch import compile_jobs
+from train.jobs import compile_jobs
 from train import aot
 from train import compile_report
 from train import sharding as sharding_lib

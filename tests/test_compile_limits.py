@@ -21,8 +21,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
-from launch import compile_jobs
-from launch import compile_watch
+from train.jobs import compile_jobs
+from train.jobs import compile_watch
 from train import aot
 from train import compile_report
 from train import targets

@@ -7,8 +7,8 @@ import subprocess
 import ml_collections
 import pytest
 
-from launch import entry
-from launch import trainers
+from train.jobs import entry
+from train.jobs import trainers
 from tests import config_edits
 from tests import launch_runs
 from train import errors

@@ -116,3 +116,46 @@ def test_nothing_but_tests_imports_studies():
         studies = [m for m in _imports(path)
                    if m == 'studies' or m.startswith('studies.')]
         assert not studies, f'{os.path.relpath(path, REPO_ROOT)} imports {studies}'
+
+
+def test_only_launch_and_above_import_the_launchers_library():
+  # train/jobs runs what launch's mains ask for (exit codes, multi-host
+  # start, compile and sweep jobs): the core and the products it runs
+  # never reach up into it.
+  jobs = os.path.join(TRAIN, 'jobs')
+  for dirpath, _, files in os.walk(TRAIN):
+    if dirpath.startswith(jobs):
+      continue
+    for f in files:
+      if f.endswith('.py'):
+        path = os.path.join(dirpath, f)
+        up = [m for m in _imports(path) if m.startswith('train.jobs')
+              or m.startswith('launch')]
+        assert not up, f'{os.path.relpath(path, REPO_ROOT)} imports {up}'
+
+
+# A flax example's main.py is about 60 lines; ours carry a docstring with
+# their commands and the flags: 'about 100 lines' leaves room for those.
+MAX_ENTRY_POINT_LINES = 110
+
+
+@pytest.mark.parametrize('name', sorted(
+    f for f in os.listdir(os.path.join(REPO_ROOT, 'launch'))
+    if f.endswith('.py')))
+def test_launch_holds_only_thin_entry_points(name):
+  with open(os.path.join(REPO_ROOT, 'launch', name)) as f:
+    lines = f.read().count('\n')
+  assert lines <= MAX_ENTRY_POINT_LINES, (
+      f'launch/{name} has {lines} lines: its work belongs in train/ (or in '
+      'its study\'s room), its main in launch/')
+
+
+def test_no_study_lives_outside_studies():
+  # A study's code, configs and results live in studies/<name>/; the
+  # library, the trainers and the entry points hold none.
+  for top in ('launch', 'train', 'configs'):
+    for dirpath, _, files in os.walk(os.path.join(REPO_ROOT, top)):
+      studies = [f for f in files if f.endswith('.py') and 'study' in f]
+      assert not studies, f'{os.path.relpath(dirpath, REPO_ROOT)}: {studies}'
+  assert not os.path.exists(os.path.join(REPO_ROOT, 'results')), (
+      'results/ moved into the studies\' rooms (studies/<name>/results/)')

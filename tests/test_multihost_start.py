@@ -1,4 +1,4 @@
-"""The start of a multi-process job (launch.multihost): flags checked before
+"""The start of a multi-process job (train.jobs.multihost): flags checked before
 the processes meet, a deadline on meeting, signals that end the wait, a
 coordinator port that is taken.
 
@@ -19,7 +19,7 @@ from absl import flags
 from absl.testing import flagsaver
 import pytest
 
-from launch import multihost
+from train.jobs import multihost
 from tests import launch_runs
 from train import preemption
 from train.errors import Interrupted, RunError, UsageError

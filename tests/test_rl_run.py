@@ -19,7 +19,7 @@ import pytest
 from configs import rl as rl_config
 from configs import rl_sft as sft_config
 from geom import gas
-from launch import trainers
+from train.jobs import trainers
 from tests import config_edits
 from tests import full_disk
 from tests import launch_runs

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from configs import rl_sft as sft_config
-from launch import trainers
+from train.jobs import trainers
 from tests import config_edits
 from tests.conftest import SFT_POLICY_OVERRIDES
 from tests import launch_runs

@@ -13,7 +13,7 @@ import pytest
 
 from configs import sweeps
 from train.jobs import sweep_report as report
-from launch import sweep_plan
+from train.jobs import sweep_plan
 from tests.conftest import REPO_ROOT
 from train.errors import UsageError
 

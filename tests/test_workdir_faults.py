@@ -25,7 +25,7 @@ import pytest
 import tensorstore as ts
 
 from configs import digits
-from launch import trainers
+from train.jobs import trainers
 from tests import config_edits
 from tests import launch_runs
 from train import checkpointing

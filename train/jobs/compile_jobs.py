@@ -1,6 +1,6 @@
 """The programs each job compiles, and compiling them for `launch.compile`.
 
-Flagless, like `launch.trainers` (tests call `run` in-process). A group is the programs of one mesh
+Flagless, like `train.jobs.trainers` (tests call `run` in-process). A group is the programs of one mesh
 (training runs have one; GRPO has the learner's and the rollout's), with a
 description of the mesh. Jobs that read a trained model from another
 workdir get that model's config (`model_config`) here: the given one, else
@@ -300,7 +300,7 @@ def run(config, target_text: str, num_slices: int, workdir: str | None,
 
   The flags and sizes are checked first (`check_flags`); building and
   compiling the programs runs off the main thread, each step within
-  `timeout_s` (`launch.compile_watch`; default its DEFAULT_TIMEOUT_S), and
+  `timeout_s` (`train.jobs.compile_watch`; default its DEFAULT_TIMEOUT_S), and
   SIGTERM/SIGINT end it. Nothing is written in `workdir` but compile.json,
   at the end.
   """

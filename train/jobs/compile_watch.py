@@ -5,10 +5,10 @@ XLA's compile is C++ that keeps the thread calling it until it returns
 (minutes for a model of a few hundred layers), and Python runs signal
 handlers on the main thread only, between bytecodes: a compile on the main
 thread ignored SIGTERM for as long as it ran. `run` does the work off the
-main thread (`launch.entry.off_main_thread`), whose wait the launcher's
+main thread (`train.jobs.entry.off_main_thread`), whose wait the launcher's
 handlers can interrupt, and checks the step in progress against its
 budget. Either end is an exception that the launcher
-(`launch.entry.run_job`) reports in one line before `exit_now`, which does
+(`train.jobs.entry.run_job`) reports in one line before `exit_now`, which does
 not wait for the thread.
 """
 
@@ -29,7 +29,7 @@ from train.errors import Interrupted, RunError
 # it at any time: the budget is for runs nobody watches.
 DEFAULT_TIMEOUT_S = 1200
 # The most `--compile_timeout` may ask for: a day, as the launchers' other
-# waits (`launch.multihost.MAX_WAIT_SECONDS`).
+# waits (`train.jobs.multihost.MAX_WAIT_SECONDS`).
 MAX_TIMEOUT_S = 86400
 # How often the main thread looks at the step's clock: a signal handler
 # runs at once anyway (the wait is interruptible).

@@ -181,7 +181,7 @@ def _start_error(error: BaseException) -> BaseException:
 
 def wait_for_start(start: Callable[[], None], timeout: float,
                    waited_for: Callable[[float], str]) -> None:
-  """Runs `start` off the main thread (`launch.entry.off_main_thread`:
+  """Runs `start` off the main thread (`train.jobs.entry.off_main_thread`:
   jax.distributed's start blocks in C++, which would hold SIGTERM and
   SIGINT until its own deadline) and waits for it at most `timeout` s.
 
@@ -219,7 +219,7 @@ def initialize(collectives: bool = True) -> None:
     StartTimeout: not every process joined within
       `--multihost_start_timeout` s.
     errors.Interrupted: SIGTERM or SIGINT arrived while waiting (under
-      `launch.entry.run_job`).
+      `train.jobs.entry.run_job`).
   """
   check_flags()
   if not MULTIHOST.value:

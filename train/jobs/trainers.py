@@ -2,7 +2,7 @@
 
 Flagless, so that any launcher can import it. Trainers are imported on
 call: importing one must not fix the devices before the launcher has set
-them (`launch.entry.configure_devices`).
+them (`train.jobs.entry.configure_devices`).
 """
 
 TASKS = ('classification', 'lm', 'rl_sft')

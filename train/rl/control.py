@@ -59,7 +59,7 @@ class PeerStopped(RunError):
 
 
 def exit_code(error: BaseException) -> int:
-  """The exit status `launch.entry.run_job` gives `error`, which the job's
+  """The exit status `train.jobs.entry.run_job` gives `error`, which the job's
   other processes then exit with too."""
   # pylint: disable=g-import-not-at-top
   from train.errors import Interrupted, UsageError
