@@ -44,7 +44,7 @@ UNMET_ON_PURPOSE = {
     'google-tunix': None,
     'huggingface-hub': None,
 }
-RUN_CODE = ('geom', 'train', 'configs', 'launch', 'bench')
+RUN_CODE = ('geom', 'train', 'configs', 'launch', 'studies', 'bench')
 # Imported by a script no layer installs for, on purpose: llama.cpp's
 # bindings build from source (7 min on 2 cores), so
 # tests/gemma_reference/record_llama_cpp.py records their outputs once and
