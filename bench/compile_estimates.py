@@ -30,7 +30,7 @@ from absl import app
 from absl import flags
 
 from bench import report
-from train import stats
+from train.analysis import stats
 
 _WRITE = flags.DEFINE_bool('write', False, 'Write the tables to BENCHMARKS.md.')
 _ONLY = flags.DEFINE_string('only', None, 'Run only rows whose name starts so.')

@@ -34,7 +34,7 @@ import numpy as np
 from bench import report
 from bench import rl_setup
 from configs import rl
-from train import stats
+from train.analysis import stats
 from train.rl import learner
 from train.rl import rollout
 from train.rl import run

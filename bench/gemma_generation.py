@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from bench import report
 from bench import generation_timing
 from geom import steering as steering_lib
-from train import stats
+from train.analysis import stats
 from train.lm import gemma
 from train.lm import gemma_gguf
 

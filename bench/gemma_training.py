@@ -3,7 +3,7 @@ r"""Fine-tuning Gemma 3 270M on the shared loop: tokens/s of its train step.
   python -m bench.gemma_training            # writes the BENCHMARKS.md section
   python -m bench.gemma_training --steps=2 --repeats=1 --nowrite
 
-The trainer's own compiled step (`train.aot.compile_steps`, the state
+The trainer's own compiled step (`train.training.aot.compile_steps`, the state
 donated, batches placed beforehand) on the registry's Gemma 3 270M
 (float32, one CPU device), for the two jobs of `configs/gemma.py`
 (`finetune`: 8 windows of 64 text tokens; `sft`: 16 arithmetic problems
@@ -27,9 +27,9 @@ import jax
 
 from bench import report
 from configs import gemma as gemma_config
-from train import aot
-from train import input_pipeline
-from train import stats
+from train.training import aot
+from train.training import input_pipeline
+from train.analysis import stats
 from train.lm import models
 from train.lm import trainer as lm_trainer
 from train.rl import sft

@@ -36,9 +36,9 @@ from bench import report
 from configs import digits
 from configs import lm
 from geom import curvature
-from train import host_devices
-from train import sharding
-from train import stats
+from train.training import host_devices
+from train.training import sharding
+from train.analysis import stats
 from train.lm import decoder
 from train.vision import models
 

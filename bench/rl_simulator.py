@@ -29,7 +29,7 @@ from absl import app
 from absl import flags
 
 from bench import report
-from train import metrics as metrics_lib
+from train.run import metrics as metrics_lib
 from train.rl import simulator as sim
 
 SECTION = 'rl_across_processes'

@@ -26,7 +26,7 @@ import jax
 from bench import report
 from bench import rl_setup
 from configs import rl
-from train import stats
+from train.analysis import stats
 from train.rl import run
 
 _SFT = flags.DEFINE_string('sft_workdir', 'workdirs/rl_sft',

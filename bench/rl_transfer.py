@@ -114,7 +114,7 @@ def main(argv):
     return
   # pylint: disable=g-import-not-at-top
   from bench import report
-  from train import stats
+  from train.analysis import stats
   from train.rl import simulator
   # pylint: enable=g-import-not-at-top
   ports = ','.join(str(_free_port()) for _ in range(3))

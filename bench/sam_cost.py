@@ -33,7 +33,7 @@ import optax
 from bench import report
 from geom import hallucination
 from geom import sam
-from train import stats
+from train.analysis import stats
 
 _STEPS = flags.DEFINE_integer('steps', 100, 'Steps per timed run.')
 _REPEATS = flags.DEFINE_integer('repeats', 7, 'Alternating repeats.')

@@ -38,7 +38,7 @@ import numpy as np
 from bench import report
 from bench import sam_perturb_trees
 from geom.kernels import sam_perturb as k
-from train import stats
+from train.analysis import stats
 
 _SIZES = flags.DEFINE_list('sizes', ['1e6', '4e6'], 'Element counts.')
 _REPEATS = flags.DEFINE_integer('repeats', 20, 'Timed calls per figure.')

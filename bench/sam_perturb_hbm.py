@@ -8,19 +8,19 @@ v6e:2x2, h100:1x1x4, h200:1x1x4), and each parameter tree
 (`bench.sam_perturb_trees.realistic()`: the 125M and 1B LMs, ResNet-50, the
 tests' MLP; float32, FSDP: each leaf split over the 4 chips along its first
 dimension they divide, the others replicated), it compiles from this CPU
-host (`train.targets`)
+host (`train.compilation.targets`)
 (a) `geom.kernels.sam_perturb`, SAM: the Mosaic kernels on TPU (in a
     shard_map over the slice, `shardings=`), the Triton kernels split by
     the partitioner on GPU;
 (b) `sam_perturb_reference` under jit: the plain-jnp perturbation that XLA
     fuses by itself (what `geom.sam` computes without `fused=True`);
 and counts the HBM bytes each chip reads and writes with
-`train.hlo_traffic` (every top-level instruction's operands read plus its
+`train.compilation.hlo_traffic` (every top-level instruction's operands read plus its
 result written; TPU layouts padded to their tiles, on-chip memory not
 counted). On TPU it also gives `cost_analysis()['bytes accessed']`, which
 GPU compilers do not report. `ideal` is one pass over g for the norm and
 one over w and g writing w' (16 bytes per float32 parameter). The roofline
-time is bytes / the chip's HBM bandwidth (`train.targets.CHIPS`).
+time is bytes / the chip's HBM bandwidth (`train.compilation.targets.CHIPS`).
 """
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -34,7 +34,7 @@ import time
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # Deviceless executables cannot be loaded from a persistent cache.
 os.environ['JAX_ENABLE_COMPILATION_CACHE'] = 'false'
-from train import targets
+from train.compilation import targets
 targets.enable_toolchain()
 
 from absl import app
@@ -46,8 +46,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from train import hlo_traffic
-from train import stats
+from train.compilation import hlo_traffic
+from train.analysis import stats
 from bench import report
 from bench import sam_perturb_trees
 from geom.kernels import sam_perturb as k
@@ -138,14 +138,14 @@ def main(argv):
       'Per chip of a 4-chip slice or node, float32 parameters split FSDP-'
       'style over the 4 chips, SAM; MB = 10^6 bytes read plus written, '
       'counted from each compiled program\'s optimized HLO '
-      '(`train.hlo_traffic`). `fused`: `geom.kernels.sam_perturb` (TPU: '
+      '(`train.compilation.hlo_traffic`). `fused`: `geom.kernels.sam_perturb` (TPU: '
       'Mosaic kernels in a shard_map, `shardings=`; GPU: Triton kernels split '
       'by the partitioner); `XLA`: `sam_perturb_reference` under jit. '
       '`ideal`: 16 bytes per parameter (g read for the norm; w and g read, w\' '
       'written). `cost_analysis`: TPU\'s `bytes accessed` (GPU compilers give '
       'none). `ops`: top-level instructions that touch memory (kernels, '
       'fusions, copies: launches on GPU). Roofline: HLO bytes / HBM bandwidth '
-      '(`train.targets.CHIPS`). jax '
+      '(`train.compilation.targets.CHIPS`). jax '
       f'{jax.__version__}.',
       '',
       stats.markdown_table(

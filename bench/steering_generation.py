@@ -30,7 +30,7 @@ from bench import generation_timing
 from bench import report
 from configs import lm as lm_config
 from geom import steering as steering_lib
-from train import stats
+from train.analysis import stats
 from train.lm import decoder as decoder_lm
 
 _STEPS = flags.DEFINE_integer('steps', 128, 'Generated tokens per call.')

@@ -18,7 +18,7 @@ beyond the minimal one (per-example metrics, the sampled gradient norm,
 the on-device gather); the trainer against it measures the loop's
 bookkeeping on the host (drawing and placing batches, choosing the step,
 logging, the final save), which on CPU is not overlapped with the step:
-XLA:CPU programs are dispatched synchronously here (`train/host_devices.py`).
+XLA:CPU programs are dispatched synchronously here (`train/training/host_devices.py`).
 
   python -m bench.trainer_overhead            # writes BENCHMARKS.md section
   python -m bench.trainer_overhead --steps=100 --repeats=2 --nowrite
@@ -37,12 +37,12 @@ import optax
 
 from bench import report
 from configs import digits
-from train import aot
-from train import host_devices
-from train import input_pipeline
-from train import loop
-from train import resumable
-from train import stats
+from train.training import aot
+from train.training import host_devices
+from train.training import input_pipeline
+from train.training import loop
+from train.run import resumable
+from train.analysis import stats
 from train.vision import datasets
 from train.vision import experiment
 

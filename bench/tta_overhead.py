@@ -35,9 +35,9 @@ from bench import report
 from configs import digits
 from configs import tta
 from geom import conga
-from train import host_devices
-from train import metrics
-from train import stats
+from train.training import host_devices
+from train.run import metrics
+from train.analysis import stats
 from train.tta import adapt
 from train.tta import data as tta_data
 from train.tta import methods

@@ -1,6 +1,6 @@
-"""The `config.optimizer` block shared by training configs (see train/optim.py).
+"""The `config.optimizer` block shared by training configs (see train/training/optim.py).
 
-Every field `train.optim` reads, with defaults; a config passes what it
+Every field `train.training.optim` reads, with defaults; a config passes what it
 changes: `optimizer_block(name='adamw', learning_rate=3e-3)`. SAM is the
 `sam` sub-block (`configs/sam_block.py`), off by default. Optional fields
 (`OPTIONAL`) are in the block only when a config passes them, so the
@@ -11,7 +11,7 @@ import ml_collections
 
 from configs import sam_block
 
-# Fields absent unless passed, with what `train.optim` assumes when absent.
+# Fields absent unless passed, with what `train.training.optim` assumes when absent.
 OPTIONAL = {
     # 'decoupled': lr * wd * w after momentum (SGDW / AdamW); 'l2': wd * w
     # added to the gradient before clipping and momentum (an L2 penalty).
@@ -28,7 +28,7 @@ def optimizer_block(**changes) -> ml_collections.ConfigDict:
   block = dict(
       name='momentum',  # sgd | momentum | adamw
       learning_rate=0.1,
-      schedule='cosine',  # cosine | constant | wsd (see train/optim.py)
+      schedule='cosine',  # cosine | constant | wsd (see train/training/optim.py)
       warmup_steps=30,
       end_lr_fraction=0.0,
       momentum=0.9,

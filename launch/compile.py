@@ -54,7 +54,7 @@ def main(argv):
   # for a refusal otherwise).
   # pylint: disable=g-import-not-at-top
   from train.errors import UsageError
-  from train.targets import ToolchainMissing
+  from train.compilation.targets import ToolchainMissing
   # pylint: enable=g-import-not-at-top
   try:
     compile_jobs.check_flags(config, _TARGET.value, _NUM_SLICES.value,

@@ -22,7 +22,7 @@ results.json for RL) is
 skipped, an interrupted one resumes from its checkpoint, so relaunching the
 same command finishes a sweep. Runs die with the sweep (they get SIGTERM
 and save a checkpoint), and a run whose workdir is still held by another
-process (its lock, `train.workdir_lock`) waits for it instead of racing
+process (its lock, `train.run.workdir_lock`) waits for it instead of racing
 it; logs go to `--workdir/logs/`, and
 `--workdir/sweep.json` lists the runs for `launch.report`. The TPU and xpk
 targets print their commands (a dry run) unless `--execute`; on TPU every

@@ -81,7 +81,7 @@ os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.01')
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from train import host_devices  # pylint: disable=g-import-not-at-top,wrong-import-position
+from train.training import host_devices  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # The launcher does the same from config.cpu_devices (see host_devices).
 host_devices.configure_cpu_devices(8)

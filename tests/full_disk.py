@@ -4,7 +4,7 @@ import errno
 
 import pytest
 
-from train import metrics as metrics_lib
+from train.run import metrics as metrics_lib
 
 
 def on_metrics_write(monkeypatch: pytest.MonkeyPatch, log: str, n: int

@@ -27,7 +27,7 @@ def run(workdir: str, *overrides: str, timeout: float = 300,
 
 
 _HOLD = ('import sys, time\n'
-         'from train import workdir_lock\n'
+         'from train.run import workdir_lock\n'
          'with workdir_lock.hold(sys.argv[1]):\n'
          '  print("held", flush=True)\n'
          '  time.sleep(600)\n')

@@ -1,4 +1,4 @@
-"""Array fingerprints (train.checksums): exact, layout-free, and sensitive to one bit."""
+"""Array fingerprints (train.run.checksums): exact, layout-free, and sensitive to one bit."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
-from train import checksums
+from train.run import checksums
 
 
 def _tree(rng):

@@ -28,10 +28,10 @@ import numpy as np
 import pytest
 
 from train.jobs import compile_jobs
-from train import aot
-from train import compile_report
-from train import sharding as sharding_lib
-from train import targets
+from train.training import aot
+from train.compilation import compile_report
+from train.training import sharding as sharding_lib
+from train.compilation import targets
 from train.errors import UsageError
 from train.lm import trainer
 

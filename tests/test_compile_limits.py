@@ -23,9 +23,9 @@ import pytest
 
 from train.jobs import compile_jobs
 from train.jobs import compile_watch
-from train import aot
-from train import compile_report
-from train import targets
+from train.training import aot
+from train.compilation import compile_report
+from train.compilation import targets
 from train.errors import UsageError
 
 from tests import launch_runs

@@ -9,7 +9,7 @@ from ml_collections import config_flags
 import pytest
 
 from tests.conftest import REPO_ROOT
-from train import resume_check
+from train.run import resume_check
 from train.tta import adapt
 
 CONFIG_MODULES = sorted(

@@ -8,7 +8,7 @@ import pytest
 from sklearn.datasets import load_digits
 import tensorflow_datasets as tfds
 
-from train import input_pipeline
+from train.training import input_pipeline
 from train.errors import ConfigError
 from train.vision import datasets
 from train.vision import digits_builder

@@ -15,7 +15,7 @@ import pytest
 from configs import gemma as gemma_configs
 from studies.gemma_steering import layers as gemma_study
 from train import errors
-from train import host_devices
+from train.training import host_devices
 from train.lm import gemma
 from train.lm import gemma_gguf
 from train.lm import gguf_file

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 from studies.gemma_steering import layers
-from train import metrics
+from train.run import metrics
 from train.steering import evaluation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

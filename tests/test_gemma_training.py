@@ -15,7 +15,7 @@ import pytest
 from configs import gemma as gemma_config
 from tests import launch_runs
 from tests import tiny_gemma
-from train import optim
+from train.training import optim
 from train.errors import ConfigError
 from train.lm import gemma_gguf
 from train.lm import models

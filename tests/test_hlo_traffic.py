@@ -1,4 +1,4 @@
-"""train.hlo_traffic: HBM bytes counted from optimized HLO.
+"""train.compilation.hlo_traffic: HBM bytes counted from optimized HLO.
 
 Against a hand-written entry computation whose traffic is worked out
 below, and against programs compiled here whose traffic is known in
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from train import hlo_traffic
+from train.compilation import hlo_traffic
 
 # Each instruction's traffic, worked out by hand:
 HAND_WRITTEN = """\

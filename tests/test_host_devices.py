@@ -13,7 +13,7 @@ from tests.launch_runs import REPO_ROOT
 SCRIPT = r'''
 import os, tempfile
 os.environ.pop('PJRT_NPROC', None)  # Only what configure_cpu_devices sets.
-from train import host_devices
+from train.training import host_devices
 host_devices.configure_cpu_devices(8)
 assert int(os.environ['PJRT_NPROC']) >= 64
 from absl import flags

@@ -17,7 +17,7 @@ import tensorflow_datasets as tfds
 from tensorflow_datasets.datasets.imagenet2012 import imagenet2012_dataset_builder
 
 from configs import resnet50_imagenet
-from train import input_pipeline
+from train.training import input_pipeline
 from train.errors import ConfigError, DamagedDataFile
 from train.vision import datasets
 from train.vision import decoded_split

@@ -20,7 +20,7 @@ import pytest
 
 from geom import sam
 from geom.kernels import sam_perturb as k
-from train import hlo_traffic
+from train.compilation import hlo_traffic
 
 # Odd sizes: the packed buffer (541 rows) and the aligned leaf of 300 rows
 # of 128 (a buffer of its own) both end in a ragged block of 32 rows.
@@ -368,7 +368,7 @@ def test_shardings_over_two_meshes_are_refused():
 
 
 def test_per_data_device_norms_with_automatic_model_axis():
-  # m-sharpness as train.steps runs it: a shard_map over 'data' only, the
+  # m-sharpness as train.training.steps runs it: a shard_map over 'data' only, the
   # parameters split over 'model' by the partitioner; each data device
   # perturbs with its own gradient and its own (whole-model) norm.
   mesh = _mesh()

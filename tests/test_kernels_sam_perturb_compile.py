@@ -2,7 +2,7 @@
 
 Lowering (test_kernels_sam_perturb_lowering.py) checks block shapes and
 memory spaces; compiling runs the rest of each compiler without the
-hardware (`train.targets`): Mosaic for TPU v4, v5e, v5p and v6e (VMEM
+hardware (`train.compilation.targets`): Mosaic for TPU v4, v5e, v5p and v6e (VMEM
 allocation included) and Triton to PTX and a cubin for H100 and H200
 (registers and shared memory, through ptxas), and XLA's SPMD partitioner
 for sharded parameters. Every tree of the lowering tests, SAM and ASAM,
@@ -23,10 +23,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
-from train import hlo_traffic
+from train.compilation import hlo_traffic
 from bench.sam_perturb_trees import TREES
 from geom.kernels import sam_perturb as k
-from train import targets
+from train.compilation import targets
 
 ONE_CHIP = {'v4': 'v4:1x1x1', 'v5e': 'v5e:1x1', 'v5p': 'v5p:1x1x1',
             'v6e': 'v6e:1x1', 'h100': 'h100:1x1x1', 'h200': 'h200:1x1x1'}
@@ -244,9 +244,9 @@ def _split_axes(spec) -> set[str]:
                          ids=['all_axes', 'data_axis'])
 def test_m_sharpness_shard_map_compiles_for_tpu(manual):
   # m-sharpness on a TPU slice: each device perturbs with its own gradient
-  # inside a shard_map with device-variance checks on (as train.steps runs
+  # inside a shard_map with device-variance checks on (as train.training.steps runs
   # it on hardware). Over every axis, each device holds its shards and the
-  # Mosaic kernels run; over 'data' only, as train.steps does, the
+  # Mosaic kernels run; over 'data' only, as train.training.steps does, the
   # parameters are replicated over 'data' and split over 'model' by the
   # partitioner, and XLA's fusion runs.
   mesh, shardings, params, scalar = _sharded('v5e:2x2')

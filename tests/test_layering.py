@@ -1,7 +1,8 @@
 """The layering of train/: a shared core that names no method and no product.
 
-The core (train/*.py) reaches a method only through
-`geom.method_hooks.MethodHooks`; `train/optim.py` is the one module that
+The core (train/*.py and its packages run/, training/, compilation/,
+analysis/) reaches a method only through
+`geom.method_hooks.MethodHooks`; `train/training/optim.py` is the one module that
 maps a method's config block to its geom factory. Products
 (train/vision, train/lm, train/steering, train/tta, train/rl) build on
 the core, and the core imports none of them.
@@ -17,9 +18,17 @@ import pytest
 # the source tree, which is what this test reads.
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 TRAIN = os.path.join(REPO_ROOT, 'train')
-CORE = sorted(f for f in os.listdir(TRAIN) if f.endswith('.py'))
+# The core by concern, each package importing only those after it here (and
+# train/errors.py, train/fileio.py): compilation for targets builds on the
+# training loop, which builds on the run core (a workdir's lock,
+# checkpoints, metrics logs and stop signals); analysis (statistics and
+# plots) reads the run core's metrics.
+CORE_PACKAGES = ('compilation', 'training', 'analysis', 'run')
+CORE = sorted([f for f in os.listdir(TRAIN) if f.endswith('.py')] + [
+    os.path.join(p, f) for p in CORE_PACKAGES
+    for f in os.listdir(os.path.join(TRAIN, p)) if f.endswith('.py')])
 # The one bridge from config blocks to geom's factories.
-BRIDGE = 'optim.py'
+BRIDGE = os.path.join('training', 'optim.py')
 PRODUCTS = ('vision', 'lm', 'steering', 'tta', 'rl')
 METHOD_WORDS = re.compile(r'\b(sam|asam|hallucinat\w*|steer\w*|conga|gas)\b',
                           re.IGNORECASE)
@@ -51,8 +60,8 @@ def test_core_modules_name_no_method(name):
 
 
 def test_the_loop_and_the_step_builder_do_not_even_contain_the_letters():
-  # What `grep -rn sam train/loop.py train/steps.py train/aot.py` checks.
-  for name in ('loop.py', 'steps.py', 'aot.py'):
+  # What `grep -rn sam train/training/{loop,steps,aot}.py` checks.
+  for name in ('training/loop.py', 'training/steps.py', 'training/aot.py'):
     with open(os.path.join(TRAIN, name)) as f:
       assert 'sam' not in f.read().lower(), name
 
@@ -62,6 +71,22 @@ def test_core_modules_import_no_product(name):
   products = [m for m in _imports(os.path.join(TRAIN, name))
               if m.split('.')[:2][-1] in PRODUCTS and m.startswith('train.')]
   assert not products, f'train/{name} imports {products}'
+
+
+def test_the_core_packages_import_only_those_below_them():
+  # One box each in an import graph: compilation -> training -> analysis
+  # -> run, never back up (the check that found metrics on the wrong side
+  # of run, and aot on the wrong side of training).
+  for i, package in enumerate(CORE_PACKAGES):
+    below = set(CORE_PACKAGES[i:]) | {'errors', 'fileio'}
+    for f in os.listdir(os.path.join(TRAIN, package)):
+      if not f.endswith('.py'):
+        continue
+      for module in _imports(os.path.join(TRAIN, package, f)):
+        parts = module.split('.')
+        if parts[0] == 'train' and len(parts) > 1:
+          assert parts[1] in below, (
+              f'train/{package}/{f} imports {module}: above it')
 
 
 def test_products_depend_on_each_other_only_where_documented():

@@ -13,7 +13,7 @@ from configs import steering as steering_config
 from tests import config_edits
 from tests import launch_runs
 from tests.conftest import REPO_ROOT
-from train import workdir_lock
+from train.run import workdir_lock
 from train.errors import ConfigError
 from train.lm import trainer as lm_trainer
 from train.steering import evaluation as steering_eval

@@ -1,4 +1,4 @@
-"""`train.local_checkpoints`: the format itself (the run core's guarantees on
+"""`train.run.local_checkpoints`: the format itself (the run core's guarantees on
 it are tested in test_resumable, on both checkpoint classes)."""
 
 import os
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from train import checkpointing
-from train import disk_space
+from train.run import checkpointing
+from train.run import disk_space
 from train import errors
-from train import local_checkpoints
+from train.run import local_checkpoints
 
 
 def _state(seed: int = 0):

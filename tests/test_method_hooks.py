@@ -15,10 +15,10 @@ from geom import method_hooks
 from geom import sam
 from geom import validation
 from tests import transformation_battery as battery
-from train import aot
-from train import input_pipeline
-from train import loop
-from train import optim
+from train.training import aot
+from train.training import input_pipeline
+from train.training import loop
+from train.training import optim
 from train.errors import ConfigError
 from train.vision import datasets
 from train.vision import experiment

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests import launch_runs
-from train import checkpointing
+from train.run import checkpointing
 from train.vision import experiment
 
 # Different reduction order across processes (gloo) vs inside one process:

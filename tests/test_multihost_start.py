@@ -21,7 +21,7 @@ import pytest
 
 from train.jobs import multihost
 from tests import launch_runs
-from train import preemption
+from train.run import preemption
 from train.errors import Interrupted, RunError, UsageError
 
 

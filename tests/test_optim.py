@@ -9,7 +9,7 @@ import pytest
 
 from configs import sam_block
 from geom import method_hooks
-from train import optim
+from train.training import optim
 from train.errors import ConfigError
 
 

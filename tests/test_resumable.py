@@ -1,4 +1,4 @@
-"""The resumable-run core (`train.resumable`), on a toy loop.
+"""The resumable-run core (`train.run.resumable`), on a toy loop.
 
 The guarantees every loop (train, TTA, RL) gets from the core are tested
 here once; each loop keeps one end-to-end kill-and-resume test of its own
@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 
 from tests import full_disk
-from train import checkpointing
-from train import disk_space
+from train.run import checkpointing
+from train.run import disk_space
 from train import errors
-from train import local_checkpoints
-from train import preemption
-from train import resumable
-from train import resume_check
-from train import workdir_lock
+from train.run import local_checkpoints
+from train.run import preemption
+from train.run import resumable
+from train.run import resume_check
+from train.run import workdir_lock
 from train.errors import NonFiniteLossError, Preempted
 
 MAY_CHANGE = ('log_every', 'checkpoint_every', 'keep_checkpoints')

@@ -1,4 +1,4 @@
-"""Which config changes a resume accepts (train.resume_check), field by field."""
+"""Which config changes a resume accepts (train.run.resume_check), field by field."""
 
 import json
 
@@ -7,7 +7,7 @@ import pytest
 
 from configs import digits
 from tests import config_edits
-from train import resume_check
+from train.run import resume_check
 from train.errors import UsageError
 
 

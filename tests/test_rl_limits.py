@@ -86,7 +86,7 @@ def test_a_billion_versions_and_staleness_exit_2_in_one_line_at_once(
 _FINGERPRINT_MEMORY = '''
 import resource
 import jax.numpy as jnp
-from train import checksums
+from train.run import checksums
 tree = [jnp.full((1 << 23,), i, jnp.float32) for i in range(8)]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 checksums.fingerprint(tree)

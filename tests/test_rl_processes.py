@@ -135,7 +135,7 @@ def test_a_transfer_broken_by_a_dead_process_names_the_process():
 
 
 def _workdir_busy():
-  from train.workdir_lock import WorkdirBusy  # pylint: disable=g-import-not-at-top
+  from train.run.workdir_lock import WorkdirBusy  # pylint: disable=g-import-not-at-top
   return WorkdirBusy('/w', {'host': 'h', 'pid': '7', 'started': 't'})
 
 

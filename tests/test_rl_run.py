@@ -25,7 +25,7 @@ from tests import full_disk
 from tests import launch_runs
 from tests.conftest import REPO_ROOT
 from tests.conftest import SFT_POLICY_OVERRIDES
-from train import checksums
+from train.run import checksums
 from train import errors
 from train.rl import learner
 from train.rl import rollout

@@ -16,11 +16,11 @@ from configs import digits
 from configs import sam_block
 from geom import hallucination
 from geom import sam as sam_lib
-from train import aot
-from train import checkpointing
-from train import input_pipeline
-from train import optim
-from train import steps
+from train.training import aot
+from train.run import checkpointing
+from train.training import input_pipeline
+from train.training import optim
+from train.training import steps
 from train.errors import ConfigError, Preempted
 from train.vision import datasets
 from train.vision import experiment

@@ -7,9 +7,9 @@ import optax
 import pytest
 
 from configs import digits
-from train import aot
-from train import input_pipeline
-from train import sharding as sharding_lib
+from train.training import aot
+from train.training import input_pipeline
+from train.training import sharding as sharding_lib
 from train.errors import ConfigError
 from train.vision import datasets
 from train.vision import experiment

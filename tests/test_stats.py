@@ -1,4 +1,4 @@
-"""train.stats against direct computations: exact enumeration on tiny
+"""train.analysis.stats against direct computations: exact enumeration on tiny
 data, the closed-form variance of the two-level bootstrap, and edges."""
 
 import itertools
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from train import errors
-from train import stats
+from train.analysis import stats
 
 
 def test_nested_mean_weighs_every_unit_the_same():

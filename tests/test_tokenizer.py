@@ -12,7 +12,7 @@ import pytest
 from configs import lm as lm_config
 from configs import steering as steering_config
 from train import fileio
-from train import resume_check
+from train.run import resume_check
 from train.errors import ConfigError, UsageError
 from train.lm import corpus as text_corpus
 from train.lm import tokenizer as lm_tokenizer

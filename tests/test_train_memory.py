@@ -1,5 +1,5 @@
 """A model whose train state cannot fit is refused before anything is
-allocated or written (`train.experiment._check_state_memory`)."""
+allocated or written (`train.training.experiment._check_state_memory`)."""
 
 import os
 import sys
@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from tests import launch_runs
-from train import host_devices
+from train.training import host_devices
 from train.errors import ConfigError
 from train.vision import experiment
 

@@ -10,8 +10,8 @@ import pytest
 import tensorflow_datasets as tfds
 
 from configs import digits
-from train import checkpointing
-from train import optim
+from train.run import checkpointing
+from train.training import optim
 from train.errors import NonFiniteLossError
 from train.vision import datasets
 from train.vision import experiment

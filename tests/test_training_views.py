@@ -6,7 +6,7 @@ batches through `input_pipeline.TrainBatches`."""
 import numpy as np
 import pytest
 
-from train import input_pipeline
+from train.training import input_pipeline
 from train.errors import ConfigError
 from train.vision import crops
 from train.vision import datasets

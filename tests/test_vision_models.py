@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from train import sharding as sharding_lib
+from train.training import sharding as sharding_lib
 from train.errors import ConfigError
 from train.vision import models
 

@@ -28,13 +28,13 @@ from configs import digits
 from train.jobs import trainers
 from tests import config_edits
 from tests import launch_runs
-from train import checkpointing
-from train import disk_space
+from train.run import checkpointing
+from train.run import disk_space
 from train import errors
-from train import metrics
-from train import preemption
-from train import resume_check
-from train import workdir_lock
+from train.run import metrics
+from train.run import preemption
+from train.run import resume_check
+from train.run import workdir_lock
 from train.vision import experiment
 from train.vision import trainer
 

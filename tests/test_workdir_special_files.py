@@ -14,11 +14,11 @@ import time
 import pytest
 
 from tests import launch_runs
-from train import checkpointing
+from train.run import checkpointing
 from train import errors
 from train import fileio
-from train import metrics
-from train import workdir_lock
+from train.run import metrics
+from train.run import workdir_lock
 
 EXIT_USAGE = 2
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from studies.detector_noise.noisy_runs import DETECTORS
 from studies.detector_noise.noisy_runs import KINDS
-from train import stats
+from train.analysis import stats
 
 
 def summarize(rows) -> dict:

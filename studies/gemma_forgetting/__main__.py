@@ -56,7 +56,7 @@ def main(argv):
     # pylint: disable=g-import-not-at-top
     from studies.gemma_forgetting import settings as study_settings
     from studies.gemma_forgetting import study
-    from train import stats
+    from train.analysis import stats
     from train.errors import UsageError
     stats.check_seed_count('--seeds', _SEEDS.value)
     try:

@@ -13,7 +13,7 @@ import os
 
 from studies.gemma_forgetting.settings import REFERENCE
 from train import fileio
-from train import stats
+from train.analysis import stats
 
 REPORT = 'forgetting.md'
 RECORDS = 'forgetting.json'

@@ -9,7 +9,7 @@ from studies.gemma_forgetting import measure
 from studies.gemma_forgetting import report
 from studies.gemma_forgetting.settings import Settings
 from studies.gemma_forgetting.settings import check_config
-from train import workdir_lock
+from train.run import workdir_lock
 
 
 def run(settings: Settings, base: ml_collections.ConfigDict,

@@ -25,10 +25,10 @@ import ml_collections
 
 from studies.steering import intervals
 from studies.steering import report
-from train import experiment as experiment_lib
-from train import metrics as metrics_lib
-from train import stats
-from train import workdir_lock
+from train.training import experiment as experiment_lib
+from train.run import metrics as metrics_lib
+from train.analysis import stats
+from train.run import workdir_lock
 from train.errors import UsageError
 from train.lm import gemma_gguf
 from train.steering import evaluation

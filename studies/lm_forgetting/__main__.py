@@ -56,7 +56,7 @@ from studies.lm_forgetting import report
 from studies.lm_forgetting import runs
 from studies.lm_forgetting.settings import Settings
 from studies.lm_forgetting.settings import VARIANTS
-from train import metrics
+from train.run import metrics
 from train.jobs import entry
 
 _D = Settings()

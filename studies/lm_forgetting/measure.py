@@ -24,7 +24,7 @@ import optax
 from geom import curvature
 from studies.lm_forgetting import runs
 from studies.lm_forgetting.settings import Settings
-from train import metrics
+from train.run import metrics
 from train.lm import data as lm_data
 from train.lm import heldout
 from train.lm import quantization

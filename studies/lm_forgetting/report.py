@@ -4,8 +4,8 @@
 import statistics
 
 from studies.lm_forgetting.settings import VARIANTS
-from train import plots
-from train import stats
+from train.analysis import plots
+from train.analysis import stats
 
 # The companion paper's abstract: SAM mid-training's reduction of
 # forgetting, in percent.

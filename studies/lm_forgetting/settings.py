@@ -4,7 +4,7 @@ checked before anything is trained."""
 import dataclasses
 import os
 
-from train import stats
+from train.analysis import stats
 from train.errors import UsageError
 from train.lm import data as lm_data
 

@@ -26,7 +26,7 @@ from absl import flags
 
 from studies.rl_curvature import measure
 from studies.rl_curvature import report
-from train import metrics
+from train.run import metrics
 from train.jobs import entry
 
 _SFT_WORKDIRS = flags.DEFINE_list(

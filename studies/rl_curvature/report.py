@@ -8,7 +8,7 @@ numbers alone.
 import os
 from typing import Any
 
-from train import stats
+from train.analysis import stats
 
 
 def table(results: dict[str, Any]) -> str:

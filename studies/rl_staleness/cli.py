@@ -15,7 +15,7 @@ import ml_collections
 from configs import rl
 from studies.rl_staleness import report
 from studies.rl_staleness import runs
-from train import stats
+from train.analysis import stats
 from train.errors import UsageError
 from train.jobs import entry
 from train.rl import grpo
@@ -124,8 +124,8 @@ def main(holders: dict[str, flags.FlagHolder]) -> None:
     entry.configure_devices(ml_collections.ConfigDict({'cpu_devices': 8}))
     study = _study(holders)
     # pylint: disable=g-import-not-at-top
-    from train import experiment
-    from train import workdir_lock
+    from train.training import experiment
+    from train.run import workdir_lock
     # pylint: enable=g-import-not-at-top
     root = experiment.check_workdir(study.workdir)
     # One study per workdir (its runs below lock their own directories).

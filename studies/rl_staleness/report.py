@@ -12,8 +12,8 @@ import statistics
 import numpy as np
 
 from studies.rl_staleness import runs as runs_lib
-from train import plots
-from train import stats
+from train.analysis import plots
+from train.analysis import stats
 
 
 def _percent(values: list[float]) -> str:

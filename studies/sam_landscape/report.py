@@ -15,7 +15,7 @@ import numpy as np
 
 from geom import landscapes
 from studies.sam_landscape import sam_runs
-from train import stats
+from train.analysis import stats
 
 _KEY = re.compile(r'rho=([^,]+),warmup=(\d+)')
 
@@ -68,7 +68,7 @@ def load(path: str):
 
 
 def plot(results, path, *, steps, lr, rho=0.8, warm=50):
-  from train import plots  # pylint: disable=g-import-not-at-top
+  from train.analysis import plots  # pylint: disable=g-import-not-at-top
   plt = plots.pyplot()
   X, Y, Z = landscapes.grid()
   fig, ax = plt.subplots(figsize=(7.5, 6.5))

@@ -48,8 +48,8 @@ from absl import flags
 
 from studies.sam_recipes import report
 from studies.sam_recipes import training_runs
-from train import metrics
-from train import stats
+from train.run import metrics
+from train.analysis import stats
 from train.errors import UsageError
 from train.jobs import entry
 

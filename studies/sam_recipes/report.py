@@ -2,7 +2,7 @@
 
 import statistics
 
-from train import stats
+from train.analysis import stats
 
 
 def summarize(results: dict) -> str:

@@ -15,7 +15,7 @@ import statistics
 
 from absl import logging
 
-from train import metrics
+from train.run import metrics
 from train.jobs import trainers
 from train.vision import datasets
 

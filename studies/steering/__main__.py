@@ -35,8 +35,8 @@ from absl import flags
 
 from configs import lm
 from studies.steering import lm_runs
-from train import experiment
-from train import stats
+from train.training import experiment
+from train.analysis import stats
 from train.errors import UsageError
 from train.jobs import entry
 from train.steering import evaluation
@@ -117,7 +117,7 @@ def main(argv):
     entry.configure_devices(eval_config(0))
     # pylint: disable=g-import-not-at-top
     from studies.steering import report
-    from train import metrics
+    from train.run import metrics
     # pylint: enable=g-import-not-at-top
     plan = [(seed, beta, eval_config(seed, beta),
              f'eval_lm{seed}' + ('' if beta is None else f'_beta{beta:g}'))

@@ -10,7 +10,7 @@ unsteered one on held-out text.
   correctness is interpolated in KL along the method's alpha sweep
   (`matched_kl.scores_at_kl`, the unsteered row as KL 0), then averaged
   with a hierarchical bootstrap over LMs, item sets within an LM and items
-  within a set (`train.stats`). A target KL that some LM's sweep does
+  within a set (`train.analysis.stats`). A target KL that some LM's sweep does
   not reach gives no figure: the cell says how many LMs reached it.
 - Paired differences (`paired`): the per-item difference of two methods
   at the same KL, on the same items, bootstrapped the same way; an
@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from train import stats
+from train.analysis import stats
 from train.steering import matched_kl
 
 TARGET_KLS = (0.05, 0.1, 0.2, 0.33, 0.5)

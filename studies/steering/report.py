@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from train import stats
+from train.analysis import stats
 from train.steering import pareto
 from studies.steering import intervals
 

@@ -35,9 +35,9 @@ import ml_collections
 
 from studies.tta import grids
 from studies.tta import report
-from train import experiment
-from train import stats
-from train import workdir_lock
+from train.training import experiment
+from train.analysis import stats
+from train.run import workdir_lock
 from train.errors import UsageError
 from train.jobs import entry
 from train.tta import methods

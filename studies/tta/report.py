@@ -8,8 +8,8 @@ tables rebuild without running anything.
 import statistics
 
 from studies.tta import grids
-from train import plots
-from train import stats
+from train.analysis import plots
+from train.analysis import stats
 
 
 def table(study: grids.Study, raw: dict[str, float]) -> str:

@@ -51,7 +51,7 @@ class Group:
   Attributes:
     name: 'train', 'learner', 'rollout', ...
     description: the mesh and what the programs take, for the report.
-    programs: `train.aot.Program`s.
+    programs: `train.training.aot.Program`s.
   """
   name: str
   description: str
@@ -130,7 +130,7 @@ def _config_from_file(path: str, arg: str | None) -> ml_collections.ConfigDict:
 def _saved_config(workdir: str) -> ml_collections.ConfigDict | None:
   """The config saved with a workdir's newest checkpoint, if it has one."""
   # pylint: disable=g-import-not-at-top
-  from train import checkpointing
+  from train.run import checkpointing
   # pylint: enable=g-import-not-at-top
   if not os.path.isdir(os.path.join(workdir, checkpointing.CHECKPOINTS)):
     return None
@@ -165,7 +165,7 @@ def programs(config: ml_collections.ConfigDict, devices: Sequence[Any],
     UsageError: the config (or the model's) is invalid.
   """
   # pylint: disable=g-import-not-at-top
-  from train import aot
+  from train.training import aot
   from train.errors import ConfigError
   # pylint: enable=g-import-not-at-top
   task = task_of(config)
@@ -214,7 +214,7 @@ def import_jax() -> None:
   # its entry, warned "PjRtCompiler must be constructed with a Client to
   # call DeserializeLoadedExecutable" and compiled again.
   os.environ['JAX_ENABLE_COMPILATION_CACHE'] = 'false'
-  from train import targets  # pylint: disable=g-import-not-at-top
+  from train.compilation import targets  # pylint: disable=g-import-not-at-top
   targets.enable_toolchain()
   with quiet_stderr():
     import jax  # pylint: disable=g-import-not-at-top,unused-import
@@ -227,7 +227,7 @@ def quiet_stderr():
   unexpectedly (not for the launcher's one-line errors and signals)."""
   # pylint: disable=g-import-not-at-top
   from train import errors
-  from train import targets
+  from train.compilation import targets
   # pylint: enable=g-import-not-at-top
   said = (errors.UsageError, errors.RunError, errors.Interrupted,
           targets.TargetError, targets.SlicesError)
@@ -262,7 +262,7 @@ def check_flags(config: ml_collections.ConfigDict, target_text: str,
   """
   # pylint: disable=g-import-not-at-top
   from train.jobs import compile_watch
-  from train import targets
+  from train.compilation import targets
   from train.errors import UsageError
   # pylint: enable=g-import-not-at-top
   try:
@@ -306,8 +306,8 @@ def run(config, target_text: str, num_slices: int, workdir: str | None,
   """
   # pylint: disable=g-import-not-at-top
   from train.jobs import compile_watch
-  from train import compile_report
-  from train import targets
+  from train.compilation import compile_report
+  from train.compilation import targets
   from train.errors import Interrupted, UsageError
   # pylint: enable=g-import-not-at-top
   if timeout_s is None:

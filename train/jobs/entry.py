@@ -40,7 +40,7 @@ class LibraryNoiseFilter(logging.logging.Filter):
 
   def __init__(self):
     super().__init__()
-    from train import disk_space  # pylint: disable=g-import-not-at-top
+    from train.run import disk_space  # pylint: disable=g-import-not-at-top
     self._disk_full_text = disk_space.FULL_DISK_TEXT
     self._disk_full_seen = False
 
@@ -143,7 +143,7 @@ def parse_flags(argv: list[str], config_flag) -> list[str]:
 
 def configure_devices(config) -> None:
   """Simulated CPU devices (`config.cpu_devices`), before JAX starts its backend."""
-  from train import host_devices  # pylint: disable=g-import-not-at-top
+  from train.training import host_devices  # pylint: disable=g-import-not-at-top
   if config.get('cpu_devices') is not None:
     host_devices.configure_cpu_devices(config.cpu_devices)
 
@@ -195,9 +195,9 @@ def run_job(job: Callable[[], _T]) -> _T:
   checkpoint saved) 0, SIGINT 130.
   """
   # pylint: disable=g-import-not-at-top
-  from train import preemption
+  from train.run import preemption
   from train.errors import Interrupted, Preempted, RunError, UsageError
-  from train.workdir_lock import WorkdirBusy
+  from train.run.workdir_lock import WorkdirBusy
   # pylint: enable=g-import-not-at-top
   with preemption.raise_on_signals():
     try:

@@ -17,8 +17,8 @@ import os
 import statistics
 
 from train import fileio
-from train import plots
-from train import stats
+from train.analysis import plots
+from train.analysis import stats
 from train.errors import UsageError
 
 SEED_KEY = 'seed'

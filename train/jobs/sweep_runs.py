@@ -14,10 +14,10 @@ import subprocess
 import sys
 import time
 
-from train import disk_space
+from train.run import disk_space
 from train import fileio
-from train import metrics
-from train import workdir_lock
+from train.run import metrics
+from train.run import workdir_lock
 from train.errors import UsageError
 from train.jobs import entry
 from train.jobs import sweep_plan

@@ -18,8 +18,8 @@ def check_config(config) -> None:
     ConfigError: naming the field.
   """
   # pylint: disable=g-import-not-at-top
-  from train import experiment
-  from train import optim
+  from train.training import experiment
+  from train.training import optim
   from train.errors import ConfigError
   from train.lm import models
   # pylint: enable=g-import-not-at-top

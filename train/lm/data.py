@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 
 from train.errors import ConfigError, UsageError
-from train.input_pipeline import Batch
+from train.training.input_pipeline import Batch
 from train.lm import corpus as text_corpus
 from train.lm import tokenizer as lm_tokenizer
 

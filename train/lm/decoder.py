@@ -19,7 +19,7 @@ The blocks (`Block`: attention, MLP, norms) serve Gemma 3 as well
 `run_blocks` runs either family's blocks over the cache.
 
 Parameters carry logical axes ('vocab', 'embed', 'heads', 'kv_heads',
-'mlp') for `train.sharding`; block i is the submodule `block_i`, whose
+'mlp') for `train.training.sharding`; block i is the submodule `block_i`, whose
 output (the residual stream after the block) is what
 `train.lm.hooks` steers.
 
@@ -65,7 +65,7 @@ def _param(init, axes):
 
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
   """x's sharding by logical axes, where a step is traced under a mesh and
-  rules (`train.aot.Program`); elsewhere nothing. Without it XLA may follow
+  rules (`train.training.aot.Program`); elsewhere nothing. Without it XLA may follow
   an FSDP weight's split and shard activations by features instead of by
   batch (measured: the 1b config's train step then needs 147 GiB per v5e
   chip)."""

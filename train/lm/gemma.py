@@ -28,7 +28,7 @@ padding, absolute cache slots and positions counting valid tokens, so
 `train.lm.generate`, `train.lm.hooks` (blocks are `block_<i>`, whose
 output is the residual stream), the steering evaluation and the trainer
 run on either. Parameters carry the decoder's logical axes ('vocab',
-'embed', 'heads', 'kv_heads', 'mlp') for `train.sharding`.
+'embed', 'heads', 'kv_heads', 'mlp') for `train.training.sharding`.
 
 `SHAPES` holds the published text-model shapes (270m, 1b, 4b, from the
 `gemma` library's `Gemma3_270M/1B/4B`); `train.lm.gguf_gemma` loads the

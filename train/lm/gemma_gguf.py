@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from train import errors
-from train import host_devices
+from train.training import host_devices
 from train.lm import gemma
 from train.lm import gemma_tokenizer
 from train.lm import gguf_file

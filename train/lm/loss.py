@@ -1,4 +1,4 @@
-"""The decoder LM's per-sequence loss (a `train.steps.PerExample`)."""
+"""The decoder LM's per-sequence loss (a `train.training.steps.PerExample`)."""
 
 from typing import Any
 

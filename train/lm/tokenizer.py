@@ -35,7 +35,7 @@ from typing import Protocol
 import numpy as np
 
 from train import fileio
-from train import resume_check
+from train.run import resume_check
 from train.errors import ConfigError, UsageError
 from train.lm import corpus as text_corpus
 from train.lm import gemma_tokenizer

@@ -1,6 +1,6 @@
 """`train_and_evaluate(config, workdir)` for the LMs (`config.task = 'lm'`).
 
-The LM product's parts on the shared loop (`train.loop`): the model
+The LM product's parts on the shared loop (`train.training.loop`): the model
 (`train.lm.models`: the in-project decoder from `config.seed`, or a
 pretrained Gemma 3 from its GGUF file, fine-tuned with its own tokenizer,
 the file pinned by its SHA-256), its per-sequence loss (`train.lm.loss`) and the
@@ -32,9 +32,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from train import experiment as experiment_lib
-from train import loop
-from train import resume_check
+from train.training import experiment as experiment_lib
+from train.training import loop
+from train.run import resume_check
 from train.errors import ConfigError
 from train.lm import data as lm_data
 from train.lm import loss

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from train import aot
+from train.training import aot
 from train.errors import ConfigError
 from train.rl import grpo
 from train.rl import rollout as rollout_lib

@@ -15,7 +15,7 @@ lead's own view of them (on its devices alone) is the same buffers as
 the group's: `local_view` and `global_view` convert without a copy. That
 is why the lead alone can checkpoint, evaluate and publish, and why the
 checkpoint format is the one-learner one (whole arrays, written by the
-lead: `train.local_checkpoints`): a run resumes on any split. A policy
+lead: `train.run.local_checkpoints`): a run resumes on any split. A policy
 sharded over the group (FSDP) is refused; it would need the group to
 gather before each of those.
 

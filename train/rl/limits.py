@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import ml_collections
 
-from train import checkpointing
+from train.run import checkpointing
 from train.errors import ConfigError, UsageError
 from train.lm import models
 from train.lm import trainer as lm_trainer

@@ -4,7 +4,7 @@
 processes: processes 0..R-1 generate, each with its own actor threads on a
 mesh of its own devices; processes R..N-1 are the learner group. Its
 first process, the lead, is the learner of a one-process-learner job: it
-holds the workdir (alone: `train.process_group`), decides every step,
+holds the workdir (alone: `train.run.process_group`), decides every step,
 serves the weights and writes the checkpoints. With more than one learner
 process, each step's update runs as one SPMD program over the group's
 devices, the policy replicated on each (data parallel); the others follow

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import aot
+from train.training import aot
 from train.lm import generate as generate_lib
 from train.rl import grpo
 from train.rl import tasks

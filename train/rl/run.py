@@ -11,7 +11,7 @@ uniformly from `config.difficulties` by (seed, k), so its generation cost
 grows with that difficulty (longer answers, more decoding steps).
 
 The workdir gets the trainer's guarantees from the same core
-(`train.resumable`): one run at a time (a lock), the config checked
+(`train.run.resumable`): one run at a time (a lock), the config checked
 against the checkpoint's on resume, the SFT policy pinned by content,
 verified Orbax checkpoints every `checkpoint_every` versions,
 SIGTERM/SIGINT save one and stop. A checkpoint holds the learner (weights, optimizer state,
@@ -48,21 +48,21 @@ import ml_collections
 import numpy as np
 import optax
 
-from train import aot
-from train import checksums
+from train.training import aot
+from train.run import checksums
 from train import fileio
-from train import local_checkpoints
-from train import metrics as metrics_lib
-from train import plots
-from train import preemption
-from train import process_group
-from train import resumable
-from train import resume_check
-from train import sharding as sharding_lib
-from train import steps
+from train.run import local_checkpoints
+from train.run import metrics as metrics_lib
+from train.analysis import plots
+from train.run import preemption
+from train.run import process_group
+from train.run import resumable
+from train.run import resume_check
+from train.training import sharding as sharding_lib
+from train.training import steps
 from train.errors import ConfigError, Preempted, RunError, UsageError
-from train.experiment import check_seed
-from train.experiment import check_workdir
+from train.training.experiment import check_seed
+from train.training.experiment import check_workdir
 from train.lm import trainer as lm_trainer
 from train.rl import control
 from train.rl import grpo
@@ -451,7 +451,7 @@ def _check_local_workdir(workdir: str) -> None:
 
 def _check_checkpoint_format(config, workdir: str, multi: bool) -> None:
   """A one-process run checkpoints through Orbax, the learner of a
-  multi-process one alone (train.local_checkpoints, which any number of
+  multi-process one alone (train.run.local_checkpoints, which any number of
   rollout processes resumes); neither reads the other's."""
   local = local_checkpoints.newest_is_local(workdir)
   if local is None or local == multi:

@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from train import sharding as sharding_lib
+from train.training import sharding as sharding_lib
 from train.errors import ConfigError, RunError
 
 _POLL = 0.05  # Seconds between checks of the stop flag in every wait.

@@ -3,7 +3,7 @@
 An LM (`train.lm.models`: the in-project decoder from scratch in bytes, or
 a pretrained Gemma 3 fine-tuned in its own tokens, its file pinned by
 SHA-256) learns to complete task prompts with
-their answers on the shared loop (`train.loop`: mesh, optax chain,
+their answers on the shared loop (`train.training.loop`: mesh, optax chain,
 checkpoints, resume, metrics). Each example is one problem, BOS +
 prompt + answer + newline, right-padded; the loss is the cross-entropy
 of the answer tokens only (the prompt's random digits are not a thing to
@@ -30,10 +30,10 @@ import ml_collections
 import numpy as np
 import optax
 
-from train import experiment as experiment_lib
+from train.training import experiment as experiment_lib
 from train import fileio
-from train import loop
-from train import resume_check
+from train.training import loop
+from train.run import resume_check
 from train.errors import ConfigError
 from train.lm import models
 from train.lm import tokenizer as lm_tokenizer

@@ -85,8 +85,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from geom import gas
-from train import metrics as metrics_lib
-from train import stats
+from train.run import metrics as metrics_lib
+from train.analysis import stats
 
 
 def _floats(values: Any) -> tuple[float, ...]:

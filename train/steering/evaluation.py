@@ -58,11 +58,11 @@ import ml_collections
 import numpy as np
 
 from geom import steering as steering_lib
-from train import aot
-from train import experiment as experiment_lib
-from train import metrics as metrics_lib
-from train import stats
-from train import workdir_lock
+from train.training import aot
+from train.training import experiment as experiment_lib
+from train.run import metrics as metrics_lib
+from train.analysis import stats
+from train.run import workdir_lock
 from train.errors import ConfigError
 from train.lm import corpus as text_corpus
 from train.lm import data as lm_data

@@ -5,7 +5,7 @@ differs from method to method at the same alpha. To compare methods at the
 same cost in distribution shift, each item's score is interpolated linearly
 in KL between the two sweep points that bracket a target KL; the unsteered
 model is the point KL = 0. Interpolating each item (not only the mean)
-keeps the per-item scores that the bootstrap (`train.stats`) resamples,
+keeps the per-item scores that the bootstrap (`train.analysis.stats`) resamples,
 and the mean of the interpolated items equals the interpolated mean
 accuracy, since interpolation is linear.
 

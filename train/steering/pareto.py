@@ -1,7 +1,7 @@
 """The steering plots: success against KL per method, single runs (curves) and
 the multi-seed study (means with 95% bands at matched KL)."""
 
-from train import plots
+from train.analysis import plots
 
 
 def plot_pareto(rows: list[dict], tasks: list[str], out_path: str) -> None:

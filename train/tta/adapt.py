@@ -6,7 +6,7 @@ adaptation over the stream (`train.tta.streams`) -> per-corruption error,
 and `errors.png`.
 
 The workdir's guarantees are the trainer's, from the same core
-(`train.resumable`): one run per workdir, the config checked on resume,
+(`train.run.resumable`): one run per workdir, the config checked on resume,
 the source pinned by content, verified checkpoints of the whole
 adaptation state (the method's state, the stream position and the error
 counts) every `checkpoint_every` batches, SIGTERM/SIGINT saving before
@@ -36,17 +36,17 @@ import optax
 from geom import conga
 from geom import method_hooks
 from geom import validation
-from train import aot
+from train.training import aot
 from train import fileio
-from train import metrics as metrics_lib
-from train import plots
-from train import resumable
-from train import resume_check
-from train import steps
+from train.run import metrics as metrics_lib
+from train.analysis import plots
+from train.run import resumable
+from train.run import resume_check
+from train.training import steps
 from train.errors import ConfigError, UsageError
 from train.errors import from_argument_error
-from train.experiment import check_seed
-from train.experiment import check_workdir
+from train.training.experiment import check_seed
+from train.training.experiment import check_workdir
 from train.tta import data as tta_data
 from train.tta import methods
 from train.tta import source as source_lib

@@ -15,8 +15,8 @@ import flax.linen as nn
 import jax
 import ml_collections
 
-from train import checksums
-from train import experiment as experiment_lib
+from train.run import checksums
+from train.training import experiment as experiment_lib
 from train.errors import UsageError
 from train.tta import data as tta_data
 from train.vision import datasets

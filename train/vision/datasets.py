@@ -35,7 +35,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from train.errors import ConfigError, DamagedDataFile
-from train.input_pipeline import Batch
+from train.training.input_pipeline import Batch
 from train.vision import corrupted_builder
 from train.vision import corruptions
 from train.vision import crops

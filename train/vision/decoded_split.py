@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from train.errors import DamagedDataFile
-from train.input_pipeline import Batch
+from train.training.input_pipeline import Batch
 from train.vision import crops
 
 # Threads decoding one host's batch; more than the cores gains nothing.

@@ -1,7 +1,7 @@
 """The image classifier's run, validated from the config and assembled.
 
 `build(config, workdir)` checks the data set name and the model first,
-then `train.experiment.assemble` checks everything the loop shares (step
+then `train.training.experiment.assemble` checks everything the loop shares (step
 counts, mesh, batch divisibility, optimizer and method, workdir) and that
 every split of the data set can be opened. Nothing is placed or compiled.
 """
@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 
 from train import errors
-from train import experiment as experiment_lib
+from train.training import experiment as experiment_lib
 from train.vision import datasets
 from train.vision import loss
 from train.vision import models

@@ -1,7 +1,7 @@
 """Flax layers whose parameters carry logical axis names, shared by the image models.
 
 Every parameter is created through `nn.with_logical_partitioning`, so
-`train.sharding` can map its axes to mesh axes with the config's
+`train.training.sharding` can map its axes to mesh axes with the config's
 `logical_axis_rules`: conv kernels are (None, None, 'conv_in', 'conv_out'),
 a norm's scale and bias lie on its feature axis, dense kernels on the two
 axes their caller names. Parameters are always float32; `dtype` is the

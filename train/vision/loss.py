@@ -1,4 +1,4 @@
-"""The image classifiers' per-example loss (a `train.steps.PerExample`)."""
+"""The image classifiers' per-example loss (a `train.training.steps.PerExample`)."""
 
 from typing import Any
 

@@ -2,7 +2,7 @@
 
 Kernels carry logical axes ('conv_in', 'conv_out', 'hidden', 'classes', ...)
 through `nn.with_logical_partitioning` (`train.vision.layers`);
-`train.sharding` maps them to mesh axes with the config's rules, so the
+`train.training.sharding` maps them to mesh axes with the config's rules, so the
 same model runs data-parallel or model-parallel without edits. Inputs are
 uint8 images scaled in the model, which keeps host-to-device copies small.
 

@@ -1,6 +1,6 @@
 """`train_and_evaluate(config, workdir)`: the supervised image-classification trainer.
 
-The image product's parts on the shared loop (`train.loop`): the
+The image product's parts on the shared loop (`train.training.loop`): the
 experiment (`train.vision.experiment.build`: data set, model, loss) and
 the splits, read through TFDS into host memory (or, for ImageNet, opened
 to be decoded on demand): training and validation, and the test split,
@@ -14,7 +14,7 @@ import functools
 import ml_collections
 
 from train import errors
-from train import loop
+from train.training import loop
 from train.vision import datasets
 from train.vision import experiment
 from train.vision import label_noise

@@ -7,7 +7,7 @@ before `save` returns (so the caller may donate the arrays to the next
 step); the write to disk overlaps with training.
 
 Every checkpoint carries a fingerprint of each array it holds
-(`train.checksums`, computed on the devices), and a restore recomputes and
+(`train.run.checksums`, computed on the devices), and a restore recomputes and
 compares them, so a flipped bit on disk is found rather than trained on.
 The metadata saved beside the arrays (the run's config, its inputs'
 fingerprints) carries its own digest, so a flipped bit there is damage
@@ -28,10 +28,10 @@ from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 
-from train import checksums
-from train import disk_space
+from train.run import checksums
+from train.run import disk_space
 from train import fileio
-from train import process_group
+from train.run import process_group
 from train.errors import DiskFull, RunError, cause_line
 
 CHECKPOINTS = 'checkpoints'
@@ -108,7 +108,7 @@ class Checkpoints:
     self._alone = process_group.is_alone()
     if self._alone and not read_only:
       raise RuntimeError('a run alone on part of a multi-process job saves '
-                         'train.local_checkpoints.LocalCheckpoints')
+                         'train.run.local_checkpoints.LocalCheckpoints')
     extra = {}
     if self._alone:
       me = jax.process_index()

@@ -27,7 +27,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from train import fileio
-from train import process_group
+from train.run import process_group
 from train.errors import UsageError
 
 LOCK_FILE = '.lock'

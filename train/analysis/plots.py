@@ -5,7 +5,7 @@ import io
 import types
 
 from train import fileio
-from train import metrics as metrics_lib
+from train.run import metrics as metrics_lib
 
 
 def pyplot() -> types.ModuleType:

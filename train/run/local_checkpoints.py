@@ -4,13 +4,13 @@ Orbax coordinates every save and restore over all processes of the job
 (its barriers, and its numpy and scalar writers run on process 0 only;
 with `active_processes` set it refuses arrays held by fewer processes).
 The learner of a multi-process RL job is a subset of the job, so it saves
-here instead, in the same guarantees as `train.checkpointing.Checkpoints`
+here instead, in the same guarantees as `train.run.checkpointing.Checkpoints`
 (whose interface this is):
 
 - atomic: a step is written into `<step>.tmp-<pid>` and renamed to
   `<step>` when complete (files fsync-ed first); leftovers of a crash are
   removed when the directory is opened for writing;
-- verified: the arrays' fingerprints (`train.checksums`) and the
+- verified: the arrays' fingerprints (`train.run.checksums`) and the
   metadata's digest are saved with them and checked on restore, and a
   damaged step is skipped and moved aside by `restore_latest_good`;
 - the newest `keep` steps are kept.
@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import checkpointing
-from train import checksums
-from train import disk_space
+from train.run import checkpointing
+from train.run import checksums
+from train.run import disk_space
 from train import fileio
-from train.checkpointing import DamagedCheckpoint
+from train.run.checkpointing import DamagedCheckpoint
 
 ARRAYS = 'arrays.npz'
 META = 'meta.json'

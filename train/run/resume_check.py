@@ -139,7 +139,7 @@ def check(config: ml_collections.ConfigDict, workdir: str, step: int,
 def check_task(config: ml_collections.ConfigDict, workdir: str, step: int,
                meta: Mapping[str, Any], *, task: str, what: str,
                may_change: Iterable[str]) -> None:
-  """The check of a loop other than `train.loop` (test-time adaptation,
+  """The check of a loop other than `train.training.loop` (test-time adaptation,
   RL): the checkpoint at `step` must hold a `task` run's config that
   differs from `config` only in `may_change`.
 

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 import optax
 
-from train import process_group
+from train.run import process_group
 from train.errors import ConfigError
 
 Rules = Sequence[tuple[str, str | None]]
@@ -64,7 +64,7 @@ def make_mesh(shape: Sequence[int], axes: Sequence[str],
               devices: Sequence[Any] | None = None,
               dcn_axis: str | None = None, field: str = 'mesh') -> Mesh:
   """A mesh in Auto mode (shardings given to jit), over all devices or over
-  `devices` (e.g. a TPU pod's compile-only devices, `train.targets`).
+  `devices` (e.g. a TPU pod's compile-only devices, `train.compilation.targets`).
 
   Devices are laid out in the physical order that keeps each axis's
   collectives on neighbouring chips (`mesh_utils`). When `devices` span

@@ -17,7 +17,7 @@ the SAM paper's code trains. With momentum 0.9 the decay then acts about
 expression over parameter paths: the chain runs on the other parameters
 only (`optax.multi_transform`, no state for frozen ones) and frozen ones
 get zero updates, which weight decay does not reach either. The loss
-sees them through `jax.lax.stop_gradient` (`train.experiment`), so their
+sees them through `jax.lax.stop_gradient` (`train.training.experiment`), so their
 gradient is never computed (for Gemma's tied 262,144 x 640 embedding
 that is the output head's weight gradient) and a method that perturbs the
 weights along the gradient (SAM) leaves them where they are.

@@ -1,10 +1,10 @@
 """One resumable run in a workdir: all of a loop that is not its step or data.
 
-The image/LM trainer (`train.loop`), test-time adaptation
+The image/LM trainer (`train.training.loop`), test-time adaptation
 (`train.tta.adapt`) and RL (`train.rl.run`) hold their workdir through
 `open_run`, and keep only their step and their data. The run gives each:
 
-- One run at a time: an OS lock on the workdir (`train.workdir_lock`),
+- One run at a time: an OS lock on the workdir (`train.run.workdir_lock`),
   taken before anything there is read or written; a second launch ends
   at once naming the holder.
 - The config compared with the newest checkpoint's before anything is
@@ -55,14 +55,14 @@ from typing import Any
 from absl import logging
 import ml_collections
 
-from train import checkpointing
-from train import disk_space
+from train.run import checkpointing
+from train.run import disk_space
 from train import fileio
-from train import metrics as metrics_lib
-from train import preemption
-from train import process_group
-from train import resume_check
-from train import workdir_lock
+from train.run import metrics as metrics_lib
+from train.run import preemption
+from train.run import process_group
+from train.run import resume_check
+from train.run import workdir_lock
 from train.errors import NonFiniteLossError, Preempted
 
 # In a checkpoint's metadata: the records metrics.jsonl held when it was
@@ -199,7 +199,7 @@ class Run:
 
   def stopping(self) -> contextlib.AbstractContextManager[None]:
     """Inside the block, SIGTERM and SIGINT request a stop at the end of
-    the current step (see `train.preemption`)."""
+    the current step (see `train.run.preemption`)."""
     return self._stop.installed()
 
   def checkpoint_due(self, step: int) -> bool:
@@ -292,7 +292,7 @@ def open_run(config: ml_collections.ConfigDict, workdir: str, *,
     needed_bytes: about how much a checkpoint takes, for `DiskFull`'s
       message.
     checkpoints: the checkpoint class (Orbax's, or
-      `train.local_checkpoints.LocalCheckpoints` for a run on part of a
+      `train.run.local_checkpoints.LocalCheckpoints` for a run on part of a
       multi-process job).
 
   Yields:

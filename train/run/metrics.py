@@ -20,7 +20,7 @@ import time
 from absl import logging
 
 from train import fileio
-from train import process_group
+from train.run import process_group
 
 
 def _finite_or_none(value: object) -> object:

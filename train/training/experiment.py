@@ -32,13 +32,13 @@ import numpy as np
 import optax
 
 from geom import method_hooks
-from train import checkpointing
+from train.run import checkpointing
 from train import fileio
-from train import host_devices
-from train import optim
-from train import process_group
-from train import sharding as sharding_lib
-from train import steps
+from train.training import host_devices
+from train.training import optim
+from train.run import process_group
+from train.training import sharding as sharding_lib
+from train.training import steps
 from train.errors import ConfigError, UsageError
 
 # Column name -> (shape of one example, dtype), e.g.
@@ -48,14 +48,14 @@ Columns = Mapping[str, tuple[tuple[int, ...], jax.typing.DTypeLike]]
 # a pytree of arrays).
 InitVariables = Callable[[jax.Array], Mapping[str, Any]]
 
-# Fields every training config has, read by `train.loop`.
+# Fields every training config has, read by `train.training.loop`.
 LOOP_FIELDS = ('num_steps', 'batch_size', 'eval_batch_size', 'log_every',
                'eval_every', 'checkpoint_every', 'keep_checkpoints')
 
 
 @dataclasses.dataclass(frozen=True)
 class Experiment:
-  """Everything `train.loop` needs to run, checked; nothing placed yet.
+  """Everything `train.training.loop` needs to run, checked; nothing placed yet.
 
   Attributes:
     config: the run's config.
@@ -165,7 +165,7 @@ def check_seed(config: ml_collections.ConfigDict) -> None:
 
 
 def check_loop_settings(config: ml_collections.ConfigDict) -> None:
-  """The fields `train.loop` reads: seed, step counts, intervals, policies."""
+  """The fields `train.training.loop` reads: seed, step counts, intervals, policies."""
   check_seed(config)
   check_positive(config, *LOOP_FIELDS)
   if config.get('device_data_max_mb', 0) < 0:

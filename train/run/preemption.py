@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 from jax.experimental import multihost_utils
 
-from train import process_group
+from train.run import process_group
 from train.errors import Interrupted
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)

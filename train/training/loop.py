@@ -1,18 +1,18 @@
 """The training loop every product shares: `train_and_evaluate(exp, load_data)`.
 
 The flow: restore the latest checkpoint or initialise sharded state ->
-compile the steps ahead of time (`train.aot`, memory statistics logged) ->
+compile the steps ahead of time (`train.training.aot`, memory statistics logged) ->
 train, logging every `log_every` steps, evaluating the validation split
 every `eval_every` steps and checkpointing every `checkpoint_every` steps
 -> evaluate the final splits once -> `final_metrics.json` and a PNG of
 the curves. A product (`train.vision.trainer`, `train.lm.trainer`) builds
-the `train.experiment.Experiment` and says where its data comes from;
+the `train.training.experiment.Experiment` and says where its data comes from;
 everything else is here, method-agnostic: a method reaches the loop only
 through `exp.hooks` (`geom.method_hooks.MethodHooks`).
 
 The workdir's guarantees (one run at a time, config checked on resume,
 verified checkpoints, bit-exact resume, preemption, a full disk in one
-line, non-finite state never saved) are `train.resumable`'s, which the
+line, non-finite state never saved) are `train.run.resumable`'s, which the
 test-time adaptation and RL loops share. What is this loop's own:
 - Resume: batch k is a pure function of the seed and k, so a resumed run
   ends with parameters equal, bit for bit, to an uninterrupted run's; the
@@ -31,16 +31,16 @@ import functools
 from absl import logging
 import jax
 
-from train import aot
-from train import disk_space
-from train import experiment as experiment_lib
+from train.training import aot
+from train.run import disk_space
+from train.training import experiment as experiment_lib
 from train import fileio
-from train import input_pipeline
-from train import metrics as metrics_lib
-from train import plots
-from train import resumable
-from train import resume_check
-from train import steps
+from train.training import input_pipeline
+from train.run import metrics as metrics_lib
+from train.analysis import plots
+from train.run import resumable
+from train.run import resume_check
+from train.training import steps
 
 FINAL_METRICS = 'final_metrics.json'
 # In a checkpoint's metadata: the [loss, accuracy] of the steps since the

@@ -1,7 +1,7 @@
 """What a program compiled for a target chip needs: per-chip memory, cost, roofline.
 
-`compile_programs(programs, target)` compiles each `train.aot.Program`
-for the target's compile-only devices (`train.targets`) and returns one
+`compile_programs(programs, target)` compiles each `train.training.aot.Program`
+for the target's compile-only devices (`train.compilation.targets`) and returns one
 `Row` per program:
 
 - per-chip bytes from the compiler's memory analysis: arguments, outputs,
@@ -15,7 +15,7 @@ for the target's compile-only devices (`train.targets`) and returns one
   compiled GPU module through the CPU client (private API: a row whose
   cost cannot be read this way shows none), with the custom calls it
   cannot see added: the cuDNN convolutions' FLOPs, and every custom
-  call's operand and result bytes (`train.hlo_traffic`); Pallas kernels
+  call's operand and result bytes (`train.compilation.hlo_traffic`); Pallas kernels
   count their bytes but no FLOPs;
 - a roofline step time, max(FLOPs / peak, bytes / HBM bandwidth), from
   the chip's datasheet figures: a lower bound that ignores collectives,
@@ -43,11 +43,11 @@ from typing import Any
 
 import jax
 
-from train import aot
-from train import hlo_traffic
-from train import sharding as sharding_lib
-from train import stats
-from train import targets
+from train.training import aot
+from train.compilation import hlo_traffic
+from train.training import sharding as sharding_lib
+from train.analysis import stats
+from train.compilation import targets
 from train.errors import RunError
 
 MEMORY_FIELDS = ('argument', 'output', 'temp', 'alias', 'generated_code')

@@ -96,7 +96,7 @@ def make_train_step(
     model, tx: the model and the optax transformation.
     per_example: the loss, as `(model, variables, batch, train) ->
       (losses, correct, new batch_stats)` per example.
-    nonfinite: 'stop' or 'skip' (see `train.loop`).
+    nonfinite: 'stop' or 'skip' (see `train.training.loop`).
     log_every: the gradient norm is computed on logging steps only.
     hooks: what the method in `tx` needs (`geom.method_hooks`): its extra
       `update` arguments (`grad_fn(params)`: the loss gradient at other

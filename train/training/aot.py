@@ -19,10 +19,10 @@ import flax.linen as nn
 import jax
 import optax
 
-from train import experiment as experiment_lib
-from train import input_pipeline
-from train import sharding as sharding_lib
-from train import steps
+from train.training import experiment as experiment_lib
+from train.training import input_pipeline
+from train.training import sharding as sharding_lib
+from train.training import steps
 
 Batch = dict[str, jax.Array]
 # (state, batch) -> (state, metrics); the state is donated.

@@ -1,0 +1,1 @@
+"""Statistics and plots for reports (intervals, paired tests, curves)."""
