@@ -14,16 +14,13 @@ probe file that proves it writable.
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import json
 import math
 import os
-import tempfile
 from typing import Any, NamedTuple
 
-from etils import epath
 import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding
@@ -33,10 +30,10 @@ import optax
 
 from geom import method_hooks
 from train.run import checkpointing
-from train import fileio
 from train.training import host_devices
 from train.training import optim
 from train.run import process_group
+from train.run import workdir_path
 from train.training import sharding as sharding_lib
 from train.training import steps
 from train.errors import ConfigError, UsageError
@@ -231,39 +228,9 @@ def _model_summary(config: ml_collections.ConfigDict) -> Any:
   return model
 
 
-# True while another run's experiment is rebuilt to read its checkpoints
-# (`reading_checkpoints`): that workdir is an input, maybe read-only.
-_READING_ANOTHER_RUN = contextvars.ContextVar('reading_another_run',
-                                              default=False)
-
-
-def check_workdir(workdir: str) -> str:
-  """Creates `workdir` if needed and proves it writable with a probe file
-  (inside `reading_checkpoints`, neither: the workdir is only read)."""
-  if not workdir or not str(workdir).strip():
-    # os.path.abspath('') is the current directory: an unset shell variable
-    # would scatter the run's files there.
-    raise UsageError('--workdir', workdir,
-                     'empty (an unset variable?); give a directory')
-  path = fileio.absolute(workdir)
-  if _READING_ANOTHER_RUN.get():
-    return path
-  try:
-    if fileio.is_remote(path):
-      probe = epath.Path(path) / f'.write_probe_{os.getpid()}'
-      probe.parent.mkdir(parents=True, exist_ok=True)
-      probe.write_text('')
-      probe.unlink()
-    else:
-      os.makedirs(path, exist_ok=True)
-      with tempfile.NamedTemporaryFile(dir=path, prefix='.write_probe_'):
-        pass
-  except Exception as e:  # pylint: disable=broad-except
-    # OSError locally; the bucket clients raise their own types.
-    raise UsageError('--workdir', workdir,
-                     f'not a writable directory '
-                     f'({getattr(e, "strerror", None) or e})') from None
-  return path
+# The run core checks a workdir (`train.run.workdir_path`); the name stays
+# for the products and studies that check theirs here.
+check_workdir = workdir_path.check
 
 
 def _batch_axes(rules) -> tuple[str, ...]:
@@ -411,13 +378,10 @@ def reading_checkpoints(workdir: str) -> Iterator[checkpointing.Checkpoints]:
   moved, so a read-only directory loads, and so does a run that is still
   saving. Its experiment may be built inside (`check_workdir` then only
   resolves the path)."""
-  token = _READING_ANOTHER_RUN.set(True)
-  try:
-    with checkpointing.Checkpoints(workdir, every_steps=1, keep=1,
-                                   async_save=False, read_only=True) as ckpts:
-      yield ckpts
-  finally:
-    _READING_ANOTHER_RUN.reset(token)
+  with workdir_path.reading_another_run(), checkpointing.Checkpoints(
+      workdir, every_steps=1, keep=1, async_save=False,
+      read_only=True) as ckpts:
+    yield ckpts
 
 
 class TrainedRun(NamedTuple):
