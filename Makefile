@@ -128,7 +128,7 @@ test-all: $(TEST_STAMP) $(TOOLCHAIN_STAMP)
 	$(PY) -m pytest -q -m '' $(TEST_WORKERS) $(PYTEST_ARGS)
 
 bench: $(RUN_STAMP)
-	$(PY) -m bench.trainer_overhead
+	$(PY) -m bench.training.trainer_overhead
 
 # The steering study (RESULTS.md): the LM on templates + fortunes, then the
 # method x alpha evaluation. Both resume / skip finished work.

@@ -18,7 +18,7 @@ host_devices.configure_cpu_devices(8)
 assert int(os.environ['PJRT_NPROC']) >= 64
 from absl import flags
 flags.FLAGS(['bench'])
-from bench import trainer_overhead
+from bench.training import trainer_overhead
 from configs import digits
 from train.vision import datasets, experiment
 config = digits.get_config()

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from train.compilation import hlo_traffic
-from bench.sam_perturb_trees import TREES
+from bench.sam.perturb_trees import TREES
 from geom.kernels import sam_perturb as k
 from train.compilation import targets
 

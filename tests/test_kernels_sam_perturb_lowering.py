@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench.sam_perturb_trees import TREES
+from bench.sam.perturb_trees import TREES
 from geom import validation
 from geom.kernels import sam_perturb as k
 

@@ -1,7 +1,7 @@
 r"""What one power-iteration step costs: a Hessian-vector product against a gradient.
 
-  python -m bench.hvp_cost            # writes the BENCHMARKS.md section
-  python -m bench.hvp_cost --steps=10 --repeats=3 --nowrite
+  python -m bench.curvature.hvp_cost            # writes the BENCHMARKS.md section
+  python -m bench.curvature.hvp_cost --steps=10 --repeats=3 --nowrite
 
 `geom.curvature` estimates sharpness (top eigenvalue, trace) with
 Hessian-vector products, forward over reverse (`jax.jvp` of `jax.grad`).
@@ -144,7 +144,7 @@ def main(argv):
                             'power step (ms)', 'ratio', 'goal'], rows,
                            '-----'),
       '',
-      'Reproduce: `.venv/bin/python -m bench.hvp_cost '
+      'Reproduce: `.venv/bin/python -m bench.curvature.hvp_cost '
       f'--steps={_STEPS.value} --repeats={_REPEATS.value}`.',
   ]
   report.publish(SECTION, lines, _WRITE.value)

@@ -1,8 +1,8 @@
 r"""Gemma 3 270M generation on CPU: tokens/s, steered against unsteered, and
 the KV cache against recomputation.
 
-  python -m bench.gemma_generation            # writes the BENCHMARKS.md section
-  python -m bench.gemma_generation --repeats=3 --nowrite
+  python -m bench.generation.gemma            # writes the BENCHMARKS.md section
+  python -m bench.generation.gemma --repeats=3 --nowrite
 
 Model: the registry's Gemma 3 270M (train.lm.gemma_gguf, float32
 parameters), one CPU device. Each variant is one jitted
@@ -12,7 +12,7 @@ alternate over `--repeats` repeats and the median of the per-repeat ratios
 to the unsteered cached call is reported. Steering at block 6 on every
 generated token (a random direction: speed does not depend on it). Goal:
 >= 0.95x for each steering method, as for the in-project LMs
-(`bench.steering_generation`).
+(`bench.generation.steering`).
 """
 
 import os
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from bench import report
-from bench import generation_timing
+from bench.generation import timing
 from geom import steering as steering_lib
 from train.analysis import stats
 from train.lm import gemma
@@ -63,7 +63,7 @@ def main(argv):
   model = gemma.Gemma3(loaded.shape, max_len=len(ids) + _STEPS.value)
   params = jax.device_put(loaded.params)
   direction = jax.random.normal(jax.random.key(2), (model.d_model,))
-  times = generation_timing.time_variants(
+  times = timing.time_variants(
       model, params, prompt, valid, variants(direction), LAYER,
       _STEPS.value, _REPEATS.value, calls=1)
   tokens = _BATCH.value * _STEPS.value
@@ -91,7 +91,7 @@ def main(argv):
           ['variant', 'mode', 'tokens/s (median)',
            'tokens/s / unsteered cached', 'goal'], rows, '-----'),
       '',
-      'Reproduce: `.venv/bin/python -m bench.gemma_generation '
+      'Reproduce: `.venv/bin/python -m bench.generation.gemma '
       f'--steps={_STEPS.value} --batch={_BATCH.value} '
       f'--repeats={_REPEATS.value}`.',
   ]

@@ -1,7 +1,7 @@
 r"""Where an RL run's resident memory goes: `launch.rl` in this process,
 sampled by a thread.
 
-  python -m bench.rl_memory --config=configs/rl.py:gemma,runlocal \
+  python -m bench.rl.memory --config=configs/rl.py:gemma,runlocal \
     --config.sft_workdir=workdirs/gemma_sft --workdir=/tmp/gemma_rl
 
 Takes launch.rl's flags unchanged. Every 20 ms the thread reads the
@@ -27,7 +27,8 @@ import jax
 from jax._src import xla_bridge
 
 _PERIOD = 0.02
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 _TRAIN = os.path.join(_ROOT, 'train') + os.sep
 
 

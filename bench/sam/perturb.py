@@ -1,7 +1,7 @@
 r"""The fused SAM perturbation kernel against XLA's jnp version, and copy bandwidth.
 
-  python -m bench.sam_perturb                   # CPU: interpret mode, for information
-  python3 -m bench.sam_perturb --sizes=1e6,1e7,1e8,1e9 --section=sam_perturb_gpu
+  python -m bench.sam.perturb                   # CPU: interpret mode, for information
+  python3 -m bench.sam.perturb --sizes=1e6,1e7,1e8,1e9 --section=sam_perturb_gpu
                                                 # on a GPU (an H200): the real figures
 
 First (`--check`, on by default) the kernels, compiled for the device,
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import report
-from bench import sam_perturb_trees
+from bench.sam import perturb_trees
 from geom.kernels import sam_perturb as k
 from train.analysis import stats
 
@@ -53,7 +53,7 @@ _CHECK_TREES = {
     name: {'/'.join(str(getattr(key, 'key', key)) for key in path):
            (leaf.shape, leaf.dtype)
            for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
-    for name, (params, _) in sam_perturb_trees.TREES.items()}
+    for name, (params, _) in perturb_trees.TREES.items()}
 
 
 def check(scales=(1.0, 1e20, 1e-25)) -> list[list[str]]:
@@ -153,7 +153,7 @@ def main(argv):
            'fused GB/s', 'XLA GB/s', 'copy GB/s', 'fused / copy'], rows,
           '--------'),
       '',
-      'Reproduce: `python -m bench.sam_perturb '
+      'Reproduce: `python -m bench.sam.perturb '
       f'--sizes={",".join(_SIZES.value)} --repeats={_REPEATS.value}`.',
   ]
   if checked:

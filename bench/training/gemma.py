@@ -1,7 +1,7 @@
 r"""Fine-tuning Gemma 3 270M on the shared loop: tokens/s of its train step.
 
-  python -m bench.gemma_training            # writes the BENCHMARKS.md section
-  python -m bench.gemma_training --steps=2 --repeats=1 --nowrite
+  python -m bench.training.gemma            # writes the BENCHMARKS.md section
+  python -m bench.training.gemma --steps=2 --repeats=1 --nowrite
 
 The trainer's own compiled step (`train.training.aot.compile_steps`, the state
 donated, batches placed beforehand) on the registry's Gemma 3 270M
@@ -117,7 +117,7 @@ def main(argv):
       stats.markdown_table(['job', 'optimizer', 's/step', 'tokens/s',
                             'speed / AdamW whole model'], rows, 'll---'),
       '',
-      'Reproduce: `.venv/bin/python -m bench.gemma_training '
+      'Reproduce: `.venv/bin/python -m bench.training.gemma '
       f'--steps={_STEPS.value} --repeats={_REPEATS.value}`.',
   ]
   report.publish(SECTION, lines, _WRITE.value)

@@ -1,9 +1,9 @@
 r"""What a weight version costs to cross processes (`train.rl.transport`).
 
-  python -m bench.rl_transfer            # writes its BENCHMARKS.md section
+  python -m bench.rl.transfer            # writes its BENCHMARKS.md section
 
 and the line fitted to its medians (`train.rl.simulator.Transfer`:
-latency + MB / bandwidth) to `--fit_to`, which `bench.rl_simulator
+latency + MB / bandwidth) to `--fit_to`, which `bench.rl.simulator
 --transfer_json` prices multi-process runs with.
 
 Starts a 2-process loopback JAX job (jax.distributed on 127.0.0.1, 2 CPU
@@ -120,7 +120,7 @@ def main(argv):
   ports = ','.join(str(_free_port()) for _ in range(3))
   env = dict(os.environ, XLA_FLAGS='')
   procs = [subprocess.Popen(
-      [sys.executable, '-m', 'bench.rl_transfer', f'--process={i}',
+      [sys.executable, '-m', 'bench.rl.transfer', f'--process={i}',
        f'--ports={ports}', f'--sizes_mb={",".join(_SIZES.value)}',
        f'--repeats={_REPEATS.value}'], env=env, stdout=subprocess.PIPE,
       stderr=subprocess.PIPE, text=True) for i in range(2)]
@@ -142,7 +142,7 @@ def main(argv):
                   f'{1e3 * local:.1f}', f'{total / local:.1f}x',
                   f'{mb / 2**10 / total:.2f}'])
   lines = [
-      '## Weights across processes (`python -m bench.rl_transfer`)', '',
+      '## Weights across processes (`python -m bench.rl.transfer`)', '',
       'One version of a tree of 8 float32 arrays, learner process -> '
       'rollout process, through `train.rl.transport.DevicePutTransport` '
       '(cross-process `jax.device_put`, the CPU transfer server on '
@@ -157,12 +157,12 @@ def main(argv):
           ['MB', 'send to ack (ms)', 'range (ms)', 'sender waits (ms)',
            'in-process copy (ms)', 'ratio', 'GB/s'], table)]
   fit = simulator.Transfer.fit(
-      *zip(*medians), source=f'bench.rl_transfer, medians of '
+      *zip(*medians), source=f'bench.rl.transfer, medians of '
       f'{_REPEATS.value} at {",".join(_SIZES.value)} MB, loopback CPU')
   lines += ['', f'Fitted line (send to ack): {1e3 * fit.latency_seconds:.1f}'
             f' ms + MB x {1e3 * fit.seconds_per_mb:.2f} ms '
             f'({1 / 2**10 / max(fit.seconds_per_mb, 1e-12):.2f} GB/s), '
-            f'in `{_FIT_TO.value}` for `bench.rl_simulator`.']
+            f'in `{_FIT_TO.value}` for `bench.rl.simulator`.']
   report.publish(SECTION, lines, _WRITE.value)
   if _WRITE.value:
     fit.to_json(_FIT_TO.value)

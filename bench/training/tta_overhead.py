@@ -1,7 +1,7 @@
 r"""What test-time adaptation's loop and CONGA cost, as ratios in one process.
 
-  python -m bench.tta_overhead            # writes the BENCHMARKS.md section
-  python -m bench.tta_overhead --repeats=3 --nowrite
+  python -m bench.training.tta_overhead            # writes the BENCHMARKS.md section
+  python -m bench.training.tta_overhead --repeats=3 --nowrite
 
 1. CONGA on a TENT step: the jitted TENT step (entropy gradient on the
    normalisation affines, Adam's direction) with `geom.conga.conga` as its
@@ -143,7 +143,7 @@ def main(argv):
       f'Per repeat: CONGA {", ".join(f"{r:.3f}" for r in step_ratios)}; '
       f'loop {", ".join(f"{r:.3f}" for r in loop_ratios)}.',
       '',
-      f'Reproduce: `python -m bench.tta_overhead --steps={_STEPS.value} '
+      f'Reproduce: `python -m bench.training.tta_overhead --steps={_STEPS.value} '
       f'--repeats={_REPEATS.value}`.',
   ]
   report.publish(SECTION, lines, _WRITE.value)

@@ -1,7 +1,7 @@
 r"""What SAM costs: step time and peak memory as ratios, in one process.
 
-  python -m bench.sam_cost            # writes the BENCHMARKS.md section
-  python -m bench.sam_cost --steps=50 --repeats=3 --nowrite
+  python -m bench.sam.cost            # writes the BENCHMARKS.md section
+  python -m bench.sam.cost --steps=50 --repeats=3 --nowrite
 
 Model: an MLP 512-1024-1024-10 on a batch of 256 (float32, one CPU device),
 base optimizer SGD with momentum 0.9. Each variant is one jitted step
@@ -168,7 +168,7 @@ def main(argv):
           [[name, f'{1e3 * statistics.median(times[name]):.2f}',
             f'{peak[name] / 2**20:.2f}'] for name in compiled], '---'),
       '',
-      'Reproduce: `.venv/bin/python -m bench.sam_cost '
+      'Reproduce: `.venv/bin/python -m bench.sam.cost '
       f'--steps={_STEPS.value} --repeats={_REPEATS.value}`.',
   ]
   report.publish(SECTION, lines, _WRITE.value)

@@ -2,10 +2,10 @@
 
 `TREES`: the trees the kernel's lowering and compile tests and its
 on-device check use (`tests/test_kernels_sam_perturb_lowering.py`,
-`tests/test_kernels_sam_perturb_compile.py`, `bench.sam_perturb`), each
+`tests/test_kernels_sam_perturb_compile.py`, `bench.sam.perturb`), each
 with the number of (rows, 128) buffers the kernels see on one device.
 
-`realistic()`: whole models' trees for `bench.sam_perturb_hbm`: decoder
+`realistic()`: whole models' trees for `bench.sam.perturb_hbm`: decoder
 LMs with the shapes of `configs/lm.py`'s `size=125m` and `size=1b` (the
 leaves as `train/lm/decoder.py` declares them: rotary attention with
 (d_model, heads, head_dim) projections, SwiGLU MLP, RMSNorm scales, untied
@@ -91,7 +91,7 @@ def resnet50(classes: int = 1000):
 
 
 def realistic():
-  """name -> parameter shapes of the models `bench.sam_perturb_hbm` uses."""
+  """name -> parameter shapes of the models `bench.sam.perturb_hbm` uses."""
   trees = {name: lm(*size) for name, size in LM_SIZES.items()}
   trees['resnet50'] = resnet50()
   trees['mlp'] = TREES['mlp'][0]

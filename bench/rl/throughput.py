@@ -1,7 +1,7 @@
 r"""Asynchronous GRPO's throughput against synchronous, as ratios in one process.
 
-  python -m bench.rl_throughput          # writes the BENCHMARKS.md section
-  python -m bench.rl_throughput --repeats=1 --nowrite
+  python -m bench.rl.throughput          # writes the BENCHMARKS.md section
+  python -m bench.rl.throughput --repeats=1 --nowrite
 
 `launch.rl`'s loop (configs/rl.py: 8 prompts x 8 samples per batch, 1-5
 digit sums, 4 rollout + 4 learner devices, 2 actor threads) from the SFT
@@ -24,7 +24,7 @@ from absl import flags
 import jax
 
 from bench import report
-from bench import rl_setup
+from bench.rl import warm_start
 from configs import rl
 from train.analysis import stats
 from train.rl import run
@@ -52,7 +52,7 @@ def _run(bound: int, root: str, repeat: int) -> dict:
 
 def main(argv):
   del argv
-  rl_setup.prepare(_SFT.value)
+  warm_start.prepare(_SFT.value)
   bounds = [int(b) for b in _BOUNDS.value]
   rates = {b: [] for b in [0] + bounds}
   busy = {b: [] for b in [0] + bounds}
@@ -86,7 +86,7 @@ def main(argv):
           f's={b}: ' + ', '.join(f'{r:.0f}' for r in rates[b])
           for b in [0] + bounds),
       '',
-      f'Reproduce: `python -m bench.rl_throughput --versions={_VERSIONS.value}'
+      f'Reproduce: `python -m bench.rl.throughput --versions={_VERSIONS.value}'
       f' --repeats={_REPEATS.value}`.',
   ]
   report.publish(SECTION, lines, _WRITE.value)

@@ -1,7 +1,7 @@
 r"""What steering costs in generation: tokens/s with steering / without, KV cache on.
 
-  python -m bench.steering_generation          # writes the BENCHMARKS.md section
-  python -m bench.steering_generation --repeats=3 --nowrite
+  python -m bench.generation.steering          # writes the BENCHMARKS.md section
+  python -m bench.generation.steering --repeats=3 --nowrite
 
 Model: configs/lm.py's decoder (d_model 128, 4 blocks) for each of
 `--tokenizers`: the byte vocabulary (256) and the subword one
@@ -26,7 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bench import generation_timing
+from bench.generation import timing
 from bench import report
 from configs import lm as lm_config
 from geom import steering as steering_lib
@@ -75,7 +75,7 @@ def measure(tokenizer: str):
   valid = jnp.ones(prompt.shape, bool)
   direction = jax.random.normal(jax.random.key(2), (model.d_model,))
 
-  times = generation_timing.time_variants(
+  times = timing.time_variants(
       model, params, prompt, valid, variants(direction), LAYER,
       _STEPS.value, _REPEATS.value, _CALLS.value)
   return model, times
@@ -117,7 +117,7 @@ def main(argv):
           ['tokenizer (vocabulary)', 'variant', 'tokens/s (median)'],
           speed_rows, '---'),
       '',
-      'Reproduce: `.venv/bin/python -m bench.steering_generation '
+      'Reproduce: `.venv/bin/python -m bench.generation.steering '
       f'--steps={_STEPS.value} --batch={_BATCH.value} '
       f'--repeats={_REPEATS.value}`.',
   ]

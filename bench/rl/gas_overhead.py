@@ -1,7 +1,7 @@
 r"""GAS's scheduler overhead per learner step, as a ratio to the step itself.
 
-  python -m bench.gas_overhead             # writes the BENCHMARKS.md section
-  python -m bench.gas_overhead --nowrite --steps=50
+  python -m bench.rl.gas_overhead             # writes the BENCHMARKS.md section
+  python -m bench.rl.gas_overhead --nowrite --steps=50
 
 In one process: the learner's GRPO update (configs/rl.py: 8 prompts x 8
 samples, 1-5 digits, the SFT warm start in `--sft_workdir`, trained there
@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from bench import report
-from bench import rl_setup
+from bench.rl import warm_start
 from configs import rl
 from train.analysis import stats
 from train.rl import learner
@@ -99,7 +99,7 @@ def _scheduler_steps(config, count: int, start: int, sched) -> list[float]:
 
 def main(argv):
   del argv
-  rl_setup.prepare(_SFT.value)
+  warm_start.prepare(_SFT.value)
   config = rl.get_config('gas=full,staleness=4')
   config.sft_workdir = _SFT.value
   step, model, params, batch = _learner(config)
@@ -153,7 +153,7 @@ def main(argv):
       'learner mesh and is what `gas.curvature_every` (or `fixed_lambda`) '
       'trades.',
       '',
-      f'Reproduce: `python -m bench.gas_overhead --steps={_STEPS.value}`.',
+      f'Reproduce: `python -m bench.rl.gas_overhead --steps={_STEPS.value}`.',
   ]
   report.publish(SECTION, lines, _WRITE.value)
 

@@ -1,18 +1,18 @@
 r"""A discrete-event simulator of the asynchronous GRPO runtime at pod scale.
 
-  python -m bench.rl_simulator \
+  python -m bench.rl.simulator \
     --calibration_from='workdirs/rl_study/s0_decoupled_seed*' \
     --chips=8,64,256 --write_to=/tmp/rl_simulator.md
-  python -m bench.rl_simulator \
+  python -m bench.rl.simulator \
     --calibration_from='workdirs/rl_study/s0_decoupled_seed*' \
     --check_against='workdirs/rl_study/s*_decoupled_seed*'
 
 Across processes (`launch.rl --multihost`), with the transfer cost
-`bench.rl_transfer` measured and the calibration kept in the GAS study's
+`bench.rl.transfer` measured and the calibration kept in the GAS study's
 room (`--write_calibration=studies/gas/results/rl_calibration.json` wrote
 it), into the BENCHMARKS.md section `rl_across_processes`:
 
-  python -m bench.rl_simulator \
+  python -m bench.rl.simulator \
     --calibration_json=studies/gas/results/rl_calibration.json \
     --transfer_json=studies/gas/results/rl_transfer.json --chips= --publish
 
@@ -73,7 +73,7 @@ _CHECK_ACTORS = flags.DEFINE_integer(
 _WRITE_TO = flags.DEFINE_string('write_to', None,
                                 'Also write the markdown here.')
 _TRANSFER = flags.DEFINE_string(
-    'transfer_json', None, 'A `Transfer` (bench.rl_transfer --fit_to): '
+    'transfer_json', None, 'A `Transfer` (bench.rl.transfer --fit_to): '
     'adds the predictions with every actor group a process of its own.')
 _ACROSS_CHIPS = flags.DEFINE_list('across_chips', ['8', '64', '256'],
                                   'Total chips of those predictions.')
@@ -154,7 +154,7 @@ def main(argv):
         _T_COMM.value, _SLOTS.value, _SEED.value)
     across = [
         '## Rollout and learner processes at pod scale: predictions '
-        '(`python -m bench.rl_simulator`)', '',
+        '(`python -m bench.rl.simulator`)', '',
         '**Predicted by `train.rl.simulator`, not measured.** Its model '
         'and assumptions are in its docstring; the costs it scales are '
         'measured here: ' + sim.summary(cal), '',
@@ -174,11 +174,11 @@ def main(argv):
         'Commands: `python -m studies.rl_staleness '
         '--workdir=workdirs/rl_study --bounds= --corrections=decoupled` '
         '(the 3 synchronous runs, '
-        'nothing else running), `python -m bench.rl_simulator '
+        'nothing else running), `python -m bench.rl.simulator '
         "--calibration_from='workdirs/rl_study/s0_decoupled_seed*' "
         '--write_calibration=studies/gas/results/rl_calibration.json '
         '--chips=`, '
-        '`python -m bench.rl_transfer`, then `python -m bench.rl_simulator '
+        '`python -m bench.rl.transfer`, then `python -m bench.rl.simulator '
         + ' '.join(a for a in sys.argv[1:]) + '`.', '',
         'Transfer budget: the weight transfer at which the actor groups '
         'stop producing a slot per learner step, n (o + T) - L (uniform '

@@ -1,11 +1,11 @@
 r"""HBM traffic of the fused SAM perturbation against XLA's, from the compilers.
 
-  python -m bench.sam_perturb_hbm    # every target and tree; BENCHMARKS.md
+  python -m bench.sam.perturb_hbm    # every target and tree; BENCHMARKS.md
 
 Estimated from compiled programs, not measured: no accelerator runs here.
 For each target, a 4-chip slice or node (v4:2x2x1, v5e:2x2, v5p:2x2x1,
 v6e:2x2, h100:1x1x4, h200:1x1x4), and each parameter tree
-(`bench.sam_perturb_trees.realistic()`: the 125M and 1B LMs, ResNet-50, the
+(`bench.sam.perturb_trees.realistic()`: the 125M and 1B LMs, ResNet-50, the
 tests' MLP; float32, FSDP: each leaf split over the 4 chips along its first
 dimension they divide, the others replicated), it compiles from this CPU
 host (`train.compilation.targets`)
@@ -49,13 +49,13 @@ import numpy as np
 from train.compilation import hlo_traffic
 from train.analysis import stats
 from bench import report
-from bench import sam_perturb_trees
+from bench.sam import perturb_trees
 from geom.kernels import sam_perturb as k
 
 TARGETS = ('v4:2x2x1', 'v5e:2x2', 'v5p:2x2x1', 'v6e:2x2', 'h100:1x1x4',
            'h200:1x1x4')
 _TARGETS = flags.DEFINE_list('targets', list(TARGETS), 'Compile targets.')
-_TREES = flags.DEFINE_list('trees', list(sam_perturb_trees.realistic()),
+_TREES = flags.DEFINE_list('trees', list(perturb_trees.realistic()),
                            'Parameter trees.')
 _WRITE = flags.DEFINE_bool('write', True, 'Update BENCHMARKS.md.')
 SECTION = 'sam_perturb_hbm'
@@ -111,7 +111,7 @@ def _mb(b) -> str:
 
 def main(argv):
   del argv
-  trees = sam_perturb_trees.realistic()
+  trees = perturb_trees.realistic()
   rows, verdicts = [], {}
   for target in _TARGETS.value:
     chip = targets.chip_for(targets.parse(target))
@@ -122,7 +122,7 @@ def main(argv):
       verdicts.setdefault(chip.name, []).append(ratio)
       rows.append([
           chip.name, name,
-          f'{sam_perturb_trees.parameters(trees[name]) / 1e6:,.1f}M',
+          f'{perturb_trees.parameters(trees[name]) / 1e6:,.1f}M',
           _mb(r['ideal']),
           f'{_mb(r["fused"])} ({_mb(r["fused_kernels"])} in kernels)',
           _mb(r['xla']), f'**{ratio:.2f}x**', _mb(r['fused_cost']),
@@ -154,7 +154,7 @@ def main(argv):
            'fused ops', 'XLA ops', 'roofline fused (ms)',
            'roofline XLA (ms)'], rows, '-' * 13),
       '',
-      'Reproduce: `python -m bench.sam_perturb_hbm` (needs the compile '
+      'Reproduce: `python -m bench.sam.perturb_hbm` (needs the compile '
       'toolchain, `make compile-toolchain`; about '
       'ten minutes on 2 cores).',
   ]

@@ -20,8 +20,8 @@ bookkeeping on the host (drawing and placing batches, choosing the step,
 logging, the final save), which on CPU is not overlapped with the step:
 XLA:CPU programs are dispatched synchronously here (`train/training/host_devices.py`).
 
-  python -m bench.trainer_overhead            # writes BENCHMARKS.md section
-  python -m bench.trainer_overhead --steps=100 --repeats=2 --nowrite
+  python -m bench.training.trainer_overhead            # writes BENCHMARKS.md section
+  python -m bench.training.trainer_overhead --steps=100 --repeats=2 --nowrite
 """
 
 import os
@@ -214,7 +214,7 @@ def main(argv):
       "alone\" is the host-side bookkeeping of the loop, which XLA:CPU's "
       'synchronous dispatch does not overlap with the step.',
       '',
-      'Reproduce: `make bench` or `.venv/bin/python -m bench.trainer_overhead '
+      'Reproduce: `make bench` or `.venv/bin/python -m bench.training.trainer_overhead '
       f'--steps={steps} --repeats={repeats}`.',
   ]
   report.publish(SECTION, lines, _WRITE.value)

@@ -1,9 +1,9 @@
 r"""Per-chip memory and roofline time of the pod-scale jobs, from the compilers.
 
-  python -m bench.compile_estimates            # print the tables
-  python -m bench.compile_estimates --write    # and put them in BENCHMARKS.md
-  python -m bench.compile_estimates --only='LM 1b'
-  python -m bench.compile_estimates --reuse --write  # rows compiled before
+  python -m bench.compilation.estimates            # print the tables
+  python -m bench.compilation.estimates --write    # and put them in BENCHMARKS.md
+  python -m bench.compilation.estimates --only='LM 1b'
+  python -m bench.compilation.estimates --reuse --write  # rows compiled before
 
 Each row is one `python -m launch.compile` run (a process of its own) of a
 job users take to a pod or a GPU node, on a TPU v5e pod (v5e:16x16, 256
@@ -126,8 +126,8 @@ def run_row(row, workdir: str) -> tuple[dict | None, str, float]:
     os.remove(path)
   start = time.perf_counter()
   done = subprocess.run(cmd, capture_output=True, text=True,
-                        cwd=os.path.dirname(os.path.dirname(
-                            os.path.abspath(__file__))))
+                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                            os.path.abspath(__file__)))))
   seconds = time.perf_counter() - start
   error = next((l for l in done.stderr.splitlines()
                 if l.startswith('error:')), '')
@@ -240,7 +240,7 @@ def main(argv):
       'each: 80 GB x JAX\'s 0.75 preallocation). Roofline = max(FLOPs / '
       'peak bf16, HBM bytes / bandwidth) per chip from the datasheets: a '
       'lower bound that ignores collectives and overlap. Nothing here ran '
-      'on a TPU or GPU. Reproduce: `python -m bench.compile_estimates '
+      'on a TPU or GPU. Reproduce: `python -m bench.compilation.estimates '
       '--write`; one row: the `launch.compile` command below it.',
       '', *table(results), '',
       'SAM against the base step (train step only):', '',
@@ -273,7 +273,7 @@ def gemma_lines(rows, results) -> list[str]:
       'autotuning) plan them on the fewest chips that hold each. Shapes '
       'only: 1B and 4B weights ship in no registry package. Roofline as '
       'in the pod-scale table; nothing here ran on a TPU or GPU. '
-      'Reproduce: `python -m bench.compile_estimates --table=gemma '
+      'Reproduce: `python -m bench.compilation.estimates --table=gemma '
       '--write`.',
       '', *table(results), '',
       'SAM against the base step (train step only):', '',

@@ -1,0 +1,2 @@
+"""Benchmarks of the curvature estimates: a Hessian-vector product
+against a gradient."""
