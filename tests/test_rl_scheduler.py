@@ -146,13 +146,14 @@ def test_admission_reads_the_learners_current_budgets():
 
 def test_the_model_latency_is_tokens_times_seconds_per_token():
   config = _config()
-  sched = _gas(config, deterministic=True)
+  settings = scheduler_lib.settings(config)
   for d in config.difficulties:
-    assert sched.latency_of(d, 123.0) == pytest.approx(
+    assert scheduler_lib.latency_of(settings, d, 123.0) == pytest.approx(
         config.gas.model_seconds_per_token
         * tasks.max_answer_tokens(config.family, d))
   config.gas.latency_source = 'measured'
-  assert _gas(config, False).latency_of(3, 1.5) == 1.5
+  assert scheduler_lib.latency_of(scheduler_lib.settings(config), 3,
+                                  1.5) == 1.5
 
 
 def test_the_fixed_bound_plans_uniform_difficulties_at_k_minus_s():

@@ -31,18 +31,15 @@ deterministic run plans every later batch as an uninterrupted one.
 """
 
 import dataclasses
-import functools
 import math
 import threading
 from typing import Any, Callable, NamedTuple
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from geom import gas
 from train.errors import ConfigError, from_argument_error
-from train.rl import grpo
+from train.rl import gas_curvature
 from train.rl import runtime
 from train.rl import tasks
 
@@ -253,6 +250,44 @@ def _decode(saved: dict[str, Any]) -> gas.GasState:
       counts=arr(saved['counts'], np.int64))
 
 
+def latency_of(settings: SchedulerSettings, difficulty: int,
+               measured: float) -> float:
+  """The generation seconds GAS hears: `measured`, or the cost model's
+  (seconds per token x the difficulty's longest answer)."""
+  if settings.latency_source == 'measured':
+    return measured
+  return (settings.model_seconds_per_token
+          * tasks.max_answer_tokens(settings.family, difficulty))
+
+
+def step_time_of(settings: SchedulerSettings, measured: float) -> float:
+  """The learner step seconds GAS hears: `measured` or the cost model's."""
+  return (measured if settings.latency_source == 'measured'
+          else settings.model_step_seconds)
+
+
+def _observed(state: gas.GasState, settings: SchedulerSettings, b: int,
+              difficulty: int, rewards: np.ndarray, rows: int,
+              generation_seconds: float, step_seconds: float,
+              regenerated: bool, curvatures: dict[int, float]
+              ) -> tuple[gas.GasState, float]:
+  """The learner's state after the update that trained bucket `b`, and its
+  learning signal."""
+  options = settings.options
+  if regenerated:
+    state = gas.record_admission(state, b, False, rows)
+  state = gas.record_admission(state, b, True, rows)
+  signal = gas.learning_signal(rewards, settings.group_size, options.signal)
+  state = gas.observe_signal(state, options, b, signal)
+  state = gas.observe_latency(
+      state, options, b, latency_of(settings, difficulty, generation_seconds),
+      step_time_of(settings, step_seconds))
+  for d, eigenvalue in curvatures.items():
+    state = gas.observe_curvature(state, options,
+                                  settings.difficulties.index(d), eigenvalue)
+  return state, signal
+
+
 class Gas:
   """`geom.gas` as the runtime's scheduler (see the module docstring)."""
 
@@ -275,7 +310,10 @@ class Gas:
     self._plans: dict[int, Plan] = {}
     self._next = 0  # The next slot to decide.
     self._version = 0
-    self._last_batch: dict[int, Any] = {}  # Difficulty -> a learner batch.
+    self.curvature = gas_curvature.Curvature(
+        settings.curvature_every, settings.curvature_rows,
+        settings.curvature_iters, settings.curvature, settings.temperature,
+        settings.seed)
 
   # --- the actors' side -------------------------------------------------
 
@@ -336,20 +374,6 @@ class Gas:
       return gas.loss_weight(self._current(), self.options,
                              self._bucket(difficulty))
 
-  def needs_curvature(self, version: int) -> bool:
-    every = self._s.curvature_every
-    return bool(every) and version % every == 0
-
-  def latency_of(self, difficulty: int, measured: float) -> float:
-    if self._s.latency_source == 'measured':
-      return measured
-    return (self._s.model_seconds_per_token
-            * tasks.max_answer_tokens(self._s.family, difficulty))
-
-  def step_time_of(self, measured: float) -> float:
-    return (measured if self._s.latency_source == 'measured'
-            else self._s.model_step_seconds)
-
   def observe(self, version: int, *, difficulty: int, rewards: np.ndarray,
               rows: int, generation_seconds: float, step_seconds: float,
               regenerated: bool,
@@ -358,20 +382,9 @@ class Gas:
     """Folds in the update that made `version`; returns its scalars."""
     b = self._bucket(difficulty)
     with self._cond:
-      state = self._states[version - 1]
-      if regenerated:
-        state = gas.record_admission(state, b, False, rows)
-      state = gas.record_admission(state, b, True, rows)
-      signal = gas.learning_signal(rewards, self._s.group_size,
-                                   self.options.signal)
-      state = gas.observe_signal(state, self.options, b, signal)
-      state = gas.observe_latency(
-          state, self.options, b, self.latency_of(difficulty,
-                                                  generation_seconds),
-          self.step_time_of(step_seconds))
-      for d, eigenvalue in (curvatures or {}).items():
-        state = gas.observe_curvature(state, self.options, self._bucket(d),
-                                      eigenvalue)
+      state, signal = _observed(
+          self._states[version - 1], self._s, b, difficulty, rewards, rows,
+          generation_seconds, step_seconds, regenerated, curvatures or {})
       self._states[version] = state
       self._version = version
       for old in [v for v in self._states if v < version - self.bound - 1]:
@@ -387,24 +400,16 @@ class Gas:
     scalars['gas/signal'] = signal
     return scalars
 
+  # The runtime's curvature calls, answered by the probe.
+
+  def needs_curvature(self, version: int) -> bool:
+    return self.curvature.needed(version)
+
   def remember(self, difficulty: int, batch: Any) -> None:
-    """Keeps a learner batch of `difficulty` for the next curvature."""
-    self._last_batch[difficulty] = batch
+    self.curvature.remember(difficulty, batch)
 
   def curvatures(self, model, params, version: int) -> dict[int, float]:
-    """|lambda_max| of the answer-token NLL on each difficulty's last batch."""
-    g = self._s
-    out = {}
-    for d in sorted(self._last_batch):
-      batch = self._last_batch[d]
-      rows = min(g.curvature_rows, batch.tokens.shape[0])
-      sub = jax.tree.map(lambda x: x[:rows], batch)
-      key = jax.random.fold_in(jax.random.key(self._s.seed + 7919),
-                               version * 64 + d)
-      out[d] = float(batch_curvature(model, params, sub, key,
-                                     self._s.temperature, g.curvature,
-                                     g.curvature_iters))
-    return out
+    return self.curvature.estimate(model, params, version)
 
   def save(self, version: int) -> dict[str, Any]:
     with self._cond:
@@ -430,22 +435,6 @@ class Gas:
     """`geom.gas.diagnostics` of the learner's current state."""
     with self._cond:
       return gas.diagnostics(self._merged(self._current()), self.options)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
-def batch_curvature(model, params: Any, batch: grpo.Batch, key: jax.Array,
-                    temperature: float, method: str, iters: int
-                    ) -> jax.Array:
-  """|lambda_max| of the mean answer-token NLL of `batch` at `params`: the
-  curvature a policy-gradient step on these samples sees (geom.gas)."""
-
-  def nll(p):
-    logps = grpo.sequence_log_probs(model, p, batch.tokens, batch.valid,
-                                    temperature)
-    mask = batch.loss_mask
-    return -jnp.sum(logps * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-
-  return gas.curvature(nll, params, key, method, iters)
 
 
 def make(settings: SchedulerSettings, deterministic: bool,

@@ -1,6 +1,6 @@
 """A discrete-event simulator of the asynchronous GRPO runtime at pod scale.
 
-`python -m bench.rl_simulator` runs it (calibration, predictions and
+`python -m bench.rl.simulator` runs it (calibration, predictions and
 checks against real runs).
 
 Why: this machine has 2 CPU cores, on which the rollout and learner
@@ -42,7 +42,7 @@ Assumptions (the lead states them with any figure taken from here):
    `weights_seconds` for the transfer (the learner does not: its weight
    server sends while it trains), and a finished slot reaches the
    learner's buffer `batch_seconds` later. Both are constants, from a
-   line fitted to `bench.rl_transfer`'s measurements (`Transfer`).
+   line fitted to `bench.rl.transfer`'s measurements (`Transfer`).
 2. Dedicated compute (a pod): every actor group and the learner run at
    full speed at once. `shared_compute=True` models this machine
    instead: all jobs share one processor equally (processor sharing: k
@@ -460,20 +460,14 @@ def _lognormal(rng: np.random.Generator, mean: float, sigma: float) -> float:
   return float(mean * math.exp(sigma * rng.standard_normal() - sigma**2 / 2))
 
 
-class _Simulation:
-  """The event loop; `simulate` is its interface."""
+class _Draws:
+  """Each slot's bucket and bound: drawn from the mix under sync and a
+  fixed bound, dispatched by GAS (which also hears the latencies) under
+  GAS; counts the draws and GAS's deferrals."""
 
-  def __init__(self, cal: Calibration, policy: Policy, num_actors: int,
-               num_slots: int, seed: int, mix: Any, shared_compute: bool,
-               capacity: int | None, weights_seconds: float = 0.0,
-               batch_seconds: float = 0.0):
-    self.cal, self.policy, self.k_total = cal, policy, num_slots
-    self.weights_seconds, self.batch_seconds = weights_seconds, batch_seconds
-    self.waits: dict[int, float] = {}  # Slot -> its transfer seconds.
-    self.groups = num_actors  # Actor groups sharing a split slot.
-    self.n = 1 if policy.split else num_actors
-    self.shared = shared_compute
-    self.rng = np.random.default_rng(seed)
+  def __init__(self, cal: Calibration, policy: Policy, mix: Any,
+               rng: np.random.Generator):
+    self.policy, self.rng = policy, rng
     b = cal.num_buckets
     p = np.full(b, 1.0 / b) if mix is None else np.asarray(mix, np.float64)
     if p.shape != (b,) or (p < 0).any() or not np.isclose(p.sum(), 1):
@@ -485,38 +479,28 @@ class _Simulation:
         raise ValueError(f'GasOptions has {self.opts.num_buckets} buckets, '
                          f'the calibration {b}')
       self.gas_state = gas.init(self.opts)
-      top = int(gas.budgets(self.gas_state, self.opts).max())
+      self.top = int(gas.budgets(self.gas_state, self.opts).max())
     else:
-      self.gas_state, top = None, policy.bound
-    self.capacity = top + self.n if capacity is None else capacity
-    self.now, self.version = 0.0, 0
-    self.next_claim, self.next_needed = 0, 0
-    self.buffer: set[int] = set()
-    self.learner_job: int | None = None  # The slot in training.
-    # 'held': the version the actor's process has (none at first).
-    self.actors = [{'state': 'free', 'k': -1, 'held': -1}
-                   for _ in range(self.n)]
-    self.jobs: dict[Any, list[float]] = {}  # id -> [remaining, work].
-    self.trace = {f.name: np.full(num_slots, np.nan) for f in
-                  dataclasses.fields(Trace)}
-    self.step_of: dict[int, float] = {}
+      self.gas_state, self.top = None, policy.bound
     self.drawn = np.zeros(b, np.int64)
     self.deferrals: list[int] = []
     self.pending_draws: list[int] = []  # Dispatch index of each deferral.
-    self.sums = dict(busy=0.0, stall=0.0, idle=0.0, blocked=0.0)
 
-  # Instant transitions.
+  def draw(self, k: int, version: int) -> tuple[int, int]:
+    """Slot k's (bucket, bound), claimed at `version`."""
+    return (self._gas(k, version) if self.opts is not None
+            else self._fixed())
 
-  def _draw_fixed(self, k: int) -> tuple[int, int]:
+  def _fixed(self) -> tuple[int, int]:
     u = self.rng.random()
     b = int(min(np.searchsorted(self.cum, u, side='right'), len(self.cum) - 1))
     self.drawn[b] += 1
     return b, self.policy.bound
 
-  def _draw_gas(self, k: int) -> tuple[int, int]:
+  def _gas(self, k: int, version: int) -> tuple[int, int]:
     before = self.gas_state
     b, after = gas.dispatch(before, self.opts, self.rng.random(),
-                            lead=k - self.version)
+                            lead=k - version)
     self.gas_state = after
     deferred = after.counts[1] - before.counts[1]
     if deferred.any():  # The draw waits; b substitutes for it.
@@ -534,6 +518,98 @@ class _Simulation:
       self.deferrals.append(0)
     return b, int(gas.budgets(after, self.opts)[b])
 
+  def observe(self, **latency: Any) -> None:
+    """`gas.observe_latency` under GAS (its keyword arguments)."""
+    if self.opts is not None:
+      self.gas_state = gas.observe_latency(self.gas_state, self.opts,
+                                           **latency)
+
+
+class _Costs:
+  """Each job's seconds, drawn (assumption 1): a slot's generation and
+  verification (under `split` the slowest of the groups' shares) and a
+  learner step."""
+
+  def __init__(self, cal: Calibration, rng: np.random.Generator,
+               shares: int):
+    self.cal, self.rng, self.shares = cal, rng, shares
+
+  def slot_seconds(self, b: int) -> float:
+    cal, draws = self.cal, self.shares
+    return max(
+        _lognormal(self.rng, cal.latency_mean[b] / draws,
+                   cal.latency_sigma[b]) +
+        _lognormal(self.rng, cal.verifier_mean[b] / draws,
+                   cal.verifier_sigma[b]) for _ in range(draws))
+
+  def step_seconds(self) -> float:
+    return _lognormal(self.rng, self.cal.step_seconds, self.cal.step_sigma)
+
+
+class _Jobs:
+  """What runs, each job's [remaining, total] work; on dedicated compute
+  all at full speed, on shared compute at 1/len(jobs) each."""
+
+  def __init__(self, shared: bool):
+    self.shared = shared
+    self.work: dict[Any, list[float]] = {}
+
+  def start(self, job: Any, work: float) -> None:
+    self.work[job] = [work, work]
+
+  def rate(self) -> float:
+    return 1.0 / len(self.work) if self.shared else 1.0
+
+  def until_next(self) -> float:
+    """Seconds until the next job ends."""
+    return min(r for r, _ in self.work.values()) / self.rate()
+
+  def advance(self, dt: float) -> list[Any]:
+    """Runs `dt` seconds; returns the jobs that ended (still listed)."""
+    rate, done = self.rate(), []
+    for job, entry in self.work.items():
+      entry[0] -= dt * rate
+      if entry[0] <= 1e-12 * max(1.0, entry[1]):
+        done.append(job)
+    return done
+
+  def end(self, job: Any) -> float:
+    """Removes `job`; returns its total work."""
+    return self.work.pop(job)[1]
+
+
+class _Simulation:
+  """The event loop; `simulate` is its interface."""
+
+  def __init__(self, cal: Calibration, policy: Policy, num_actors: int,
+               num_slots: int, seed: int, mix: Any, shared_compute: bool,
+               capacity: int | None, weights_seconds: float = 0.0,
+               batch_seconds: float = 0.0):
+    self.cal, self.policy, self.k_total = cal, policy, num_slots
+    self.weights_seconds, self.batch_seconds = weights_seconds, batch_seconds
+    self.waits: dict[int, float] = {}  # Slot -> its transfer seconds.
+    self.groups = num_actors  # Actor groups sharing a split slot.
+    self.n = 1 if policy.split else num_actors
+    self.rng = np.random.default_rng(seed)
+    self.draws = _Draws(cal, policy, mix, self.rng)
+    self.costs = _Costs(cal, self.rng, num_actors if policy.split else 1)
+    self.capacity = (self.draws.top + self.n if capacity is None
+                     else capacity)
+    self.now, self.version = 0.0, 0
+    self.next_claim, self.next_needed = 0, 0
+    self.buffer: set[int] = set()
+    self.learner_job: int | None = None  # The slot in training.
+    # 'held': the version the actor's process has (none at first).
+    self.actors = [{'state': 'free', 'k': -1, 'held': -1}
+                   for _ in range(self.n)]
+    self.jobs = _Jobs(shared_compute)
+    self.trace = {f.name: np.full(num_slots, np.nan) for f in
+                  dataclasses.fields(Trace)}
+    self.step_of: dict[int, float] = {}
+    self.sums = dict(busy=0.0, stall=0.0, idle=0.0, blocked=0.0)
+
+  # Instant transitions.
+
   def _claims(self) -> bool:
     changed = False
     for actor in self.actors:
@@ -545,21 +621,12 @@ class _Simulation:
         continue
       k = self.next_claim
       self.next_claim += 1
-      b, budget = (self._draw_gas(k) if self.opts is not None
-                   else self._draw_fixed(k))
+      b, budget = self.draws.draw(k, self.version)
       actor.update(state='waiting', k=k)
       for name, value in (('bucket', b), ('budget', budget),
                           ('claim', self.now)):
         self.trace[name][k] = value
     return changed
-
-  def _slot_seconds(self, b: int) -> float:
-    cal, draws = self.cal, (self.groups if self.policy.split else 1)
-    return max(
-        _lognormal(self.rng, cal.latency_mean[b] / draws,
-                   cal.latency_sigma[b]) +
-        _lognormal(self.rng, cal.verifier_mean[b] / draws,
-                   cal.verifier_sigma[b]) for _ in range(draws))
 
   def _starts(self) -> bool:
     changed = False
@@ -577,8 +644,8 @@ class _Simulation:
       fetch = self.weights_seconds if v != actor['held'] else 0.0
       actor['held'] = v
       self.waits[k] = fetch + self.batch_seconds
-      work = fetch + self._slot_seconds(b) + self.batch_seconds
-      self.jobs[('actor', a)] = [work, work]
+      self.jobs.start(('actor', a),
+                      fetch + self.costs.slot_seconds(b) + self.batch_seconds)
       actor['state'] = 'generating'
     return changed
 
@@ -602,10 +669,9 @@ class _Simulation:
     self.next_needed += 1
     self.learner_job = k
     self.trace['train_start'][k] = self.now
-    step = _lognormal(self.rng, self.cal.step_seconds, self.cal.step_sigma)
+    step = self.costs.step_seconds()
     self.step_of[k] = step
-    work = self.cal.overhead_seconds + step
-    self.jobs['learner'] = [work, work]
+    self.jobs.start('learner', self.cal.overhead_seconds + step)
     return True
 
   def _settle(self) -> None:
@@ -615,12 +681,11 @@ class _Simulation:
   # Time.
 
   def _advance(self) -> None:
-    if not self.jobs:
+    if not self.jobs.work:
       raise RuntimeError(
           f'the simulation stalled at t={self.now} (version {self.version}, '
           f'buffer {sorted(self.buffer)}, actors {self.actors})')
-    rate = 1.0 / len(self.jobs) if self.shared else 1.0
-    dt = min(r for r, _ in self.jobs.values()) / rate
+    dt = self.jobs.until_next()
     waiting = sum(a['state'] == 'waiting' for a in self.actors)
     blocked = sum(a['state'] == 'blocked' for a in self.actors)
     self.sums['idle'] += dt * waiting
@@ -628,57 +693,55 @@ class _Simulation:
     if self.learner_job is None:
       self.sums['stall'] += dt
     self.now += dt
-    done = []
-    for job, entry in self.jobs.items():
-      entry[0] -= dt * rate
-      if entry[0] <= 1e-12 * max(1.0, entry[1]):
-        done.append(job)
+    done = self.jobs.advance(dt)
     # The learner first: a version published now is seen by every actor.
     for job in sorted(done, key=lambda j: j != 'learner'):
       self._finish(job)
 
   def _finish(self, job: Any) -> None:
-    _, work = self.jobs.pop(job)
+    work = self.jobs.end(job)
     if job == 'learner':
       k, self.learner_job = self.learner_job, None
       elapsed = self.now - self.trace['train_start'][k]
       self.sums['busy'] += elapsed * self.step_of[k] / work
       self.version = k + 1
       self.trace['publish'][k] = self.now
-      if self.opts is not None:
-        self.gas_state = gas.observe_latency(self.gas_state, self.opts,
-                                             step_seconds=elapsed)
+      self.draws.observe(step_seconds=elapsed)
       return
     actor = self.actors[job[1]]
     k = actor['k']
     self.trace['finish'][k] = self.now
-    if self.opts is not None:
-      self.gas_state = gas.observe_latency(
-          self.gas_state, self.opts, bucket=int(self.trace['bucket'][k]),
-          # Generation alone, as the runtime's actors time it.
-          seconds=self.now - self.trace['start'][k] - self.waits[k])
+    self.draws.observe(
+        bucket=int(self.trace['bucket'][k]),
+        # Generation alone, as the runtime's actors time it.
+        seconds=self.now - self.trace['start'][k] - self.waits[k])
     actor['state'] = 'blocked'
 
-  def run(self) -> SimResult:
+  def run(self) -> None:
+    """Simulates until the last slot's version is published."""
     self._settle()
     while self.version < self.k_total:
       self._advance()
       self._settle()
-    t = self.trace
-    trace = Trace(**{name: (t[name].astype(np.int64) if name in (
-        'bucket', 'budget', 'version') else t[name]) for name in t})
-    return SimResult(
-        policy=self.policy, num_actors=self.groups,
-        rows_per_slot=self.cal.rows_per_slot,
-        num_buckets=self.cal.num_buckets, makespan=self.now,
-        learner_busy_seconds=self.sums['busy'],
-        learner_stall_seconds=self.sums['stall'],
-        actor_idle_seconds=self.sums['idle'] * self.groups / self.n,
-        actor_blocked_seconds=self.sums['blocked'] * self.groups / self.n,
-        trace=trace, drawn=self.drawn,
-        deferrals=np.array(self.deferrals, np.int64),
-        pending=() if self.gas_state is None else self.gas_state.pending,
-        gas_state=self.gas_state)
+
+
+def _result(sim: _Simulation) -> SimResult:
+  """The figures of a simulation that ran."""
+  t, draws = sim.trace, sim.draws
+  trace = Trace(**{name: (t[name].astype(np.int64) if name in (
+      'bucket', 'budget', 'version') else t[name]) for name in t})
+  return SimResult(
+      policy=sim.policy, num_actors=sim.groups,
+      rows_per_slot=sim.cal.rows_per_slot,
+      num_buckets=sim.cal.num_buckets, makespan=sim.now,
+      learner_busy_seconds=sim.sums['busy'],
+      learner_stall_seconds=sim.sums['stall'],
+      actor_idle_seconds=sim.sums['idle'] * sim.groups / sim.n,
+      actor_blocked_seconds=sim.sums['blocked'] * sim.groups / sim.n,
+      trace=trace, drawn=draws.drawn,
+      deferrals=np.array(draws.deferrals, np.int64),
+      pending=() if draws.gas_state is None else draws.gas_state.pending,
+      gas_state=draws.gas_state)
 
 
 def simulate(cal: Calibration, policy: Policy, num_actors: int,
@@ -710,9 +773,10 @@ def simulate(cal: Calibration, policy: Policy, num_actors: int,
   if not (weights_seconds >= 0 and batch_seconds >= 0):
     raise ValueError(f'transfer seconds must be >= 0: {weights_seconds}, '
                      f'{batch_seconds}')
-  return _Simulation(cal, policy, num_actors, num_slots, seed, mix,
-                     shared_compute, capacity, weights_seconds,
-                     batch_seconds).run()
+  sim = _Simulation(cal, policy, num_actors, num_slots, seed, mix,
+                    shared_compute, capacity, weights_seconds, batch_seconds)
+  sim.run()
+  return _result(sim)
 
 
 def gas_options(cal: Calibration, s_base: int = 4, alpha: float = 0.5,
