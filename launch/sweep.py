@@ -22,7 +22,7 @@ results.json for RL) is
 skipped, an interrupted one resumes from its checkpoint, so relaunching the
 same command finishes a sweep. Runs die with the sweep (they get SIGTERM
 and save a checkpoint), and a run whose workdir is still held by another
-process (its lock, `train.run.workdir_lock`) waits for it instead of racing
+process (its lock, `train.run.job.holder`) waits for it instead of racing
 it; logs go to `--workdir/logs/`, and
 `--workdir/sweep.json` lists the runs for `launch.report`. The TPU and xpk
 targets print their commands (a dry run) unless `--execute`; on TPU every
@@ -76,6 +76,8 @@ flags.mark_flags_as_required(['config', 'sweep', 'workdir'])
 
 
 def main(argv):
+  # Progress lines ([wait], [start], [done]) as they happen, into a pipe too.
+  sys.stdout.reconfigure(line_buffering=True)
   del argv
   local = _TARGET.value == 'local'
   root = os.path.abspath(_WORKDIR.value) if local else _WORKDIR.value

@@ -11,6 +11,7 @@ import logging
 import os
 import random
 import re
+import select
 import shutil
 import signal
 import socket
@@ -746,10 +747,14 @@ def _sweep(tmp_path, num_steps, **kw):
   config = tmp_path / 'sweep_config.py'
   config.write_text(_SWEEP_CONFIG.format(num_steps=num_steps))
   root = str(tmp_path / 'sweep')
+  # Its progress lines must reach a pipe (`| tee`) as they happen, whether
+  # or not the caller's environment unbuffers Python's output.
+  env = {k: v for k, v in os.environ.items() if k != 'PYTHONUNBUFFERED'}
   proc = subprocess.Popen(
       [sys.executable, '-m', 'launch.sweep', f'--config={config}',
        '--sweep=one', f'--workdir={root}'], cwd=launch_runs.REPO_ROOT,
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+      **kw)
   return proc, os.path.join(root, 'seed=0')
 
 
@@ -785,6 +790,8 @@ def test_a_relaunched_sweep_waits_for_a_held_run(tmp_path):
   holder = launch_runs.hold_workdir(run)
   proc, _ = _sweep(tmp_path, num_steps=40)
   try:
+    said = select.select([proc.stdout], [], [], 120)[0]
+    assert said, 'no [wait] line within 120 s: is the sweep\'s output buffered?'
     line = proc.stdout.readline()
     assert line.startswith(f'[wait] seed=0: workdir in use by pid '
                            f'{holder.pid}'), line
