@@ -9,7 +9,7 @@ from studies.gemma_forgetting import measure
 from studies.gemma_forgetting import report
 from studies.gemma_forgetting.settings import Settings
 from studies.gemma_forgetting.settings import check_config
-from train.run import workdir_lock
+from train.run.job import open_job
 
 
 def run(settings: Settings, base: ml_collections.ConfigDict,
@@ -25,7 +25,7 @@ def run(settings: Settings, base: ml_collections.ConfigDict,
   check_config(base)
   root = os.path.abspath(workdir)
   os.makedirs(root, exist_ok=True)
-  with workdir_lock.hold(root):
+  with open_job(root):
     measure.measure_pretrained(settings, base, root)
     for v in settings.variants:
       for s in range(settings.seeds):

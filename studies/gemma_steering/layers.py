@@ -28,7 +28,7 @@ from studies.steering import report
 from train.training import experiment as experiment_lib
 from train.run import metrics as metrics_lib
 from train.analysis import stats
-from train.run import workdir_lock
+from train.run.job import open_job
 from train.errors import UsageError
 from train.lm import gemma_gguf
 from train.steering import evaluation
@@ -112,7 +112,7 @@ def run(config, workdir: str, targets: Sequence[float],
   gemma_gguf.check_memory(gemma_gguf.check_file(path).shape, path)
   workdir = experiment_lib.check_workdir(workdir)
   sha = gemma_gguf.file_sha256(path)
-  with workdir_lock.hold(workdir):
+  with open_job(workdir):
     steps = plan(config)
     done = {name: _finished(c, os.path.join(workdir, name), sha)
             for name, c in steps}

@@ -125,11 +125,11 @@ def main(holders: dict[str, flags.FlagHolder]) -> None:
     study = _study(holders)
     # pylint: disable=g-import-not-at-top
     from train.training import experiment
-    from train.run import workdir_lock
+    from train.run.job import open_job
     # pylint: enable=g-import-not-at-top
     root = experiment.check_workdir(study.workdir)
     # One study per workdir (its runs below lock their own directories).
-    with workdir_lock.hold(root):
+    with open_job(root):
       raw = runs.measure(study)
       text = report.table(study, raw)
       report.plot(study, raw, os.path.join(study.workdir, 'study.png'))

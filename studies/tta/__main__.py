@@ -37,7 +37,7 @@ from studies.tta import grids
 from studies.tta import report
 from train.training import experiment
 from train.analysis import stats
-from train.run import workdir_lock
+from train.run.job import open_job
 from train.errors import UsageError
 from train.jobs import entry
 from train.tta import methods
@@ -147,7 +147,7 @@ def main(argv):
     study = study_from_flags()
     name = _STUDY.value
     # One study per workdir (its runs below lock their own directories).
-    with workdir_lock.hold(root):
+    with open_job(root):
       raw = {'table': grids.table, 'rates': grids.rates,
              'norm': grids.norm}[name](study)
       text = {'table': report.table, 'rates': report.rates,

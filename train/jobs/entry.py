@@ -197,7 +197,7 @@ def run_job(job: Callable[[], _T]) -> _T:
   # pylint: disable=g-import-not-at-top
   from train.run import preemption
   from train.errors import Interrupted, Preempted, RunError, UsageError
-  from train.run.workdir_lock import WorkdirBusy
+  from train.run.job import WorkdirBusy
   # pylint: enable=g-import-not-at-top
   with preemption.raise_on_signals():
     try:

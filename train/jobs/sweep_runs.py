@@ -17,7 +17,7 @@ import time
 from train.run import disk_space
 from train import fileio
 from train.run import metrics
-from train.run import workdir_lock
+from train.run import job
 from train.errors import UsageError
 from train.jobs import entry
 from train.jobs import sweep_plan
@@ -92,7 +92,7 @@ def run_local(runs: list[sweep_plan.Run], root: str, parallel: int) -> int:
       for run in list(pending):
         if len(active) >= parallel:
           break
-        holder = workdir_lock.holder(run.workdir)
+        holder = job.holder(run.workdir)
         if holder is not None:
           if run.name not in waiting:
             waiting.add(run.name)

@@ -62,7 +62,7 @@ from train.training import aot
 from train.training import experiment as experiment_lib
 from train.run import metrics as metrics_lib
 from train.analysis import stats
-from train.run import workdir_lock
+from train.run.job import open_job
 from train.errors import ConfigError
 from train.lm import corpus as text_corpus
 from train.lm import data as lm_data
@@ -372,7 +372,7 @@ def evaluate(config, workdir: str) -> list[dict[str, Any]]:
   """
   check_config(config)
   workdir = experiment_lib.check_workdir(workdir)
-  with workdir_lock.hold(workdir):
+  with open_job(workdir):
     return _evaluate(config, workdir)
 
 
