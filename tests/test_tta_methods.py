@@ -1,4 +1,4 @@
-"""train.tta.methods and train.tta.streams against direct computations."""
+"""train.tta's methods and streams against direct computations."""
 
 import functools
 import math
@@ -10,6 +10,9 @@ import numpy as np
 import optax
 import pytest
 
+from train.tta import classifier as classifier_lib
+from train.tta import eata
+from train.tta import interface
 from train.tta import methods
 from train.tta import streams
 from train.vision import models
@@ -34,8 +37,8 @@ def _apply(model, variables, x, train):
   return model.apply(variables, x, train=False)
 
 
-_step = jax.jit(methods.Method.step)
-_entropies = jax.jit(methods.entropies)
+_step = jax.jit(methods.step)
+_entropies = jax.jit(interface.entropies)
 
 
 def _source(norm='batch', seed=0):
@@ -48,7 +51,7 @@ def _source(norm='batch', seed=0):
 
 def _method(name, tx=None, **kw):
   model, params, stats, x = _source()
-  settings = methods.Settings(method=name, num_classes=C, **kw)
+  settings = interface.Settings(method=name, num_classes=C, **kw)
   method = methods.make(settings, model, params, stats,
                         tx or optax.scale_by_learning_rate(0.1),
                         [x] if name == 'eata' else None)
@@ -74,19 +77,20 @@ def test_entropies_match_numpy_and_are_finite_at_extremes():
 
 def test_adapted_parameters_are_the_norm_affines():
   model, params, _, _ = _source()
-  assert methods.adapted_names(params) == [
+  assert classifier_lib.adapted_names(params) == [
       'bn0/bias', 'bn0/scale', 'bn1/bias', 'bn1/scale', 'bn_hidden/bias',
       'bn_hidden/scale']
-  assert 'bn_hidden/scale' not in methods.adapted_names(params, ('bn_hidden',))
+  assert 'bn_hidden/scale' not in classifier_lib.adapted_names(
+      params, ('bn_hidden',))
 
 
 def test_source_and_bn_stats_predict_as_the_model_does():
   for name, train in (('source', False), ('bn_stats', True)):
     method, params, stats, x = _method(name)
     state = method.init()
-    new, out = jax.jit(method.step)(state, x)
+    new, out = _step(method, state, x)
     variables = {'params': params, 'batch_stats': stats}
-    logits = _apply(method.model, variables, x, train)
+    logits = _apply(method.classifier.model, variables, x, train)
     np.testing.assert_array_equal(out['pred'],
                                   np.argmax(np.asarray(logits), -1))
     jax.tree.map(np.testing.assert_array_equal, new.adapted, state.adapted)
@@ -95,16 +99,16 @@ def test_source_and_bn_stats_predict_as_the_model_does():
 def test_tent_step_is_the_entropy_gradient_on_the_affine_parameters():
   lr = 0.1
   method, params, stats, x = _method('tent')
-  state, out = jax.jit(method.step)(method.init(), x)
+  state, out = _step(method, method.init(), x)
 
   def mean_entropy(p):
-    logits = method.model.apply({'params': p, 'batch_stats': stats}, x,
+    logits = method.classifier.model.apply({'params': p, 'batch_stats': stats}, x,
                                 train=True, mutable=['batch_stats'])[0]
     logp = jax.nn.log_softmax(logits)
     return -jnp.mean(jnp.sum(jnp.exp(logp) * logp, -1))
 
   grads = jax.device_get(jax.jit(jax.grad(mean_entropy))(params))
-  for name in methods.adapted_names(params):
+  for name in classifier_lib.adapted_names(params):
     module, leaf = name.split('/')
     want = np.asarray(params[module][leaf]) - lr * grads[module][leaf]
     np.testing.assert_allclose(state.adapted[name], want, rtol=1e-5,
@@ -125,8 +129,8 @@ def test_tent_step_is_the_entropy_gradient_on_the_affine_parameters():
                              atol=1e-4)
   # Only the affine parameters move.
   assert out['updated']
-  logits = _apply(method.model, {'params': params, 'batch_stats': stats}, x,
-                  True)
+  logits = _apply(method.classifier.model,
+                  {'params': params, 'batch_stats': stats}, x, True)
   np.testing.assert_allclose(out['loss'], np.mean(_entropy_np(logits)[0]),
                              rtol=1e-5)
 
@@ -138,7 +142,7 @@ def test_eata_filters_weights_and_moving_average_against_numpy():
   rng = np.random.default_rng(3)
   logits = rng.normal(size=(16, C)) * rng.uniform(0.1, 8, (16, 1))
   h, p = _entropy_np(logits)
-  eata_filter = jax.jit(methods.Method._eata_filter)
+  eata_filter = jax.jit(eata.Eata.filter)
   # No moving average yet: only the reliability filter.
   keep, w, _ = eata_filter(method, state, np.asarray(logits, np.float32),
                            np.asarray(h, np.float32))
@@ -155,9 +159,9 @@ def test_eata_filters_weights_and_moving_average_against_numpy():
   np.testing.assert_array_equal(keep, (h < e0) & (cos < 0.05))
   # One step: the loss is the weighted entropy over the kept samples, and
   # m becomes the kept samples' mean probabilities.
-  new, out = jax.jit(method.step)(method.init(), x)
-  z = jax.jit(methods.Method.logits, static_argnums=3)(
-      method, method.source, jnp.asarray(x), True)
+  new, out = _step(method, method.init(), x)
+  z = jax.jit(classifier_lib.Classifier.logits, static_argnums=3)(
+      method.classifier, method.classifier.source, jnp.asarray(x), True)
   h, p = _entropy_np(z)
   kept = h < e0
   if kept.any():
@@ -176,7 +180,7 @@ def test_eata_fisher_penalty_pulls_toward_the_source():
                        state.adapted)
   state = state._replace(adapted=moved, mean_probs=state.mean_probs)
   grads_dir = {}
-  new, _ = jax.jit(method.step)(state, x)
+  new, _ = _step(method, state, x)
   for k in moved:
     grads_dir[k] = np.sign(np.asarray(new.adapted[k]) - moved[k])
     if np.any(np.asarray(method.fisher[k]) > 0):
@@ -192,15 +196,16 @@ def test_eata_fisher_is_the_mean_squared_gradient_over_the_batches():
   @jax.jit
   def squared_grad(images):
     def ce(adapted):  # Against the source model's own predictions.
-      logits = method.logits(adapted, images, True).astype(jnp.float32)
+      logits = method.classifier.logits(adapted, images, True).astype(
+          jnp.float32)
       logp = jax.nn.log_softmax(logits)
       labels = jnp.argmax(jax.lax.stop_gradient(logits), -1)
       return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], 1))
-    return jax.tree.map(jnp.square, jax.grad(ce)(method.source))
+    return jax.tree.map(jnp.square, jax.grad(ce)(method.classifier.source))
 
   per_batch = [jax.device_get(squared_grad(b)) for b in batches]
-  got = methods.fisher_diagonal(method, batches)
-  for k in method.source:
+  got = eata.fisher_diagonal(method.classifier, batches)
+  for k in method.classifier.source:
     want = np.mean([np.asarray(g[k], np.float64) for g in per_batch], 0)
     np.testing.assert_allclose(np.asarray(got[k]), want, rtol=1e-5,
                                atol=1e-12)
@@ -214,21 +219,22 @@ def test_sar_resets_on_a_constructed_collapse():
   params = {**params, 'head': {
       'kernel': np.asarray(params['head']['kernel']) * np.float32(1000.0),
       'bias': params['head']['bias']}}
-  settings = methods.Settings(method='sar', num_classes=C)
+  settings = interface.Settings(method='sar', num_classes=C)
   method = methods.make(settings, model, params, stats,
                         optax.sgd(0.5, momentum=0.9))
-  new, out = jax.jit(method.step)(method.init(), x)
+  new, out = _step(method, method.init(), x)
   assert bool(out['reset']) and int(new.resets) == 1
-  jax.tree.map(np.testing.assert_array_equal, new.adapted, method.source)
+  jax.tree.map(np.testing.assert_array_equal, new.adapted,
+               method.classifier.source)
   # The unmodified model does not collapse at once.
   method2, _, _, _ = _method('sar', tx=optax.sgd(1e-3, momentum=0.9))
-  new2, out2 = jax.jit(method2.step)(method2.init(), x)
+  new2, out2 = _step(method2, method2.init(), x)
   assert not bool(out2['reset']) and int(new2.resets) == 0
 
 
 def test_sar_skips_the_last_block():
   method, _, _, _ = _method('sar')
-  assert not any(k.startswith('bn_hidden') for k in method.source)
+  assert not any(k.startswith('bn_hidden') for k in method.classifier.source)
 
 
 def test_no_update_when_no_sample_is_reliable():
@@ -237,11 +243,11 @@ def test_no_update_when_no_sample_is_reliable():
   params = {**params, 'head': jax.tree.map(
       lambda a: np.asarray(a) * np.float32(0.0), params['head'])}
   for name in ('eata', 'sar'):
-    settings = methods.Settings(method=name, num_classes=C)
+    settings = interface.Settings(method=name, num_classes=C)
     method = methods.make(settings, model, params, stats,
                           optax.adam(0.1), [x])
     state = method.init()
-    new, out = jax.jit(method.step)(state, x)
+    new, out = _step(method, state, x)
     assert not bool(out['updated'])
     jax.tree.map(np.testing.assert_array_equal, new.adapted, state.adapted)
     jax.tree.map(np.testing.assert_array_equal, new.opt_state,
@@ -251,8 +257,8 @@ def test_no_update_when_no_sample_is_reliable():
 @pytest.mark.parametrize('norm', ['group', 'layer'])
 def test_per_example_norms_predict_independently_of_the_batch(norm):
   model, params, stats, x = _source(norm)
-  method = methods.make(methods.Settings('bn_stats', C), model, params, stats,
-                        optax.identity())
+  method = methods.make(interface.Settings('bn_stats', C), model, params,
+                        stats, optax.identity())
   _, whole = _step(method, method.init(), x)
   _, alone = _step(method, method.init(), x[:1])
   assert int(np.asarray(whole['pred'])[0]) == int(np.asarray(alone['pred'])[0])
@@ -322,11 +328,11 @@ def test_sar_step_is_a_sam_step_on_the_reliable_entropy():
   params = {**params, 'head': {
       **params['head'],
       'kernel': np.asarray(params['head']['kernel']) * np.float32(8.0)}}
-  method = methods.make(method.settings, method.model, params, stats,
-                        optax.scale_by_learning_rate(lr))
-  new, out = jax.jit(method.step)(method.init(), x)
+  method = methods.make(method.settings, method.classifier.model, params,
+                        stats, optax.scale_by_learning_rate(lr))
+  new, out = _step(method, method.init(), x)
   e0 = 0.4 * math.log(C)
-  names = methods.adapted_names(params, ('bn_hidden',))
+  names = classifier_lib.adapted_names(params, ('bn_hidden',))
   w0 = {n: params[n.split('/')[0]][n.split('/')[1]] for n in names}
 
   def reliable_entropy(w, mask=None):
@@ -334,8 +340,9 @@ def test_sar_step_is_a_sam_step_on_the_reliable_entropy():
     for n, v in w.items():
       module, leaf = n.split('/')
       p = {**p, module: {**p[module], leaf: v}}
-    logits = method.model.apply({'params': p, 'batch_stats': stats}, x,
-                                train=True, mutable=['batch_stats'])[0]
+    logits = method.classifier.model.apply(
+        {'params': p, 'batch_stats': stats}, x, train=True,
+        mutable=['batch_stats'])[0]
     logp = jax.nn.log_softmax(logits)
     h = -jnp.sum(jnp.exp(logp) * logp, -1)
     keep = jax.lax.stop_gradient(h) < e0
@@ -357,3 +364,15 @@ def test_sar_step_is_a_sam_step_on_the_reliable_entropy():
     np.testing.assert_allclose(new.adapted[n],
                                np.asarray(w0[n]) - lr * g2[n], rtol=1e-4,
                                atol=1e-6)
+
+
+def test_each_method_keeps_a_state_of_its_own_and_a_bad_name_is_named():
+  fields = {name: type(_method(name)[0].init())._fields
+            for name in methods.METHODS}
+  assert fields['source'] == fields['bn_stats'] == ('adapted',)
+  assert fields['tent'] == ('adapted', 'opt_state', 'updates')
+  assert fields['eata'] == fields['tent'] + ('mean_probs', 'has_mean')
+  assert fields['sar'] == fields['tent'] + ('loss_ema', 'has_ema', 'resets')
+  with pytest.raises(ValueError, match="method='nope': unknown method; valid "
+                     'choices: source, bn_stats, tent, eata, sar'):
+    methods.kind('nope')

@@ -48,6 +48,7 @@ from train.errors import from_argument_error
 from train.training.experiment import check_seed
 from train.training.experiment import check_workdir
 from train.tta import data as tta_data
+from train.tta import interface as method_interface
 from train.tta import methods
 from train.tta import source as source_lib
 from train.tta import streams
@@ -154,7 +155,7 @@ def _tx(config, num_classes: int, total_steps: int
 @dataclasses.dataclass
 class _Adaptation:
   """The mutable part of a run: what a checkpoint holds."""
-  state: methods.AdaptState
+  state: method_interface.State  # The method's own.
   correct: np.ndarray  # Per corruption, correctly predicted samples.
   seen: np.ndarray  # Per corruption, samples predicted.
   # Batches that changed the parameters, and model resets (SAR's), over
@@ -220,8 +221,8 @@ def adapt_and_evaluate(config: ml_collections.ConfigDict,
     return _adapt(config, run)
 
 
-def _settings(config, num_classes: int) -> methods.Settings:
-  return methods.Settings(
+def _settings(config, num_classes: int) -> method_interface.Settings:
+  return method_interface.Settings(
       method=config.method.name, num_classes=num_classes,
       d_margin=config.method.d_margin,
       fisher_alpha=config.method.fisher_alpha,
@@ -229,7 +230,7 @@ def _settings(config, num_classes: int) -> methods.Settings:
 
 
 # The adapt step: the method's arrays are arguments, not constants.
-_step = jax.jit(methods.Method.step)
+_step = jax.jit(methods.step)
 
 
 def programs(config: ml_collections.ConfigDict,
@@ -260,14 +261,15 @@ def programs(config: ml_collections.ConfigDict,
   tx = _tx(config, spec.num_classes, 1)
 
   def bind(params, batch_stats):
-    fisher = (jax.tree.map(jnp.zeros_like, methods.split(
-        params, methods.adapted_names(params))[0])
-              if settings.method == 'eata' else None)
-    return methods.bind(settings, model, params, batch_stats, tx, fisher)
+    method = methods.bind(settings, model, params, batch_stats, tx)
+    if settings.method == 'eata':  # Its Fisher: the adapted parameters'.
+      method = method.replace(fisher=jax.tree.map(
+          jnp.zeros_like, method.classifier.source))
+    return method
 
   method = jax.eval_shape(bind, variables['params'],
                           variables.get('batch_stats', {}))
-  state = jax.eval_shape(methods.Method.init, method)
+  state = jax.eval_shape(methods.init, method)
   mesh = Mesh(np.array(devices[:1]), ('data',))
   place = lambda tree: jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
@@ -280,7 +282,7 @@ def programs(config: ml_collections.ConfigDict,
 
 
 def _method(config, source: source_lib.Source, stream: tta_data.Stream,
-            plan: list[streams.Batch]) -> methods.Method:
+            plan: list[streams.Batch]) -> method_interface.Method:
   """The method bound to the source model, its optimizer and EATA's Fisher
   batches."""
   longest = max((len(l) for l in stream.labels), default=0)
@@ -354,7 +356,8 @@ def _adapt(config, run: resumable.Run) -> dict[str, Any]:
   return results
 
 
-def _adapt_stream(config, run: resumable.Run, method: methods.Method,
+def _adapt_stream(config, run: resumable.Run,
+                  method: method_interface.Method,
                   stream: tta_data.Stream, plan: list[streams.Batch],
                   position: int, adaptation: _Adaptation
                   ) -> tuple[float, int] | None:
