@@ -118,3 +118,62 @@ def test_deps_name_real_targets_and_cover_the_imports(label):
       assert imported in provided, (
           f'{label}: {src} imports {imported}, but no direct dep provides it '
           f'(add one of {sorted(OWNERS.get(imported, ["<no target>"]))})')
+
+
+def _runs_code(init: str) -> bool:
+  """Whether a package's __init__.py does more than re-export its package
+  (a docstring, `__all__`, `__version__`, imports from the package itself):
+  an empty one in its place would change what a program does."""
+  package = os.path.dirname(init).replace('/', '.')
+  with open(os.path.join(REPO_ROOT, init)) as f:
+    body = ast.parse(f.read(), init).body
+  for n in body:
+    if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant):
+      continue
+    if isinstance(n, ast.Assign) and all(
+        isinstance(t, ast.Name) and t.id in ('__all__', '__version__')
+        for t in n.targets):
+      continue
+    if isinstance(n, ast.ImportFrom) and not n.level and (
+        n.module == package or n.module.startswith(package + '.')):
+      continue
+    return True
+  return False
+
+
+CODE_INITS = {p for p in _python_files()
+              if p.endswith('__init__.py') and _runs_code(p)}
+
+
+def _closure(label):
+  seen, todo = set(), [label]
+  while todo:
+    current = todo.pop()
+    if current in seen or current not in TARGETS:
+      continue
+    seen.add(current)
+    todo += TARGETS[current]['deps']
+  return {s for t in seen for s in TARGETS[t]['srcs']}
+
+
+def _enclosing_inits(path):
+  parts = path.split('/')[:-1]
+  return {'/'.join(parts[:i] + ['__init__.py']) for i in range(1, len(parts) + 1)}
+
+
+@pytest.mark.parametrize('label', sorted(TARGETS))
+def test_packages_whose_init_runs_code_are_in_the_runfiles(label):
+  # Bazel puts an EMPTY __init__.py into every runfiles directory that has
+  # none: a target that reaches launch/ without //launch:package ran
+  # without launch's start-up Ctrl-C handler (a traceback, or a segfault
+  # inside jaxlib's import, under `bazel test` only).
+  target = TARGETS[label]
+  needed = set()
+  for src in (s for s in target['srcs'] if s.endswith('.py')):
+    needed |= _enclosing_inits(src)
+    for imported in _repo_imports(src):
+      needed |= _enclosing_inits(imported)
+  missing = sorted((needed & CODE_INITS) - _closure(label))
+  assert not missing, (
+      f'{label} runs {missing} in Python but Bazel would give it an empty '
+      'one: add the package target (e.g. //launch:package) to its deps')
