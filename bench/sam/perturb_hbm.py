@@ -15,7 +15,8 @@ host (`train.compilation.targets`)
 (b) `sam_perturb_reference` under jit: the plain-jnp perturbation that XLA
     fuses by itself (what `geom.sam` computes without `fused=True`);
 and counts the HBM bytes each chip reads and writes with
-`train.compilation.hlo_traffic` (every top-level instruction's operands read plus its
+`train.compilation.sharded_traffic`, which also places the trees
+(`hlo_traffic`: every top-level instruction's operands read plus its
 result written; TPU layouts padded to their tiles, on-chip memory not
 counted). On TPU it also gives `cost_analysis()['bytes accessed']`, which
 GPU compilers do not report. `ideal` is one pass over g for the norm and
@@ -41,16 +42,14 @@ from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-import numpy as np
 
-from train.compilation import hlo_traffic
-from train.analysis import stats
 from bench import report
 from bench.sam import perturb_trees
 from geom.kernels import sam_perturb as k
+from train.analysis import stats
+from train.compilation import sharded_traffic
 
 TARGETS = ('v4:2x2x1', 'v5e:2x2', 'v5p:2x2x1', 'v6e:2x2', 'h100:1x1x4',
            'h200:1x1x4')
@@ -61,47 +60,34 @@ _WRITE = flags.DEFINE_bool('write', True, 'Update BENCHMARKS.md.')
 SECTION = 'sam_perturb_hbm'
 
 
-def fsdp_spec(shape, n: int) -> P:
-  """Split along the first dimension `n` divides; replicated if none."""
-  for d, size in enumerate(shape):
-    if size % n == 0:
-      return P(*([None] * d), 'data')
-  return P()
-
-
 def programs(target: str, tree):
-  """{'fused': compiled, 'xla': compiled} for a tree on a target."""
-  devices = targets.devices(targets.parse(target))
-  mesh = Mesh(np.array(devices), ('data',))
-  shardings = jax.tree.map(
-      lambda x: NamedSharding(mesh, fsdp_spec(x.shape, len(devices))), tree)
-  params = jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
-      shardings)
+  """{'fused': compiled, 'xla': compiled} for a tree on a target, and the
+  tree's placement there."""
+  placed = sharded_traffic.fsdp_placement(target, tree)
   rho = jax.ShapeDtypeStruct((), jnp.float32,
-                             sharding=NamedSharding(mesh, P()))
-  given = shardings if targets.parse(target).platform == 'tpu' else None
+                             sharding=NamedSharding(placed.mesh, P()))
+  # The Mosaic kernels run in a shard_map that needs the shardings; the
+  # partitioner splits the Triton ones by itself.
+  given = (placed.shardings if targets.parse(target).platform == 'tpu'
+           else None)
   fns = {'fused': lambda w, g, r: k.sam_perturb(w, g, r, shardings=given),
          'xla': lambda w, g, r: k.sam_perturb_reference(w, g, r)}
-  return {name: jax.jit(fn, out_shardings=(shardings, None)).lower(
-      params, params, rho).compile() for name, fn in fns.items()}, shardings
+  return {name: jax.jit(fn, out_shardings=(placed.shardings, None)).lower(
+      placed.params, placed.params, rho).compile()
+          for name, fn in fns.items()}, placed
 
 
 def measure(target: str, tree) -> dict[str, float]:
-  compiled, shardings = programs(target, tree)
+  compiled, placed = programs(target, tree)
   out = {}
   for name, c in compiled.items():
-    instructions = hlo_traffic.instructions(c.as_text())
-    out[name] = sum(i.bytes for i in instructions)
-    out[f'{name}_ops'] = sum(1 for i in instructions if i.bytes)
-    out[f'{name}_kernels'] = sum(i.bytes for i in instructions
-                                 if i.opcode == 'custom-call')
-    cost = c.cost_analysis()
-    out[f'{name}_cost'] = cost.get('bytes accessed') if cost else None
-  local = sum(np.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
-              for x, s in zip(jax.tree.leaves(tree),
-                              jax.tree.leaves(shardings)))
-  out['ideal'] = 4 * local  # Read g, then read w and g and write w'.
+    t = sharded_traffic.traffic(c)
+    out[name] = t.bytes
+    out[f'{name}_ops'] = t.ops
+    out[f'{name}_kernels'] = t.kernel_bytes
+    out[f'{name}_cost'] = t.cost_bytes
+  # Read g, then read w and g and write w'.
+  out['ideal'] = 4 * sharded_traffic.local_bytes(placed)
   return out
 
 
