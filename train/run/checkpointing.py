@@ -6,86 +6,100 @@ would pick up. Saves are asynchronous: the device-to-host copy happens
 before `save` returns (so the caller may donate the arrays to the next
 step); the write to disk overlaps with training.
 
-Every checkpoint carries a fingerprint of each array it holds
-(`train.run.checksums`, computed on the devices), and a restore recomputes and
-compares them, so a flipped bit on disk is found rather than trained on.
-The metadata saved beside the arrays (the run's config, its inputs'
-fingerprints) carries its own digest, so a flipped bit there is damage
-too, never a different config. `restore_latest_good` walks back from the
-newest checkpoint past any that fails to load or to verify, with one
-warning line each, and moves those aside (`checkpoints_damaged/<step>`:
-nothing is deleted) so that the run can write their steps again.
+Each checkpoint is sealed and verified by `train.run.checkpoint_integrity`
+(its arrays' fingerprints, its metadata's digest). `restore_latest_good`
+walks back from the newest checkpoint past any that fails to load or to
+verify (`train.run.latest_good`), and moves those aside
+(`checkpoints_damaged/<step>`: nothing is deleted) so that the run can
+write their steps again.
 """
 
 from collections.abc import Callable
-import hashlib
-import json
 from typing import Any
 
-from absl import logging
 import jax
 from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 
-from train.run import checksums
-from train.run import disk_space
 from train import fileio
+from train.errors import DiskFull, cause_line
+from train.run import checkpoint_integrity as integrity
+from train.run import disk_space
+from train.run import latest_good
 from train.run import process_group
-from train.errors import DiskFull, RunError, cause_line
 
 CHECKPOINTS = 'checkpoints'
-CHECKSUMS = 'checksums'
-# The digest of the rest of the metadata (`_meta_digest`).
-META_DIGEST = 'meta_sha256'
 DAMAGED = 'checkpoints_damaged'
+# Named here too: callers and `train.run.local_checkpoints` know them as
+# checkpointing's.
+CHECKSUMS = integrity.CHECKSUMS
+META_DIGEST = integrity.META_DIGEST
+DamagedCheckpoint = integrity.DamagedCheckpoint
+NoGoodCheckpoint = integrity.NoGoodCheckpoint
+_meta_digest = integrity.meta_digest
+_verified_meta = integrity.verified_meta
 
 
-class DamagedCheckpoint(RuntimeError):
-  """A checkpoint that does not load, or whose arrays fail verification."""
+def _orbax_manager(directory: str, *, every_steps: int, keep: int,
+                   async_save: bool, read_only: bool, alone: bool
+                   ) -> ocp.CheckpointManager:
+  """Orbax's manager of `directory`, for a run `alone` on part of a
+  multi-process job (`process_group`) or for the whole job."""
+  extra = {}
+  if alone:
+    me = jax.process_index()
+    processes = ocp.options.MultiprocessingOptions(
+        primary_host=me, active_processes={me},
+        barrier_sync_key_prefix=f'geom_alone_{me}')
+    extra = dict(multiprocessing_options=processes)
+    items = {'item_handlers': {
+        'state': ocp.StandardCheckpointHandler(
+            multiprocessing_options=processes),
+        'meta': ocp.JsonCheckpointHandler(
+            multiprocessing_options=processes)}}
+  else:
+    items = {'item_names': ('state', 'meta')}
+  return ocp.CheckpointManager(
+      directory,
+      options=ocp.CheckpointManagerOptions(
+          # Only the interval (orbax's default also saves the first step).
+          save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(
+              every_steps),
+          max_to_keep=keep,
+          create=not read_only,
+          enable_async_checkpointing=async_save,
+          cleanup_tmp_directories=not read_only,
+          read_only=read_only,
+          **extra,
+      ),
+      **items,
+  )
 
-  def __init__(self, step: int, reason: str):
-    self.step = step
-    self.reason = reason
-    super().__init__(f'checkpoint at step {step}: {reason}')
+
+def _check_room(manager: ocp.CheckpointManager, directory: str,
+                state: Any) -> None:
+  """Raises `DiskFull` unless `directory` has room for a save of `state`."""
+  # Arrays as stored (uncompressed), plus the metadata files.
+  needed = disk_space.tree_bytes(state) * 11 // 10 + 2**16
+  try:
+    disk_space.check_room(directory, needed)
+  except DiskFull:
+    # A save still in flight holds space in its temporary directory and
+    # is not yet counted among the intact checkpoints: let it finish (it
+    # may free the space of one past `keep`), then look again.
+    manager.wait_until_finished()
+    disk_space.check_room(directory, needed)
 
 
-class NoGoodCheckpoint(RunError):
-  """Checkpoints exist and none of them is usable (the run cannot resume)."""
-  exit_code = 4
-
-  def __init__(self, directory: str, problems: list[DamagedCheckpoint]):
-    self.problems = problems
-    listed = '; '.join(f'step {p.step}: {p.reason}' for p in problems)
-    super().__init__(
-        f'no usable checkpoint in {directory} ({listed}). Nothing was '
-        'changed; to start the run over, move that directory aside.')
-
-
-def _meta_digest(meta: dict[str, Any]) -> str:
-  """SHA-256 of `meta` as canonical JSON: of what JSON gives back of it
-  (integer keys come back as strings, and sort as strings), so the saved
-  and the restored metadata agree."""
-  text = json.dumps(json.loads(json.dumps(meta)), sort_keys=True,
-                    separators=(',', ':'))
-  return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _verified_meta(step: int, meta: Any) -> dict[str, Any]:
-  """`meta` without its digest, once the digest matches (older checkpoints
-  have none).
-
-  Raises:
-    DamagedCheckpoint: `meta` is not a JSON object, or not what was saved.
-  """
-  if not isinstance(meta, dict):
-    raise DamagedCheckpoint(step, 'metadata is not a JSON object')
-  meta = dict(meta)
-  saved = meta.pop(META_DIGEST, None)
-  if saved is not None and saved != _meta_digest(meta):
-    raise DamagedCheckpoint(step, 'metadata checksum mismatch (the saved '
-                            'config or fingerprints changed on disk)')
-  return meta
+def _restore_target(abstract_state: Any, alone: bool) -> Any:
+  """What Orbax restores into: with the shardings, or host arrays for a run
+  alone on part of a job (placed after the restore)."""
+  if alone:
+    return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), abstract_state)
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      abstract_state)
 
 
 class Checkpoints:
@@ -109,35 +123,9 @@ class Checkpoints:
     if self._alone and not read_only:
       raise RuntimeError('a run alone on part of a multi-process job saves '
                          'train.run.local_checkpoints.LocalCheckpoints')
-    extra = {}
-    if self._alone:
-      me = jax.process_index()
-      processes = ocp.options.MultiprocessingOptions(
-          primary_host=me, active_processes={me},
-          barrier_sync_key_prefix=f'geom_alone_{me}')
-      extra = dict(multiprocessing_options=processes)
-      items = {'item_handlers': {
-          'state': ocp.StandardCheckpointHandler(
-              multiprocessing_options=processes),
-          'meta': ocp.JsonCheckpointHandler(
-              multiprocessing_options=processes)}}
-    else:
-      items = {'item_names': ('state', 'meta')}
-    self._manager = ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(
-            # Only the interval (orbax's default also saves the first step).
-            save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(
-                every_steps),
-            max_to_keep=keep,
-            create=not read_only,
-            enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=not read_only,
-            read_only=read_only,
-            **extra,
-        ),
-        **items,
-    )
+    self._manager = _orbax_manager(
+        self.directory, every_steps=every_steps, keep=keep,
+        async_save=async_save, read_only=read_only, alone=self._alone)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -161,18 +149,8 @@ class Checkpoints:
     """
     if not (force or self.should_save(step)):
       return False
-    # Arrays as stored (uncompressed), plus the metadata files.
-    needed = disk_space.tree_bytes(state) * 11 // 10 + 2**16
-    try:
-      disk_space.check_room(self.directory, needed)
-    except DiskFull:
-      # A save still in flight holds space in its temporary directory and
-      # is not yet counted among the intact checkpoints: let it finish (it
-      # may free the space of one past `keep`), then look again.
-      self._manager.wait_until_finished()
-      disk_space.check_room(self.directory, needed)
-    meta = dict(meta, **{CHECKSUMS: checksums.fingerprint(state)})
-    meta[META_DIGEST] = _meta_digest(meta)
+    _check_room(self._manager, self.directory, state)
+    meta = integrity.sealed(meta, state)
     return self._manager.save(
         step,
         args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -187,14 +165,7 @@ class Checkpoints:
       DamagedCheckpoint: it does not load, or an array's fingerprint
         differs from the one saved with it.
     """
-    if self._alone:  # Read as host arrays, then placed (module docstring).
-      target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype),
-                            abstract_state)
-    else:
-      target = jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                         sharding=x.sharding),
-          abstract_state)
+    target = _restore_target(abstract_state, self._alone)
     try:
       restored = self._manager.restore(
           step,
@@ -204,21 +175,11 @@ class Checkpoints:
       # Orbax and tensorstore raise many types for unreadable files.
       raise DamagedCheckpoint(step, f'does not load ({cause_line(e)})'
                               ) from e
-    state, meta = restored.state, _verified_meta(step, restored.meta)
+    state, meta = restored.state, integrity.verified_meta(step, restored.meta)
     if self._alone:
       state = jax.tree.map(lambda h, x: jax.device_put(h, x.sharding), state,
                            abstract_state)
-    saved = meta.get(CHECKSUMS)
-    if saved is None:
-      logging.warning('The checkpoint at step %d in %s has no checksums '
-                      '(saved by an older version): not verified.', step,
-                      self.directory)
-      return state, meta
-    bad = checksums.mismatches(saved, checksums.fingerprint(state))
-    if bad:
-      raise DamagedCheckpoint(
-          step, f'checksum mismatch in {len(bad)} array(s), e.g. '
-          f'state{bad[0]}')
+    integrity.check_arrays(step, state, meta, self.directory)
     return state, meta
 
   def restore_meta(self, step: int) -> dict[str, Any]:
@@ -233,7 +194,7 @@ class Checkpoints:
     except Exception as e:  # pylint: disable=broad-except
       raise DamagedCheckpoint(step, f'metadata does not load '
                               f'({cause_line(e)})') from e
-    return _verified_meta(step, meta)
+    return integrity.verified_meta(step, meta)
 
   def restore_latest_good(
       self, abstract_state: Any | Callable[[dict[str, Any]], Any], *,
@@ -256,38 +217,15 @@ class Checkpoints:
     Raises:
       NoGoodCheckpoint: there are checkpoints and none is usable.
     """
-    problems = []
-    for step in sorted(self.all_steps(), reverse=True):
-      try:
-        meta = self.restore_meta(step)
-        if check_meta is not None:
-          check_meta(step, meta)
-        target = (abstract_state(meta) if callable(abstract_state)
-                  else abstract_state)
-        state, meta = self.restore(step, target)
-      except DamagedCheckpoint as e:
-        logging.warning('Skipping the damaged %s', e)
-        problems.append(e)
-        continue
-      if problems and move_damaged:
-        self._move_aside([p.step for p in problems])
-      return step, state, meta
-    if problems:
-      raise NoGoodCheckpoint(self.directory, problems)
-    return None
+    return latest_good.restore_latest_good(
+        self, abstract_state, check_meta,
+        self._move_aside if move_damaged else None)
 
   def _move_aside(self, damaged_steps: list[int]) -> None:
     """Moves damaged steps to `workdir/checkpoints_damaged/` (process 0)."""
     if process_group.is_writer():
-      aside = fileio.join(self.workdir, DAMAGED)
-      fileio.makedirs(aside)
-      for step in damaged_steps:
-        target, n = fileio.join(aside, str(step)), 1
-        while fileio.exists(target):
-          target, n = fileio.join(aside, f'{step}.{n}'), n + 1
-        fileio.rename(fileio.join(self.directory, str(step)), target)
-        logging.warning('Moved the damaged checkpoint at step %d to %s',
-                        step, target)
+      latest_good.move_aside(self.directory, damaged_steps,
+                             fileio.join(self.workdir, DAMAGED))
     if process_group.count() > 1:
       multihost_utils.sync_global_devices('geom_move_damaged_checkpoints')
     self._manager.reload()
@@ -312,8 +250,8 @@ def newest_meta(workdir: str, checkpoints: type['Checkpoints'] | None = None
   restoring arrays; None if there is none or its metadata is damaged (the
   restore that follows skips a damaged checkpoint and reports it).
   `checkpoints`: the class that wrote them (default: Orbax's)."""
-  with (checkpoints or Checkpoints)(workdir, every_steps=1, keep=1, async_save=False,
-                   read_only=True) as ckpts:
+  with (checkpoints or Checkpoints)(workdir, every_steps=1, keep=1,
+                                    async_save=False, read_only=True) as ckpts:
     step = ckpts.latest_step()
     if step is None:
       return None

@@ -55,15 +55,15 @@ from typing import Any
 from absl import logging
 import ml_collections
 
+from train import fileio
+from train.errors import NonFiniteLossError
 from train.run import checkpointing
 from train.run import disk_space
-from train import fileio
 from train.run import metrics as metrics_lib
-from train.run import preemption
-from train.run import process_group
+from train.run import results_file
 from train.run import resume_check
+from train.run import save_cadence
 from train.run import workdir_lock
-from train.errors import NonFiniteLossError, Preempted
 
 # In a checkpoint's metadata: the records metrics.jsonl held when it was
 # saved.
@@ -71,6 +71,8 @@ METRICS_RECORDS = 'metrics_records'
 
 # (step, saved metadata) -> None, or raises (e.g. ConfigChanged).
 CheckConfig = Callable[[int, Mapping[str, Any]], None]
+# () -> (the tree to save, the loop's metadata); called only to save.
+Checkpoint = Callable[[], tuple[Any, Mapping[str, Any]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +121,7 @@ class Run:
     self._results_path = fileio.join(workdir, results_name)
     self._inputs: dict[str, str] = {}
     self._config_json = resume_check.as_json(config)
-    self._stop = preemption.StopFlag()
-    self._asked: int | None = None  # The step `_stopping` answers for.
-    self._stopping = False
+    self._cadence = save_cadence.SaveCadence(ckpts.should_save)
 
   def pin(self, inputs: Mapping[str, str]) -> None:
     """Pins inputs by content: {name: fingerprint}, e.g.
@@ -134,34 +134,12 @@ class Run:
     resume_check.check_fingerprints(self.workdir, step, meta, self._inputs)
 
   def finished(self, total: int) -> dict[str, Any] | None:
-    """The results of a run that ended at step `total`, or None.
-
-    Reads only the newest checkpoint's metadata (config and pinned inputs
-    checked) and the results file. None when the run is not finished, its
-    newest checkpoint is damaged (`restore` reports it and falls back) or
-    its results are unreadable (they are computed again).
-    """
+    """The results of a run that ended at step `total`, or None
+    (`results_file.read_if_finished`: nothing else is loaded)."""
     self.total = total
-    latest = self._ckpts.latest_step()
-    if (latest is None or latest < total
-        or not fileio.exists(self._results_path)):
-      return None
-    try:
-      meta = self._ckpts.restore_meta(latest)
-    except checkpointing.DamagedCheckpoint:
-      return None
-    self._check_meta(latest, meta)
-    if latest != total:
-      return None
-    try:
-      results = metrics_lib.read_json(self._results_path, self.workdir)
-    except ValueError as e:
-      logging.warning('%s is unreadable (%s); computing it again',
-                      self._results_path, e)
-      return None
-    logging.info('The run in %s is complete (step %d); its results are '
-                 'reported again', self.workdir, total)
-    return results
+    return results_file.read_if_finished(
+        self._ckpts, self._results_path, self.workdir, total,
+        self._check_meta)
 
   def restore(self, abstract: Any
               ) -> tuple[int, Any, dict[str, Any]] | None:
@@ -195,20 +173,16 @@ class Run:
   def request_stop(self, signal_name: str) -> None:
     """Stops as SIGTERM or SIGINT would (`signal_name`): for a stop that
     another process of the job received."""
-    self._stop.request(signal_name)
+    self._cadence.request_stop(signal_name)
 
   def stopping(self) -> contextlib.AbstractContextManager[None]:
     """Inside the block, SIGTERM and SIGINT request a stop at the end of
     the current step (see `train.run.preemption`)."""
-    return self._stop.installed()
+    return self._cadence.installed()
 
   def checkpoint_due(self, step: int) -> bool:
-    """Whether `step` ends with a save: the cadence, the last step, or a
-    stop request (asked once per step, and alike on every process)."""
-    if self._asked != step:
-      self._asked, self._stopping = step, self._stop.requested(step)
-    return (self._stopping or step == self.total
-            or self._ckpts.should_save(step))
+    """Whether `step` ends with a save (`SaveCadence.due`)."""
+    return self._cadence.due(step, self.total)
 
   def stop_nonfinite(self, step: int, what: str = 'loss',
                      skipping: bool = False, can_skip: bool = True):
@@ -217,9 +191,7 @@ class Run:
     raise NonFiniteLossError(step, self.last_saved, what, skipping=skipping,
                              can_skip=can_skip)
 
-  def end_step(self, step: int,
-               checkpoint: Callable[[], tuple[Any, Mapping[str, Any]]]
-               ) -> None:
+  def end_step(self, step: int, checkpoint: Checkpoint) -> None:
     """Saves if `checkpoint_due(step)`, and stops if asked to.
 
     Args:
@@ -233,15 +205,14 @@ class Run:
         save).
     """
     if self.checkpoint_due(step):
-      self._save(step, checkpoint, force=self._stopping or step == self.total)
-    if self._stopping and step != self.total:
+      self._save(step, checkpoint,
+                 force=self._cadence.forced(step, self.total))
+    if self._cadence.stops_after(step, self.total):
       self._ckpts.wait_until_finished()
       self.writer.flush()
-      raise Preempted(step, self._stop.signal_name)
+      raise self._cadence.preempted(step)
 
-  def _save(self, step: int,
-            checkpoint: Callable[[], tuple[Any, Mapping[str, Any]]],
-            force: bool) -> None:
+  def _save(self, step: int, checkpoint: Checkpoint, force: bool) -> None:
     tree, extra = checkpoint()
     if self.finite is not None and not bool(self.finite.is_finite(tree)):
       self.stop_nonfinite(step, self.finite.what, self.finite.skipping,
@@ -252,8 +223,7 @@ class Run:
       self.last_saved = step
 
   def finish(self, results: Mapping[str, Any],
-             checkpoint: Callable[[], tuple[Any, Mapping[str, Any]]] | None
-             = None) -> Mapping[str, Any]:
+             checkpoint: Checkpoint | None = None) -> Mapping[str, Any]:
     """Writes `results` (process 0, atomically) once the last checkpoint
     is on disk; returns them.
 
@@ -263,8 +233,7 @@ class Run:
     if checkpoint is not None and self._ckpts.latest_step() != self.total:
       self._save(self.total, checkpoint, force=True)
       self._ckpts.wait_until_finished()
-    if process_group.is_writer():
-      metrics_lib.write_json_atomic(self._results_path, results)
+    results_file.write(self._results_path, results)
     return results
 
   def _close(self) -> None:
