@@ -379,29 +379,11 @@ def evaluate(config, workdir: str) -> list[dict[str, Any]]:
 def _evaluate(config, workdir: str) -> list[dict[str, Any]]:
   kind = lm_kind(config)
   subject = (_gemma if kind == 'gemma' else _trained_lm)(config)
-  model, params, tokenizer = (subject.lm.model, subject.lm.params,
-                              subject.lm.tokenizer)
-  try:
-    layer_path = steering_hooks.resolve_layer(params, config.layer)
-  except ValueError as e:
-    raise ConfigError('layer', config.layer, str(e).split(': ', 1)[1]) from None
+  model, params = subject.lm.model, subject.lm.params
+  layer_path = _layer_path(config, params)
   paths = steering_hooks.layer_paths(params)
-
-  # Every item set of a task in one batch; correctness is split per set.
-  items = {t: [it for seed in config.mc_seeds
-               for it in text_corpus.mc_task(t, n, seed)]
-           for t, n in config.tasks.items()}
-  mc = {t: scoring.encode_mc(its, tokenizer) for t, its in items.items()}
-  length = max(b.longest for b in mc.values())
-  if length > model.max_len:
-    raise ConfigError('tasks', dict(config.tasks),
-                      f'items of {length} tokens exceed the LM\'s max_len')
-  prompts = subject.prompts
-  gen_config = config.generation
-  if prompts[0].shape[1] + gen_config.steps > model.max_len:
-    raise ConfigError('generation.steps', gen_config.steps,
-                      f'prompts of {prompts[0].shape[1]} tokens and this '
-                      f'many steps exceed the LM\'s max_len={model.max_len}')
+  mc = _mc_batches(config, subject.lm.tokenizer, model.max_len)
+  _check_generation_fits(config.generation, subject.prompts, model.max_len)
 
   vec = _direction(config, subject.lm, layer_path)
   steering_vectors.save(os.path.join(workdir, 'steering_vector.npz'), vec)
@@ -420,30 +402,11 @@ def _evaluate(config, workdir: str) -> list[dict[str, Any]]:
     for alpha in ((0.0,) if method == 'none' else tuple(config.alphas)):
       steer = steer_at(method, alpha)
       row = {'method': method, 'alpha': float(alpha)}
-      for task, scorer in scorers.items():
-        n = config.tasks[task]
-        for k, v in scorer.accuracy(steer).items():
-          if k.startswith('correct_'):
-            v = [v[i:i + n] for i in range(0, len(v), n)]
-          row[f'{task}_{k}'] = v
-      if list(heldout) == [None]:
-        row.update(heldout[None].metrics(steer))
-      else:
-        kls, trig = [], []
-        for source, scorer in heldout.items():
-          out = scorer.metrics(steer)
-          row.update({f'{source}_{k}': v for k, v in out.items()})
-          kls.append(out['kl'])
-          trig.append(out['trigger_rate'])
-        row['kl'] = float(np.mean(kls))
-        row['trigger_rate'] = float(np.mean(trig))
-      if gen_config.get('enabled', True):
-        gen = generations.generation_metrics(
-            model, params, prompts, steer, layer_path, gen_config.steps,
-            gen_config.temperature, gen_config.seed, gen_config.mode,
-            tokenizer, JUDGES[kind])
-        row['samples'] = gen.pop('samples')
-        row.update(gen)
+      row.update(_mc_metrics(config.tasks, scorers, steer))
+      row.update(_heldout_metrics(heldout, steer))
+      if config.generation.get('enabled', True):
+        row.update(_generation_metrics(config.generation, subject, steer,
+                                       layer_path, JUDGES[kind]))
       logging.info('%s alpha=%.2f: %s', method, alpha, {
           k: round(v, 4) for k, v in row.items()
           if isinstance(v, float) and k != 'alpha'})
@@ -455,14 +418,92 @@ def _evaluate(config, workdir: str) -> list[dict[str, Any]]:
               num_layers=len(paths), coefficient=coefficient,
               kappa=config.kappa, beta=config.beta,
               model_fingerprint=vec.model_fingerprint,
-              tokenizer_fingerprint=tokenizer.fingerprint)
+              tokenizer_fingerprint=subject.lm.tokenizer.fingerprint)
+  _write_results(workdir, meta, rows, list(mc))
+  return rows
+
+
+def _layer_path(config, params) -> str:
+  """The parameter path of the config's `layer`."""
+  try:
+    return steering_hooks.resolve_layer(params, config.layer)
+  except ValueError as e:
+    raise ConfigError('layer', config.layer, str(e).split(': ', 1)[1]) from None
+
+
+def _mc_batches(config, tokenizer, max_len: int
+                ) -> dict[str, scoring.MCBatch]:
+  """Each multiple-choice task's items, encoded; every item set of a task
+  in one batch (correctness is split per set)."""
+  items = {t: [it for seed in config.mc_seeds
+               for it in text_corpus.mc_task(t, n, seed)]
+           for t, n in config.tasks.items()}
+  mc = {t: scoring.encode_mc(its, tokenizer) for t, its in items.items()}
+  length = max(b.longest for b in mc.values())
+  if length > max_len:
+    raise ConfigError('tasks', dict(config.tasks),
+                      f'items of {length} tokens exceed the LM\'s max_len')
+  return mc
+
+
+def _check_generation_fits(gen_config, prompts: tuple[np.ndarray, np.ndarray],
+                           max_len: int) -> None:
+  if prompts[0].shape[1] + gen_config.steps > max_len:
+    raise ConfigError('generation.steps', gen_config.steps,
+                      f'prompts of {prompts[0].shape[1]} tokens and this '
+                      f'many steps exceed the LM\'s max_len={max_len}')
+
+
+def _mc_metrics(tasks, scorers: dict[str, scoring.MCScorer], steer
+                ) -> dict[str, Any]:
+  """Each task's accuracies; its per-item correctness as one list per
+  item set (`tasks[task]` items each)."""
+  row = {}
+  for task, scorer in scorers.items():
+    n = tasks[task]
+    for k, v in scorer.accuracy(steer).items():
+      if k.startswith('correct_'):
+        v = [v[i:i + n] for i in range(0, len(v), n)]
+      row[f'{task}_{k}'] = v
+  return row
+
+
+def _heldout_metrics(heldout: dict[str | None, scoring.HeldoutScorer], steer
+                     ) -> dict[str, Any]:
+  """One unnamed set's metrics as they are; several sources' in columns
+  per source, with the mean KL and trigger rate over them."""
+  if list(heldout) == [None]:
+    return heldout[None].metrics(steer)
+  row, kls, trig = {}, [], []
+  for source, scorer in heldout.items():
+    out = scorer.metrics(steer)
+    row.update({f'{source}_{k}': v for k, v in out.items()})
+    kls.append(out['kl'])
+    trig.append(out['trigger_rate'])
+  row['kl'] = float(np.mean(kls))
+  row['trigger_rate'] = float(np.mean(trig))
+  return row
+
+
+def _generation_metrics(gen_config, subject: Subject, steer, layer_path: str,
+                        judge: str) -> dict[str, Any]:
+  """The generations' metrics, with the texts under 'samples'."""
+  gen = generations.generation_metrics(
+      subject.lm.model, subject.lm.params, subject.prompts, steer, layer_path,
+      gen_config.steps, gen_config.temperature, gen_config.seed,
+      gen_config.mode, subject.lm.tokenizer, judge)
+  return {'samples': gen.pop('samples'), **gen}
+
+
+def _write_results(workdir: str, meta: dict[str, Any],
+                   rows: list[dict[str, Any]], tasks: list[str]) -> None:
+  """results.json, results.md and (with generations) pareto.png."""
   metrics_lib.write_json_atomic(os.path.join(workdir, 'results.json'),
                                 {'meta': meta, 'rows': rows})
   metrics_lib.write_text_atomic(os.path.join(workdir, 'results.md'),
-                                markdown_table(rows, list(mc)))
+                                markdown_table(rows, tasks))
   if 'positive_share' in rows[0]:
-    pareto.plot_pareto(rows, list(mc), os.path.join(workdir, 'pareto.png'))
-  return rows
+    pareto.plot_pareto(rows, tasks, os.path.join(workdir, 'pareto.png'))
 
 
 def markdown_table(rows: list[dict[str, Any]], tasks: list[str]) -> str:
