@@ -599,11 +599,9 @@ def sam(
     fused: compute w + e with the Pallas kernels of
       `geom.kernels.sam_perturb` (one norm pass and one update pass over
       all leaves) instead of jnp; equal to the unfused result to float32
-      rounding (relative 1e-6 on the norm). Under `jax.jit` over several
-      devices each device perturbs its own shards with the global norm
-      (on TPU, where Mosaic kernels cannot be split automatically, XLA's
-      fusion of the same arithmetic runs there instead; see the kernel's
-      module docstring).
+      rounding (relative 1e-6 on the norm). Over several devices each
+      perturbs its own shards with the global norm (how, on each
+      backend: docs/sam_perturb.md).
     ascent: an optax transformation that gives the ascent direction, in
       the convention of `optax.contrib.sam`'s `adv_optimizer` (it returns
       a descent step; e = -rho * its update). None: the normalized step

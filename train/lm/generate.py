@@ -18,6 +18,7 @@ Prompts are left-padded: `valid` marks real tokens, and a row's result
 does not depend on the padding it was given (tested).
 """
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -96,37 +97,57 @@ def generate(model: interface.LanguageModel, params: Any, prompt: jax.Array,
   if steering is not None and layer_path is None:
     raise ValueError('layer_path: required with a steering operator (see '
                      'steering_hooks.resolve_layer)')
-  batch, plen = prompt.shape
-  total = plen + num_steps
-  if total > model.max_len:
+  plen = prompt.shape[1]
+  if plen + num_steps > model.max_len:
     raise ValueError(f'num_steps={num_steps}: prompt ({plen}) + steps '
                      f'exceeds the model\'s max_len={model.max_len}')
   step_rng = lambda i: None if rng is None else jax.random.fold_in(rng, i)
+  pick = lambda logits, i: _pick(logits, step_rng(i), temperature)
+  run = _cached if mode == 'cached' else _recompute
+  return run(model, params, prompt, prompt_valid, num_steps, steering,
+             layer_path, pick)
 
-  if mode == 'cached':
-    last = jnp.zeros_like(prompt_valid).at[:, -1].set(True)
-    logits, cache, rec = interface.prefill(
-        model, params, prompt, prompt_valid, total, steering=steering,
-        layer_path=layer_path, steer_mask=last)
-    first = logits[:, -1]
-    stats = _add(_zero_stats(), rec.stats)
 
-    def body(carry, i):
-      token, cache, stats = carry
-      logits, cache, rec = interface.step(model, params, token, cache,
-                                          steering=steering,
-                                          layer_path=layer_path)
-      nxt = _pick(logits, step_rng(i), temperature)
-      return (nxt, cache, _add(stats, rec.stats)), (nxt, logits)
+def _cached(model: interface.LanguageModel, params: Any, prompt: jax.Array,
+            prompt_valid: jax.Array, num_steps: int,
+            steering: steering_lib.Steering | None, layer_path: str | None,
+            pick: Callable[[jax.Array, Any], jax.Array]) -> Generation:
+  """KV-cached decoding: the prompt prefilled with its last token steered,
+  then one cached step per token; `pick(logits, i)` picks step i's."""
+  total = prompt.shape[1] + num_steps
+  last = jnp.zeros_like(prompt_valid).at[:, -1].set(True)
+  logits, cache, rec = interface.prefill(
+      model, params, prompt, prompt_valid, total, steering=steering,
+      layer_path=layer_path, steer_mask=last)
+  first = logits[:, -1]
+  stats = _add(_zero_stats(), rec.stats)
 
-    token0 = _pick(first, step_rng(0), temperature)
-    (_, _, stats), (tokens, logits) = jax.lax.scan(
-        body, (token0, cache, stats), jnp.arange(1, num_steps))
-    tokens = jnp.concatenate([token0[:, None], tokens.T], axis=1)
-    logits = jnp.concatenate([first[:, None], logits.transpose(1, 0, 2)],
-                             axis=1)
-    return Generation(tokens, logits, stats)
+  def body(carry, i):
+    token, cache, stats = carry
+    logits, cache, rec = interface.step(model, params, token, cache,
+                                        steering=steering,
+                                        layer_path=layer_path)
+    nxt = pick(logits, i)
+    return (nxt, cache, _add(stats, rec.stats)), (nxt, logits)
 
+  token0 = pick(first, 0)
+  (_, _, stats), (tokens, logits) = jax.lax.scan(
+      body, (token0, cache, stats), jnp.arange(1, num_steps))
+  tokens = jnp.concatenate([token0[:, None], tokens.T], axis=1)
+  logits = jnp.concatenate([first[:, None], logits.transpose(1, 0, 2)],
+                           axis=1)
+  return Generation(tokens, logits, stats)
+
+
+def _recompute(model: interface.LanguageModel, params: Any,
+               prompt: jax.Array, prompt_valid: jax.Array, num_steps: int,
+               steering: steering_lib.Steering | None,
+               layer_path: str | None,
+               pick: Callable[[jax.Array, Any], jax.Array]) -> Generation:
+  """Each step re-runs the sequence so far, steering only its last
+  position; `pick(logits, i)` picks step i's token."""
+  batch, plen = prompt.shape
+  total = plen + num_steps
   buf = jnp.concatenate([prompt, jnp.zeros((batch, num_steps),
                                            prompt.dtype)], 1)
   valid = jnp.concatenate([prompt_valid, jnp.zeros((batch, num_steps),
@@ -141,7 +162,7 @@ def generate(model: interface.LanguageModel, params: Any, prompt: jax.Array,
         steer_mask=jnp.broadcast_to(at_slot, buf.shape))
     logits = jax.lax.dynamic_index_in_dim(logits, slot, axis=1,
                                           keepdims=False)
-    nxt = _pick(logits, step_rng(i), temperature)
+    nxt = pick(logits, i)
     buf = jax.lax.dynamic_update_slice_in_dim(buf, nxt[:, None].astype(
         buf.dtype), slot + 1, axis=1)
     valid = jax.lax.dynamic_update_slice_in_dim(

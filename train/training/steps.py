@@ -120,20 +120,61 @@ def make_train_step(
     non-finite is not applied (those checks reduce across the mesh, so
     they run only under that policy).
   """
+  fixed = _check_step(nonfinite, hooks, mesh, variant)
+  update = _update(model, tx, per_example, nonfinite, log_every, hooks, fixed)
+  local_axis = hooks.per_device_axis
+  if local_axis is not None:
+    rep, loc = P(), P(local_axis)
+    update = jax.shard_map(
+        update, mesh=mesh, in_specs=(rep, rep, rep, rep, rep, loc),
+        out_specs=(rep, rep, rep, rep, loc, loc, rep),
+        axis_names={local_axis}, check_vma=hooks.check_per_device_types)
+
+  def train_step(state: TrainState, batch: dict[str, jax.Array]):
+    params, stats, opt_state, skipped, losses, correct, grad_norm = update(
+        state.params, state.batch_stats, state.opt_state,
+        state.skipped_steps, state.step, batch)
+    new_state = TrainState(step=state.step + 1, params=params,
+                           batch_stats=stats, opt_state=opt_state,
+                           skipped_steps=skipped)
+    metrics = {'loss': losses, 'correct': correct, 'grad_norm': grad_norm}
+    if hooks.diagnostics is not None:
+      metrics.update({DIAGNOSTICS_PREFIX + k: v.astype(jnp.float32)
+                      for k, v in hooks.diagnostics(opt_state).items()})
+    return new_state, metrics
+
+  return train_step
+
+
+def _check_step(nonfinite: str, hooks: method_hooks.MethodHooks,
+                mesh: jax.sharding.Mesh | None,
+                variant: Hashable | None) -> dict[str, Hashable]:
+  """ValueError for settings `make_train_step` cannot honour; returns the
+  `tx.update` argument that fixes the variant ({} for none)."""
   if nonfinite not in NONFINITE_POLICIES:
     raise ValueError(f'nonfinite={nonfinite!r}; valid choices: '
                      f'{NONFINITE_POLICIES}')
   check_update_arguments(hooks)
+  if hooks.per_device_axis is not None and mesh is None:
+    raise ValueError('make_train_step: a per-device axis needs the mesh')
+  if variant is None:
+    return {}
+  if hooks.variants is None or variant not in hooks.variants.values:
+    raise ValueError(f'variant={variant!r}: the method {hooks.name!r} has '
+                     f'no such kind of step')
+  return {hooks.variants.argument: variant}
+
+
+def _update(model: nn.Module, tx: optax.GradientTransformation,
+            per_example: PerExample, nonfinite: str, log_every: int,
+            hooks: method_hooks.MethodHooks, fixed: dict[str, Hashable]
+            ) -> Callable[..., tuple]:
+  """`update(params, batch_stats, opt_state, skipped, step, batch)`: the
+  step on arrays (on one device's shard of the batch with a per-device
+  axis) -> (params, batch_stats, opt_state, skipped, losses, correct,
+  grad_norm)."""
   local_axis = hooks.per_device_axis
   check_vma = hooks.check_per_device_types
-  if local_axis is not None and mesh is None:
-    raise ValueError('make_train_step: a per-device axis needs the mesh')
-  fixed = {}
-  if variant is not None:
-    if hooks.variants is None or variant not in hooks.variants.values:
-      raise ValueError(f'variant={variant!r}: the method {hooks.name!r} has '
-                       f'no such kind of step')
-    fixed = {hooks.variants.argument: variant}
 
   def across(fn, x):
     return x if local_axis is None else fn(x, local_axis)
@@ -159,16 +200,9 @@ def make_train_step(
     updates, new_opt = tx.update(grads, opt_state, params, **extra, **fixed)
     new_params = optax.apply_updates(params, updates)
     if nonfinite == 'skip':
-      # A non-finite element makes a norm non-finite: one scalar per tree.
-      # The update is checked too: a finite gradient times a huge learning
-      # rate can overflow.
-      finite = (jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
-                & jnp.isfinite(optax.tree.norm(updates)))
-      finite = across(jax.lax.pmin, finite.astype(jnp.int32)) > 0
-      new_params, new_stats, new_opt = jax.tree.map(
-          lambda new, old: jnp.where(finite, new, old),
-          (new_params, new_stats, new_opt), (params, batch_stats, opt_state))
-      skipped = skipped + (~finite).astype(jnp.int32)
+      (new_params, new_stats, new_opt), skipped = _unless_nonfinite(
+          across, loss, grads, updates, (new_params, new_stats, new_opt),
+          (params, batch_stats, opt_state), skipped)
     # The zero keeps the gradient's device-variance (for shard_map's types).
     zero = lambda g: jnp.zeros_like(jax.tree.leaves(g)[0].ravel()[0],
                                     jnp.float32)
@@ -177,27 +211,20 @@ def make_train_step(
     return (new_params, new_stats, new_opt, skipped, losses, correct,
             across(jax.lax.pmean, grad_norm))
 
-  if local_axis is not None:
-    rep, loc = P(), P(local_axis)
-    update = jax.shard_map(
-        update, mesh=mesh, in_specs=(rep, rep, rep, rep, rep, loc),
-        out_specs=(rep, rep, rep, rep, loc, loc, rep),
-        axis_names={local_axis}, check_vma=check_vma)
+  return update
 
-  def train_step(state: TrainState, batch: dict[str, jax.Array]):
-    params, stats, opt_state, skipped, losses, correct, grad_norm = update(
-        state.params, state.batch_stats, state.opt_state,
-        state.skipped_steps, state.step, batch)
-    new_state = TrainState(step=state.step + 1, params=params,
-                           batch_stats=stats, opt_state=opt_state,
-                           skipped_steps=skipped)
-    metrics = {'loss': losses, 'correct': correct, 'grad_norm': grad_norm}
-    if hooks.diagnostics is not None:
-      metrics.update({DIAGNOSTICS_PREFIX + k: v.astype(jnp.float32)
-                      for k, v in hooks.diagnostics(opt_state).items()})
-    return new_state, metrics
 
-  return train_step
+def _unless_nonfinite(across, loss, grads, updates, new, old, skipped):
+  """(`new`, skipped) if the loss, gradient and update are finite on every
+  device, else (`old`, skipped + 1)."""
+  # A non-finite element makes a norm non-finite: one scalar per tree.
+  # The update is checked too: a finite gradient times a huge learning
+  # rate can overflow.
+  finite = (jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+            & jnp.isfinite(optax.tree.norm(updates)))
+  finite = across(jax.lax.pmin, finite.astype(jnp.int32)) > 0
+  new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+  return new, skipped + (~finite).astype(jnp.int32)
 
 
 def metric_shardings(batch_sharding: jax.sharding.Sharding,

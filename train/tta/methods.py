@@ -37,6 +37,9 @@ from train.tta import sar
 from train.tta import tent
 from train.tta import unadapted
 
+# What `make` and `bind` take (benchmarks and studies build it too).
+Settings = interface.Settings
+
 # The config's `method.name` -> the method.
 METHODS: dict[str, type[interface.Method]] = {
     'source': unadapted.Source, 'bn_stats': unadapted.BNStats,
