@@ -155,16 +155,9 @@ def _latest_checkpoint(workdir) -> int:
                                else ()) if d.isdigit()), default=-1)
 
 
-def _kill_9_after_a_checkpoint(procs, workdir, victim: int, role: str,
-                               group: tuple[int, ...] = ()):
-  """Kills process `victim` once version 2 is saved; checks that the others
-  stop in one line naming it, exit 1 and keep the checkpoint. A process of
-  `group` (the victim's learner group, which sums with it through gloo)
-  may instead end by SIGABRT before the heartbeat names the victim: seen
-  once in about ten runs, under the full suite's load, with nothing but
-  "Fatal Python error: Aborted" from it (our reading: gloo aborting on the
-  closed connection of a sum under way). Another process must still say
-  so in one line."""
+def _wait_for_version_2(procs, workdir):
+  """Until the job saved version 2; on a failure or a hang, the stacks of
+  every process (faulthandler) in the test's failure."""
   deadline = time.monotonic() + 240
   while _latest_checkpoint(workdir) < 2:
     if time.monotonic() > deadline or any(p.poll() is not None
@@ -178,6 +171,19 @@ def _kill_9_after_a_checkpoint(procs, workdir, victim: int, role: str,
           f'--- process {i} exit {code}:\n{err[-6000:]}'
           for i, (code, _, err) in enumerate(ends)))
     time.sleep(0.05)
+
+
+def _kill_9_after_a_checkpoint(procs, workdir, victim: int, role: str,
+                               group: tuple[int, ...] = ()):
+  """Kills process `victim` once version 2 is saved; checks that the others
+  stop in one line naming it, exit 1 and keep the checkpoint. A process of
+  `group` (the victim's learner group, which sums with it through gloo)
+  may instead end by SIGABRT before the heartbeat names the victim: seen
+  once in about ten runs, under the full suite's load, with nothing but
+  "Fatal Python error: Aborted" from it (our reading: gloo aborting on the
+  closed connection of a sum under way). Another process must still say
+  so in one line."""
+  _wait_for_version_2(procs, workdir)
   procs[victim].send_signal(signal.SIGKILL)
   ends = _finish([p for i, p in enumerate(procs) if i != victim])
   reported = [line for code, _, err in ends for line in err.splitlines()
@@ -256,12 +262,26 @@ def _train_metrics(workdir) -> dict[int, dict]:
     return {r['step']: r for r in map(json.loads, f) if 'train/loss' in r}
 
 
+# 1 rollout + 2 learner processes, deterministic, s = 2.
+GROUP = DETERMINISTIC + ('--config.checkpoint_every=2',)
+_GROUP = {}
+
+
+def _group(tmp_path_factory, sft_workdir):
+  """The uninterrupted run of 1 rollout + 2 learner processes (once): its
+  results and the processes' ends."""
+  if not _GROUP:
+    _GROUP['workdir'] = tmp_path_factory.mktemp('group')
+    _GROUP['run'] = _multi(_GROUP['workdir'], sft_workdir, 3, 2, *GROUP,
+                           rollouts=1)
+  return _GROUP['run']
+
+
 def test_a_learner_over_two_processes_trains_like_one_and_resumes_exactly(
     sft_workdir, tmp_path, tmp_path_factory):
   """1 rollout + 2 learner processes: each update spans both learners."""
-  extra = DETERMINISTIC + ('--config.checkpoint_every=2',)
-  whole, ends = _multi(tmp_path / 'whole', sft_workdir, 3, 2, *extra,
-                       rollouts=1)
+  extra = GROUP
+  whole, ends = _group(tmp_path_factory, sft_workdir)
   # Their last line (gloo, the collectives on CPU, prints to stdout too).
   assert ends[2][1].splitlines()[-1].startswith(
       'learner process 2: joined 8 updates'), ends[2][1][-2000:]
@@ -271,7 +291,7 @@ def test_a_learner_over_two_processes_trains_like_one_and_resumes_exactly(
   single, single_workdir = _single(tmp_path_factory, sft_workdir, 2, *extra,
                                    workdir=True)
   assert whole['params_sha256'] != single['params_sha256']
-  mine, theirs = _train_metrics(tmp_path / 'whole'), _train_metrics(
+  mine, theirs = _train_metrics(_GROUP['workdir']), _train_metrics(
       single_workdir)
   assert sorted(mine) == sorted(theirs) == list(range(1, VERSIONS + 1))
   for step, row in mine.items():
@@ -294,15 +314,44 @@ def test_a_learner_over_two_processes_trains_like_one_and_resumes_exactly(
                                   'wall': resumed['curve'][-1]['wall']}
 
 
+def test_sigterm_to_a_follower_stops_the_job_saved_and_it_resumes_exactly(
+    sft_workdir, tmp_path, tmp_path_factory):
+  """SIGTERM to the learner that follows the lead (process 2 of 1 rollout
+  + 2 learner processes): it tells the lead, which saves at the end of its
+  step; every process then exits 0 (SIGTERM is how schedulers preempt)
+  with the lead's one line, and the same command resumes exactly."""
+  workdir = tmp_path / 'stopped'
+  procs = _start(workdir, sft_workdir, 3, 2, *GROUP, rollouts=1)
+  _wait_for_version_2(procs, workdir)
+  procs[2].send_signal(signal.SIGTERM)
+  ends = _finish(procs)
+  assert [code for code, _, _ in ends] == [0, 0, 0], [
+      err[-2000:] for _, _, err in ends]
+  step = _latest_checkpoint(workdir)
+  assert 2 <= step < VERSIONS
+  line = (f'stopped by SIGTERM at step {step}; checkpoint saved. Run the '
+          'same command again to resume.')
+  assert [err.strip().splitlines()[-1] for _, _, err in ends] == [line] * 3
+  resumed, _ = _multi(workdir, sft_workdir, 3, 2, *GROUP, rollouts=1)
+  whole, _ = _group(tmp_path_factory, sft_workdir)
+  assert resumed['params_sha256'] == whole['params_sha256']
+  assert resumed['curve'][-1] == {**whole['curve'][-1],
+                                  'wall': resumed['curve'][-1]['wall']}
+  records = [json.loads(l)['step']
+             for l in open(workdir / 'metrics.jsonl')]
+  assert records == sorted(set(records))  # No record twice after the resume.
+
+
 def test_a_bucket_url_workdir_is_refused_before_anything_is_written():
   # pylint: disable=g-import-not-at-top
   from train.errors import UsageError
-  from train.rl import run
+  from train.rl import settings
+  from train.run import workdir_path
   with pytest.raises(UsageError, match=r"^--workdir='gs://b/rl': the "
                      'learner of a multi-process run writes its '
                      'checkpoints alone'):
-    run._check_local_workdir('gs://b/rl')  # pylint: disable=protected-access
-  run._check_local_workdir('/tmp/rl')  # pylint: disable=protected-access
+    workdir_path.check_local('gs://b/rl', settings.SPLIT.holder)
+  workdir_path.check_local('/tmp/rl', settings.SPLIT.holder)
 
 
 def test_a_refusal_ends_every_process_with_its_code_and_line(

@@ -4,6 +4,7 @@ The loopback jobs (test_rl_multihost) run it for real; here its order of
 answers is pinned down where a live job would only hang now and then.
 """
 
+import inspect
 import json
 import signal
 import threading
@@ -15,6 +16,7 @@ import pytest
 from train import errors
 from train.rl import control
 from train.rl import processes
+from train.rl import runtime
 
 
 class _Store:
@@ -182,3 +184,22 @@ class _OkTransport:
 
   def check(self):
     pass
+
+
+@pytest.mark.parametrize('implementation', [runtime.Actors,
+                                            processes.LearnerServices])
+def test_both_sources_of_batches_have_the_learners_one_interface(
+    implementation):
+  # The learner calls only runtime.Generation's methods, the same way
+  # whether its batches come from threads or from rollout processes.
+  for name, member in inspect.getmembers(runtime.Generation):
+    if name.startswith('_'):
+      continue
+    mine = getattr(implementation, name, None)
+    assert mine is not None, (implementation.__name__, name)
+    if isinstance(member, property):
+      assert isinstance(mine, property), (implementation.__name__, name)
+    else:
+      assert (list(inspect.signature(mine).parameters)
+              == list(inspect.signature(member).parameters)), (
+                  implementation.__name__, name)

@@ -27,6 +27,7 @@ from tests.conftest import REPO_ROOT
 from tests.conftest import SFT_POLICY_OVERRIDES
 from train.run import checksums
 from train import errors
+from train.rl import batches
 from train.rl import learner
 from train.rl import rollout
 from train.rl import run
@@ -408,14 +409,14 @@ def test_failing_actors_end_the_run_in_one_line_with_a_checkpoint_kept(
     sft_workdir, tmp_path, monkeypatch):
   config = _config(sft_workdir, max_staleness=1, num_actors=2,
                    max_actor_restarts=2)
-  real = run.batch_problems
+  real = batches.batch_problems
 
   def broken(config, k, difficulty=None):
     if k >= 3:
       raise RuntimeError(f'generation exploded on batch {k}')
     return real(config, k, difficulty)
 
-  monkeypatch.setattr(run, 'batch_problems', broken)
+  monkeypatch.setattr(batches, 'batch_problems', broken)
   start = time.monotonic()
   # Two actors may fail at once: the count passes the budget by 1 or 2.
   with pytest.raises(runtime.ActorFailed,

@@ -63,7 +63,7 @@ def exit_code(error: BaseException) -> int:
   other processes then exit with too."""
   # pylint: disable=g-import-not-at-top
   from train.errors import Interrupted, UsageError
-  from train.run.workdir_lock import WorkdirBusy
+  from train.run.job import WorkdirBusy
   # pylint: enable=g-import-not-at-top
   if isinstance(error, WorkdirBusy):
     return 75

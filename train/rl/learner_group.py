@@ -15,9 +15,9 @@ lead's own view of them (on its devices alone) is the same buffers as
 the group's: `local_view` and `global_view` convert without a copy. That
 is why the lead alone can checkpoint, evaluate and publish, and why the
 checkpoint format is the one-learner one (whole arrays, written by the
-lead: `train.run.local_checkpoints`): a run resumes on any split. A policy
-sharded over the group (FSDP) is refused; it would need the group to
-gather before each of those.
+lead alone; `train.run.workdir_run` picks it): a run resumes on any
+split. A policy sharded over the group (FSDP) is refused; it would need
+the group to gather before each of those.
 
 The others follow: the lead sends them the state it starts from
 (`state`, after a restore or a fresh start) and, before each update, the

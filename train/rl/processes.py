@@ -46,6 +46,7 @@ from train.errors import ConfigError, RunError
 from train.rl import control
 from train.rl import runtime
 from train.rl import transport as transport_lib
+from train.run import stop_protocol
 
 PREFIX = 'geom_rl'
 
@@ -279,7 +280,8 @@ def check_peers(transport: transport_lib.Transport,
 
 
 class LearnerServices:
-  """The learner's side of the job: plans, weights, batches, liveness."""
+  """The learner's side of the job: plans, weights, batches, liveness (a
+  `runtime.Generation`: its batches come from the rollout processes)."""
 
   def __init__(self, *, roles_: Roles, channel_: control.Channel,
                transport: transport_lib.Transport,
@@ -287,7 +289,10 @@ class LearnerServices:
                plan: Callable[[int, int], Any], window: int,
                leaves: Callable[[Any], list[Any]],
                deliver: Callable[[dict, list[jax.Array]], None],
-               request_stop: Callable[[str], None]):
+               request_stop: Callable[[str], None], start: int = 0):
+    """`request_stop(signal_name)` stops the run for a signal another
+    process received (`train.run.stop_protocol`); `start`: the version
+    the learner starts from."""
     self._roles = roles_
     self._channel = channel_
     self._transport = transport
@@ -297,15 +302,16 @@ class LearnerServices:
     self._window = window
     self._leaves = leaves
     self._deliver = deliver
-    self._request_stop = request_stop
+    self._stop_watch = stop_protocol.Watch(channel_, request_stop)
+    self._start = start
     self._halt = threading.Event()
     self._failure: BaseException | None = None
     self._threads: list[threading.Thread] = []
     self._next = 0
-    self._stop_seen = False
 
-  def start(self, version: int) -> None:
+  def start(self) -> None:
     """Publishes the start version and starts serving from it."""
+    version = self._start
     self._next = version
     self._channel.set('next', version)
     self._transport.start(self._receive)
@@ -387,11 +393,7 @@ class LearnerServices:
       if failed is not None:
         raise RolloutFailed(p, failed['line'], self._roles.role(p),
                             failed['code'])
-    if not self._stop_seen:
-      stop = self._channel.try_get('stop')
-      if stop is not None:
-        self._stop_seen = True
-        self._request_stop(stop)
+    self._stop_watch.poll()
 
   def stop(self) -> None:
     self._halt.set()

@@ -31,7 +31,7 @@ import heapq
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from absl import logging
 import jax
@@ -229,6 +229,37 @@ Generate = Callable[[int, int, Any], Any]
 Plan = Callable[[int, int], int]
 
 
+class Generation(Protocol):
+  """Where the learner's batches come from and where its weights go.
+
+  Batches arrive in the learner's `Buffer`; the weights it publishes in
+  its `Snapshots` reach the generators. Implemented by `Actors` (threads
+  of this process) and `train.rl.processes.LearnerServices` (rollout
+  processes of a job), so that the learner runs the same whichever it
+  has. It calls `start` once, `advance(k)` before it waits for batch k,
+  `check` while it waits, then `stop` and `join`.
+  """
+
+  def start(self) -> None:
+    """Starts generating from the learner's current version."""
+
+  def advance(self, k: int) -> None:
+    """The learner now waits for batch k."""
+
+  def check(self) -> None:
+    """Raises what stopped the generators (or a stop they asked for)."""
+
+  def stop(self) -> None:
+    """Ends every wait."""
+
+  def join(self, timeout: float) -> None:
+    """Waits up to `timeout` s for the generators to end."""
+
+  @property
+  def failures(self) -> int:
+    """Generator failures so far (restarted within their budget)."""
+
+
 class Actors:
   """Actor threads generating batches start, start + 1, ... into `buffer`."""
 
@@ -258,6 +289,10 @@ class Actors:
   def start(self) -> None:
     for _ in range(self._settings.num_actors):
       self._spawn()
+
+  def advance(self, k: int) -> None:
+    """Nothing to do: the actors run ahead within the buffer's room."""
+    del k
 
   def _spawn(self) -> None:
     actor = self._spawned
