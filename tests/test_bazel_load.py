@@ -118,10 +118,10 @@ def test_the_load_fails_on_a_duplicate_label_and_a_missing_target(tmp_path):
   _copy_build_tree(str(tmp_path))
   duplicated = _plant(tmp_path / 'tests' / 'BUILD',
                       lambda label: f'"{label}", "{label}"')
-  _plant(tmp_path / 'train' / 'BUILD',
-         lambda label: f'"//train:no_such_target", "{label}"')
+  _plant(tmp_path / 'train' / 'run' / 'BUILD',
+         lambda label: f'"//train/run:no_such_target", "{label}"')
   result = _bazel(str(tmp_path), *LOAD)
   errors = _errors(result.stderr) or result.stderr
   assert result.returncode != 0
   assert f"Label '{duplicated}' is duplicated" in errors, errors
-  assert "rule '//train:no_such_target' does not exist" in errors, errors
+  assert "rule '//train/run:no_such_target' does not exist" in errors, errors
