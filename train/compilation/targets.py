@@ -36,7 +36,8 @@ GiB = 2**30
 # Where `make compile-toolchain` installs libtpu and the CUDA plugin
 # (`pip install --target`); GEOM_COMPILE_TOOLCHAIN overrides it.
 TOOLCHAIN_ENV = 'GEOM_COMPILE_TOOLCHAIN'
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 GPU_TARGET_CONFIGS = os.path.join(_REPO, 'third_party', 'xla_gpu_targets')
 # JAX preallocates this fraction of a GPU's memory for XLA by default and
 # reads XLA_PYTHON_CLIENT_MEM_FRACTION to change it (jax docs,
