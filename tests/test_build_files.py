@@ -8,6 +8,7 @@ target itself or one of its direct deps; every dep names a real target.
 
 import ast
 import os
+import re
 
 import pytest
 
@@ -177,3 +178,66 @@ def test_packages_whose_init_runs_code_are_in_the_runfiles(label):
   assert not missing, (
       f'{label} runs {missing} in Python but Bazel would give it an empty '
       'one: add the package target (e.g. //launch:package) to its deps')
+
+
+_MODULE_NAME = re.compile(r'^(?:launch|studies|bench)(?:\.\w+)+$')
+_CONFIG_FLAG = re.compile(r'^--config=(configs/\w+\.py)\b')
+
+
+def _module_file(name):
+  base = name.replace('.', '/')
+  for candidate in (base + '.py', base + '/__main__.py'):
+    if os.path.exists(os.path.join(REPO_ROOT, candidate)):
+      return candidate
+  return None
+
+
+def _started_modules(node):
+  """'launch.rl' in `[sys.executable, '-m', 'launch.rl', ...]` or in
+  `run_module('launch.rl', ...)`."""
+  if isinstance(node, (ast.List, ast.Tuple)):
+    items = node.elts
+    if (items and isinstance(items[0], ast.Attribute)
+        and items[0].attr == 'executable'):
+      for flag, module in zip(items, items[1:]):
+        if (isinstance(flag, ast.Constant) and flag.value == '-m'
+            and isinstance(module, ast.Constant)):
+          yield module.value
+  elif (isinstance(node, ast.Call) and node.args
+        and getattr(node.func, 'attr', getattr(node.func, 'id', None))
+        == 'run_module' and isinstance(node.args[0], ast.Constant)):
+    yield node.args[0].value
+
+
+def _files_run_by_name(path):
+  """Repo files a test starts by name: a module it runs in a subprocess
+  (`python -m launch.rl`), or a config it passes by path
+  ('--config=configs/rl.py:gemma')."""
+  with open(os.path.join(REPO_ROOT, path)) as f:
+    tree = ast.parse(f.read(), path)
+  found = set()
+  for node in ast.walk(tree):
+    for module in _started_modules(node):
+      if isinstance(module, str) and _MODULE_NAME.match(module):
+        found.add(_module_file(module))
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+      config = _CONFIG_FLAG.match(node.value)
+      if config and os.path.exists(os.path.join(REPO_ROOT, config.group(1))):
+        found.add(config.group(1))
+  return found - {None}
+
+
+@pytest.mark.parametrize('label', sorted(
+    l for l in TARGETS if l.startswith('//tests:')))
+def test_what_a_test_starts_by_name_is_in_its_runfiles(label):
+  # A subprocess (`python -m launch.rl`) imports what its own target would
+  # bring: under Bazel only the test's runfiles exist (test_gemma_training
+  # ran launch.rl without train/rl/processes.py there).
+  needed = set()
+  for src in TARGETS[label]['srcs']:
+    if src.endswith('.py') and os.path.exists(os.path.join(REPO_ROOT, src)):
+      needed |= _files_run_by_name(src)
+  missing = sorted(needed - _closure(label))
+  assert not missing, (
+      f'{label} starts {missing} by name: add their targets to its data '
+      '(e.g. //launch:rl, //configs:rl)')
