@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 
-from train.rl import simulator as sim
+from bench.rl import pod_simulation as sim
 from geom import gas
 
 K = 200

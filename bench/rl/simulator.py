@@ -16,7 +16,7 @@ it), into the BENCHMARKS.md section `rl_across_processes`:
     --calibration_json=studies/gas/results/rl_calibration.json \
     --transfer_json=studies/gas/results/rl_transfer.json --chips= --publish
 
-The simulator is `train.rl.simulator` (its docstring states the model
+The simulator is `bench.rl.pod_simulation` (its docstring states the model
 and its assumptions); this is its command line.
 """
 
@@ -30,7 +30,7 @@ from absl import flags
 
 from bench import report
 from train.run import metrics as metrics_lib
-from train.rl import simulator as sim
+from bench.rl import pod_simulation as sim
 
 SECTION = 'rl_across_processes'
 
@@ -155,7 +155,7 @@ def main(argv):
     across = [
         '## Rollout and learner processes at pod scale: predictions '
         '(`python -m bench.rl.simulator`)', '',
-        '**Predicted by `train.rl.simulator`, not measured.** Its model '
+        '**Predicted by `bench.rl.pod_simulation`, not measured.** Its model '
         'and assumptions are in its docstring; the costs it scales are '
         'measured here: ' + sim.summary(cal), '',
         f'Transfers: {1e3 * transfer.latency_seconds:.1f} ms + MB x '

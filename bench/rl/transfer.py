@@ -2,7 +2,7 @@ r"""What a weight version costs to cross processes (`train.rl.transport`).
 
   python -m bench.rl.transfer            # writes its BENCHMARKS.md section
 
-and the line fitted to its medians (`train.rl.simulator.Transfer`:
+and the line fitted to its medians (`bench.rl.pod_simulation.Transfer`:
 latency + MB / bandwidth) to `--fit_to`, which `bench.rl.simulator
 --transfer_json` prices multi-process runs with.
 
@@ -115,7 +115,7 @@ def main(argv):
   # pylint: disable=g-import-not-at-top
   from bench import report
   from train.analysis import stats
-  from train.rl import simulator
+  from bench.rl import pod_simulation as simulator
   # pylint: enable=g-import-not-at-top
   ports = ','.join(str(_free_port()) for _ in range(3))
   env = dict(os.environ, XLA_FLAGS='')
