@@ -221,7 +221,7 @@ def _imported_files(path: str) -> frozenset[str]:
     elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
           and node.func.attr == 'run_module' and node.args
           and isinstance(node.args[0], ast.Constant)):
-      # bench.rl_memory runs launch.rl in its own process, with its flags.
+      # bench.rl.memory runs launch.rl in its own process, with its flags.
       modules.add(node.args[0].value)
   files = set()
   for module in modules:
