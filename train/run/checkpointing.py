@@ -37,8 +37,6 @@ CHECKSUMS = integrity.CHECKSUMS
 META_DIGEST = integrity.META_DIGEST
 DamagedCheckpoint = integrity.DamagedCheckpoint
 NoGoodCheckpoint = integrity.NoGoodCheckpoint
-_meta_digest = integrity.meta_digest
-_verified_meta = integrity.verified_meta
 
 
 def _orbax_manager(directory: str, *, every_steps: int, keep: int,

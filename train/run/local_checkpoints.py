@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from train.run import checkpoint_integrity as integrity
 from train.run import checkpointing
-from train.run import checksums
 from train.run import disk_space
 from train import fileio
 from train.run.checkpointing import DamagedCheckpoint
@@ -96,9 +96,7 @@ class LocalCheckpoints(checkpointing.Checkpoints):
     leaves = jax.tree_util.tree_leaves_with_path(state)
     needed = disk_space.tree_bytes(state) * 11 // 10 + 2**16
     disk_space.check_room(self.directory, needed)
-    meta = dict(meta, **{checkpointing.CHECKSUMS:
-                         checksums.fingerprint(state)})
-    meta[checkpointing.META_DIGEST] = checkpointing._meta_digest(meta)  # pylint: disable=protected-access
+    meta = integrity.sealed(meta, state)
     host = [np.asarray(jax.device_get(x)) for _, x in leaves]
     index = {'format': FORMAT, 'step': step, 'meta': meta,
              'leaves': [[jax.tree_util.keystr(p), list(h.shape), h.dtype.name]
@@ -143,12 +141,12 @@ class LocalCheckpoints(checkpointing.Checkpoints):
     return index
 
   def restore_meta(self, step: int) -> dict[str, Any]:
-    return checkpointing._verified_meta(step, self._index(step)['meta'])  # pylint: disable=protected-access
+    return integrity.verified_meta(step, self._index(step)['meta'])
 
   def restore(self, step: int, abstract_state: Any
               ) -> tuple[Any, dict[str, Any]]:
     index = self._index(step)
-    meta = checkpointing._verified_meta(step, index['meta'])  # pylint: disable=protected-access
+    meta = integrity.verified_meta(step, index['meta'])
     targets, treedef = jax.tree.flatten(abstract_state)
     if len(targets) != len(index['leaves']):
       raise DamagedCheckpoint(step, f'holds {len(index["leaves"])} arrays, '
@@ -180,12 +178,7 @@ class LocalCheckpoints(checkpointing.Checkpoints):
             f'{np.dtype(t.dtype)}{list(t.shape)}')
       arrays.append(jax.device_put(h, t.sharding))
     state = jax.tree.unflatten(treedef, arrays)
-    bad = checksums.mismatches(meta.get(checkpointing.CHECKSUMS, {}),
-                               checksums.fingerprint(state))
-    if bad:
-      raise DamagedCheckpoint(
-          step, f'checksum mismatch in {len(bad)} array(s), e.g. '
-          f'state{bad[0]}')
+    integrity.check_arrays(step, state, meta, self.directory)
     return state, meta
 
   def _move_aside(self, damaged_steps: list[int]) -> None:
