@@ -1,6 +1,7 @@
 """Which config changes a resume accepts (train.run.resume_check), field by field."""
 
 import json
+import re
 
 from absl import logging
 import pytest
@@ -81,3 +82,17 @@ def test_num_steps_extends_but_never_shortens(monkeypatch):
   with pytest.raises(UsageError, match=r'^config.num_steps=30: below the '
                      'latest checkpoint of /w \\(step 40\\)'):
     resume_check.check(_changed(num_steps=30), '/w', 40, SAVED)
+
+
+def test_a_new_device_layout_resumes_with_a_warning(caplog):
+  # It resumed silently, and not bit for bit; the README said refused.
+  config = digits.get_config('runlocal')
+  saved = {'config': resume_check.as_json(config)}
+  moved = _changed(**{'mesh.shape': (4, 2)})
+  with caplog.at_level('WARNING'):
+    resume_check.check(moved, '/w', 20, saved)
+  assert re.search(r'config.mesh.shape .* -> .*: the run resumes on another '
+                   r'device layout; .* not bit for bit', caplog.text), (
+                       caplog.text)
+  with pytest.raises(resume_check.ConfigChanged, match='mesh.shape'):
+    resume_check.check(moved, '/w', 20, saved, per_device_method=True)

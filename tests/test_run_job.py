@@ -1,11 +1,13 @@
-"""A workdir held by a job that does not resume (`train.run.job.open_job`):
-an evaluation or a study's root."""
+"""The core's workdir lock and stop signals, and a workdir held by a job
+that does not resume (`train.run.job.open_job`): an evaluation or a
+study's root."""
 
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -14,6 +16,7 @@ from train import errors
 from train import fileio
 from train.run import job
 from train.run import preemption
+from train.run import workdir_lock
 
 EXIT_BUSY = 75
 
@@ -85,3 +88,36 @@ def test_a_stop_signal_ends_a_job_and_its_handler_is_restored(
   finally:
     signal.signal(signal.SIGTERM, previous)
   assert job.holder(str(tmp_path)) is None
+
+
+def test_the_lock_is_exclusive_and_released(tmp_path):
+  workdir = str(tmp_path)
+  with workdir_lock.hold(workdir):
+    info = workdir_lock.holder(workdir)  # Another open file: flock conflicts.
+    assert info['pid'] == os.getpid()
+    with pytest.raises(workdir_lock.WorkdirBusy, match=f'pid {os.getpid()}'):
+      with workdir_lock.hold(workdir):
+        pass
+  assert workdir_lock.holder(workdir) is None
+
+
+def test_after_a_stop_signal_a_second_signal_does_not_cut_the_save_short(
+    monkeypatch):
+  # Ctrl-C reaches a sweep and its runs; the sweep then terminates them
+  # while they save. The second signal must not raise in the saving run.
+  monkeypatch.setattr(preemption, '_STOPPING', threading.Event())
+  monkeypatch.setattr(preemption, '_PENDING', [])
+  with preemption.raise_on_signals():
+    stop = preemption.StopFlag()
+    with stop.installed():
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(0.1)  # Handlers run between bytecodes of the main thread.
+      assert stop.requested(1) and stop.signal_name == 'SIGINT'
+    os.kill(os.getpid(), signal.SIGTERM)  # During the save, after the loop.
+    time.sleep(0.1)
+    preemption.raise_if_interrupted()  # Nothing pending either.
+  monkeypatch.setattr(preemption, '_STOPPING', threading.Event())
+  with pytest.raises(errors.Interrupted, match='SIGTERM'):
+    with preemption.raise_on_signals():  # Without a stop: start-up.
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(0.1)
