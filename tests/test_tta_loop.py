@@ -35,6 +35,14 @@ def source_workdir(tmp_path_factory):
   return workdir
 
 
+@pytest.fixture(scope='module')
+def tent_run(source_workdir, tmp_path_factory):
+  """runlocal's TENT run, finished: (workdir, results)."""
+  workdir = str(tmp_path_factory.mktemp('tent'))
+  return workdir, adapt.adapt_and_evaluate(
+      _config(source_workdir, 'runlocal,method=tent'), workdir)
+
+
 def _config(source, arg='runlocal', **fields):
   config = tta_config.get_config(arg)
   config.source_workdir = source
@@ -123,12 +131,16 @@ def test_a_write_that_runs_out_of_space_is_disk_full(source_workdir,
   assert str(e.value).startswith(f'disk full writing {log} (needs about ?, ')
 
 
-def test_adapts_and_reports_per_corruption_errors(source_workdir, tmp_path):
+def test_adapts_and_reports_per_corruption_errors(source_workdir, tent_run,
+                                                  tmp_path):
   results = {}
   for name in ('source', 'bn_stats', 'tent'):
     workdir = str(tmp_path / name)
-    results[name] = adapt.adapt_and_evaluate(
-        _config(source_workdir, f'runlocal,method={name}'), workdir)
+    if name == 'tent':
+      workdir, results[name] = tent_run
+    else:
+      results[name] = adapt.adapt_and_evaluate(
+          _config(source_workdir, f'runlocal,method={name}'), workdir)
     assert sorted(results[name]['errors']) == ['contrast', 'fog',
                                                'gaussian_noise']
     assert os.path.getsize(os.path.join(workdir, 'errors.png')) > 1000
@@ -279,14 +291,16 @@ def test_a_missing_or_incompatible_source_fails_in_one_line(
   assert 'Traceback' not in wrong.stderr
 
 
-def test_resume_with_another_config_is_refused(source_workdir, tmp_path):
-  workdir = str(tmp_path / 'w')
-  adapt.adapt_and_evaluate(_config(source_workdir), workdir)
+def test_resume_with_another_config_is_refused(source_workdir, tent_run):
+  workdir, results = tent_run
+  records = _records(workdir)
   changed = _run(workdir, source_workdir, '--config.method.learning_rate=0.01')
   assert changed.returncode == 2
   assert 'config.method.learning_rate 0.001 -> 0.01' in changed.stderr
-  # Refused before the source or the stream is read.
+  # Refused before the source or the stream is read; nothing written.
   assert 'Source classifier' not in changed.stderr
+  assert _records(workdir) == records
+  assert json.load(open(os.path.join(workdir, 'results.json'))) == results
 
 
 def test_a_held_workdir_is_refused(source_workdir, tmp_path):
