@@ -475,7 +475,8 @@ def test_the_launcher_leaves_a_persistent_compilation_cache_alone(tmp_path):
   cache = tmp_path / 'cache'
   result = subprocess.run(
       [sys.executable, '-m', 'launch.compile',
-       '--config=configs/digits.py:runlocal', '--target=v5e:2x2'], cwd=REPO,
+       '--config=configs/digits.py:runlocal,model=mlp', '--target=v5e:2x2'],
+      cwd=REPO,
       capture_output=True, text=True, timeout=300,
       env=dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0'))
