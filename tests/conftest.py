@@ -175,16 +175,13 @@ def sft_policy_run(tmp_path_factory):
 # this order (the Makefile turns off xdist's own order, by number of tests,
 # which started multihost and the steering study last): a file runs on one
 # worker, so a long one started last keeps the other idle until it ends.
-_LONGEST_FIRST = ('test_battery.py', 'test_compile.py', 'test_rl_multihost.py',
-                  'test_workdir_faults.py', 'test_tta_loop.py',
-                  'test_rl_run.py', 'test_multihost.py',
-                  'test_forgetting_study.py', 'test_gemma_reference.py',
-                  'test_steering_study_launch.py', 'test_sweep.py',
-                  'test_tta_study.py', 'test_kernels_sam_perturb_compile.py',
-                  'test_rl_study.py', 'test_sam_trainer.py',
-                  'test_gemma_training.py', 'test_sam_recipes.py',
-                  'test_steering_lm.py', 'test_kernels_sam_perturb.py',
-                  'test_curvature.py')
+_LONGEST_FIRST = ('test_battery.py', 'test_workdir_faults.py',
+                  'test_multihost.py', 'test_rl_multihost.py',
+                  'test_tta_loop.py', 'test_rl_run.py',
+                  'test_sam_trainer.py', 'test_forgetting_study.py',
+                  'test_compile.py', 'test_steering_study_launch.py',
+                  'test_sam_recipes.py', 'test_steering_lm.py',
+                  'test_kernels_sam_perturb.py', 'test_curvature.py')
 
 
 def pytest_collection_modifyitems(items):
