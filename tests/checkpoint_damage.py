@@ -64,10 +64,12 @@ def flip_stored_bit(workdir: str, step: int, array: str,
 KINDS = ('flipped_bit', 'truncated', 'garbage_metadata', 'torn_meta')
 
 
-def damage(kind: str, workdir: str, step: int, array: str,
-           seed: int = 0) -> None:
+def damage(kind: str, workdir: str, step: int,
+           array: str = 'params.conv1.kernel', seed: int = 0) -> None:
   """Damages the checkpoint at `step` of `workdir` as `kind` (one of
-  KINDS) says; 'flipped_bit' flips a bit of `array`'s values."""
+  KINDS) says; 'flipped_bit' flips a bit of `array`'s values (by default
+  the first kernel of the trainer's CNN, and of test_checkpoint_damage's
+  state)."""
   rng = random.Random(seed)
   ckpt = step_dir(workdir, step)
   if kind == 'flipped_bit':

@@ -95,7 +95,7 @@ def _open(workdir):
 def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(
     kind, saved, tmp_path):
   workdir = _copy(saved, tmp_path)
-  checkpoint_damage.damage(kind, workdir, 40, 'params.conv1.kernel')
+  checkpoint_damage.damage(kind, workdir, 40)
   damaged = checkpoint_damage.snapshot(
       checkpoint_damage.step_dir(workdir, 40))
   with _open(workdir) as ckpts:
@@ -180,8 +180,8 @@ def test_a_flipped_bit_in_any_stored_array_is_caught_and_named(
 def test_no_good_checkpoint_names_each_step_and_changes_nothing(
     saved, tmp_path):
   workdir = _copy(saved, tmp_path)
-  checkpoint_damage.damage('truncated', workdir, 40, '')
-  checkpoint_damage.damage('torn_meta', workdir, 20, '')
+  checkpoint_damage.damage('truncated', workdir, 40)
+  checkpoint_damage.damage('torn_meta', workdir, 20)
   before = checkpoint_damage.snapshot(workdir)
   with _open(workdir) as ckpts:
     with pytest.raises(checkpointing.NoGoodCheckpoint) as e:

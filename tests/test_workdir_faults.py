@@ -206,7 +206,7 @@ def test_allowed_changes_resume_to_the_same_parameters(reference, tmp_path):
 def test_a_flipped_bit_in_the_latest_checkpoint_resumes_bit_exactly(
     reference, tmp_path):
   workdir = _copy(reference[0], tmp_path / 'run', final=False)
-  checkpoint_damage.damage('flipped_bit', workdir, 40, 'params.conv1.kernel')
+  checkpoint_damage.damage('flipped_bit', workdir, 40)
   result = launch_runs.run(workdir, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   warnings = [l for l in result.stderr.splitlines()
@@ -221,8 +221,8 @@ def test_a_flipped_bit_in_the_latest_checkpoint_resumes_bit_exactly(
 def test_no_good_checkpoint_is_one_line_and_changes_nothing(reference,
                                                             tmp_path):
   workdir = _copy(reference[0], tmp_path / 'run', final=False)
-  checkpoint_damage.damage('truncated', workdir, 40, '')
-  checkpoint_damage.damage('torn_meta', workdir, 20, '')
+  checkpoint_damage.damage('truncated', workdir, 40)
+  checkpoint_damage.damage('torn_meta', workdir, 20)
   before = _snapshot(workdir)
   result = launch_runs.run(workdir, timeout=120)
   assert result.returncode == EXIT_NO_CHECKPOINT
