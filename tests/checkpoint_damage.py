@@ -1,4 +1,5 @@
-"""Damage done to a saved Orbax checkpoint, as disks and careless hands do it.
+"""Damage done to a saved Orbax checkpoint, as disks and careless hands do
+it, and the bit-for-bit comparison of what a restore gives back.
 
 Shared by the core's checkpoint tests (test_checkpoint_damage, on a small
 state) and the trainer's end-to-end ones (test_workdir_faults).
@@ -7,6 +8,7 @@ state) and the trainer's end-to-end ones (test_workdir_faults).
 import os
 import random
 
+import jax
 import numpy as np
 import tensorstore as ts
 
@@ -99,3 +101,15 @@ def snapshot(root: str, skip: tuple[str, ...] = ()) -> dict[str, bytes]:
       with open(path, 'rb') as f:
         out[os.path.relpath(path, root)] = f.read()
   return out
+
+
+def assert_same_tree(a, b) -> None:
+  """`a` and `b` hold the same leaves, bit for bit and of the same dtypes
+  (the first that differs is named by its path)."""
+  leaves_a = jax.tree_util.tree_leaves_with_path(a)
+  leaves_b = jax.tree.leaves(b)
+  assert len(leaves_a) == len(leaves_b)
+  for (path, x), y in zip(leaves_a, leaves_b):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and np.array_equal(x, y), (
+        jax.tree_util.keystr(path))

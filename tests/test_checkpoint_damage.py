@@ -77,16 +77,6 @@ def _copy(saved, tmp_path, keep_steps=(20, 40)) -> str:
   return workdir
 
 
-def _assert_same(a, b):
-  leaves_a = jax.tree_util.tree_leaves_with_path(a)
-  leaves_b = jax.tree.leaves(b)
-  assert len(leaves_a) == len(leaves_b)
-  for (path, x), y in zip(leaves_a, leaves_b):
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.dtype == y.dtype and np.array_equal(x, y), (
-        jax.tree_util.keystr(path))
-
-
 def _open(workdir):
   return checkpointing.Checkpoints(workdir, every_steps=20, keep=3)
 
@@ -103,7 +93,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(
     assert step == 20
     assert ckpts.all_steps() == [20]  # Step 40 can be written again.
   assert json.loads(meta['config']) == CONFIG
-  _assert_same(jax.device_get(state), jax.device_get(_state(20)))
+  checkpoint_damage.assert_same_tree(jax.device_get(state), jax.device_get(_state(20)))
   # Moved aside as it was, not deleted.
   aside = os.path.join(workdir, checkpointing.DAMAGED, '40')
   assert checkpoint_damage.snapshot(aside) == damaged
@@ -134,7 +124,7 @@ def test_a_flipped_bit_in_the_saved_config_is_damage_not_a_new_config(
     step, state, _ = ckpts.restore_latest_good(_abstract(_state(0)),
                                                check_meta=check_meta)
   assert step == 20
-  _assert_same(jax.device_get(state), jax.device_get(_state(20)))
+  checkpoint_damage.assert_same_tree(jax.device_get(state), jax.device_get(_state(20)))
   assert os.listdir(os.path.join(workdir, checkpointing.DAMAGED)) == ['40']
 
 
@@ -156,7 +146,7 @@ def test_a_bit_flip_anywhere_is_caught_or_changes_nothing_restored(
     except checkpointing.DamagedCheckpoint as e:
       assert e.step == 40
       return
-  _assert_same(jax.device_get(state), jax.device_get(_state(40)))
+  checkpoint_damage.assert_same_tree(jax.device_get(state), jax.device_get(_state(40)))
 
 
 @pytest.mark.parametrize('seed', range(4))

@@ -68,15 +68,6 @@ def _state(workdir, step, **changes):
   return jax.device_get(state)
 
 
-def _assert_same_state(a, b):
-  leaves_a = jax.tree_util.tree_leaves_with_path(a)
-  leaves_b = jax.tree.leaves(b)
-  assert len(leaves_a) == len(leaves_b)
-  for (path, x), y in zip(leaves_a, leaves_b):
-    assert x.dtype == y.dtype and np.array_equal(x, y), (
-        jax.tree_util.keystr(path))
-
-
 def _snapshot(root):
   """Every file's bytes, but the lock's (it names its latest holder)."""
   return checkpoint_damage.snapshot(root, skip=(workdir_lock.LOCK_FILE,))
@@ -197,7 +188,7 @@ def test_allowed_changes_resume_to_the_same_parameters(reference, tmp_path):
                            '--config.eval_every=40',
                            '--config.keep_checkpoints=5', timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
-  _assert_same_state(_state(workdir, 40), _state(reference[0], 40))
+  checkpoint_damage.assert_same_tree(_state(workdir, 40), _state(reference[0], 40))
 
 
 # --- Verified checkpoints ----------------------------------------------------
@@ -213,7 +204,7 @@ def test_a_flipped_bit_in_the_latest_checkpoint_resumes_bit_exactly(
               if 'Skipping the damaged checkpoint at step 40' in l]
   assert len(warnings) == 1
   assert 'Resumed from the checkpoint at step 20' in result.stderr
-  _assert_same_state(_state(workdir, 40), _state(reference[0], 40))
+  checkpoint_damage.assert_same_tree(_state(workdir, 40), _state(reference[0], 40))
   assert (_read_json(os.path.join(workdir, trainer.FINAL_METRICS))
           == reference[1])
 
@@ -342,12 +333,12 @@ def test_a_full_disk_is_one_line_keeps_the_checkpoints_and_resumes_bit_exactly(
   for step in saved:  # Each verifies; those the reference holds equal its.
     state = _state(workdir, step, **changes)
     if step in (20, 40):
-      _assert_same_state(state, _state(reference[0], step))
+      checkpoint_damage.assert_same_tree(state, _state(reference[0], step))
 
   subprocess.run(['mount', '-o', 'remount,size=64m', small_tmpfs], check=True)
   result = launch_runs.run(workdir, *overrides)
   assert result.returncode == 0, result.stderr[-3000:]
-  _assert_same_state(_state(workdir, 40, **changes),
+  checkpoint_damage.assert_same_tree(_state(workdir, 40, **changes),
                      _state(reference[0], 40))
   assert (_read_json(os.path.join(workdir, trainer.FINAL_METRICS))
           == reference[1])
@@ -416,7 +407,7 @@ def test_kill_9_after_a_checkpoint_resumes_bit_exactly(reference, tmp_path):
   resumed = launch_runs.run(workdir)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert 'Resumed from the checkpoint at step' in resumed.stderr
-  _assert_same_state(_state(workdir, 40), _state(reference[0], 40))
+  checkpoint_damage.assert_same_tree(_state(workdir, 40), _state(reference[0], 40))
   for name in ('metrics.jsonl', trainer.FINAL_METRICS):
     with open(os.path.join(workdir, name)) as f, open(
         os.path.join(reference[0], name)) as g:
@@ -441,7 +432,7 @@ def test_a_stop_between_log_lines_resumes_to_the_same_log(reference,
   with open(os.path.join(workdir, 'metrics.jsonl')) as f, open(
       os.path.join(reference[0], 'metrics.jsonl')) as g:
     assert f.read() == g.read()
-  _assert_same_state(_state(workdir, 40), _state(reference[0], 40))
+  checkpoint_damage.assert_same_tree(_state(workdir, 40), _state(reference[0], 40))
 
 
 def _catches_sigterm(pid) -> bool:
@@ -610,7 +601,7 @@ def test_kill_9_at_random_moments_resumes_bit_exactly(tmp_path):
   result = launch_runs.run(workdir, *overrides)
   assert result.returncode == 0, result.stderr[-3000:]
   changes = dict(num_steps=80, checkpoint_every=5)
-  _assert_same_state(_state(workdir, 80, **changes),
+  checkpoint_damage.assert_same_tree(_state(workdir, 80, **changes),
                      _state(reference, 80, **changes))
   for name in ('metrics.jsonl', trainer.FINAL_METRICS):
     with open(os.path.join(workdir, name)) as f, open(
