@@ -9,7 +9,7 @@ SGD with momentum. Its update reads `entropies`, the per-sample prediction
 entropies (nats) of the batch the gradient comes from
 (`entropies_from_logits(logits)` computes them).
 
-One step, with u the update it receives (the gradient, or Adam's direction):
+One step, with u the update it receives (the gradient, or Adam's direction)::
 
     c      = #{i : H_i < E0} / #{i},  E0 = margin * ln C      confident fraction
     m, q   = EMAs (decay b, bias-corrected) of u and of |u|^2
@@ -23,27 +23,9 @@ One step, with u the update it receives (the gradient, or Adam's direction):
     eta    = lo + (hi - lo) * (1 + cos(pi * p)) / 2
     update = -eta * u
 
-The paper's (the ICML 2026 abstract; no text or code beyond it is public):
-the rate is kept inside an interval recomputed every iteration; its lower
-bound keeps the model exploring on informative confident samples; its upper
-bound stops it from overfitting to noisy gradients; inside the interval a
-cosine decay conditioned on adaptation progress picks the rate; it plugs
-into existing TTA methods with little overhead.
-
-Ours (the reasons: docs/conga.md):
-- confidence is H_i < E0 = margin ln C (EATA's and SAR's margin), c this
-  batch's fraction; the lower bound runs linearly from eta_min to eta_base;
-- gradient noise is read on u (what CONGA receives inside a chain), with
-  the bias-free SNR estimate r - (1 - r)/(n - 1) (0 at the first step);
-- when eta_max * SNR falls below lo, the lower bound wins;
-- both bounds are capped at tau / rms(u), a per-parameter trust region;
-- progress is t/T when T is known, else the relative reduction of an EMA
-  of the mean entropy from H_0, clipped to [0, 1];
-- defaults eta_min = eta_base / 10, eta_max = 10 eta_base, tau = 1e-2,
-  b = 0.9 (not yet measured against other values);
-- non-finite entropies are ignored (ragged batches may be NaN-padded);
-  statistics see u scaled to a norm <= 1e18; float32 throughout, the
-  update keeps its dtype.
+What the paper states (only its abstract is public) and each of our
+choices with its reason: docs/methods/conga.md, the CONGA page of the
+documentation.
 
 Example:
 

@@ -3,7 +3,7 @@ r"""The loss's curvature from Hessian-vector products: top eigenvalue and trace.
 Sharpness in the SAM sense is read from the Hessian H of a loss at the
 parameters. H is never formed: every estimator here needs only products
 H v, computed forward-over-reverse (one `jax.jvp` of `jax.grad`, about
-the cost of two to three gradients), on any parameter pytree:
+the cost of two to three gradients), on any parameter pytree::
 
   hvp(loss, w, v)            H v
   power_iteration(loss, w)   the eigenvalue of largest magnitude and its

@@ -7,7 +7,7 @@ within their budgets. This module holds the scheduler's mathematics as
 pure functions over a `GasState` (numpy on the host; the curvature
 estimate uses jax): a runtime calls them to dispatch, admit and learn.
 
-One run, with buckets b = 0..B-1 of difficulties d_b (d_0 the easiest):
+One run, with buckets b = 0..B-1 of difficulties d_b (d_0 the easiest)::
 
     lam      = alpha / 2                         (the paper's lambda)
     s_eff    = s_base exp(-coupling lam max(dbar - dmean, 0)),
@@ -33,33 +33,9 @@ One run, with buckets b = 0..B-1 of difficulties d_b (d_0 the easiest):
                as soon as it fits, and unconditionally after `max_defer`
                dispatches.
 
-The paper's (ICML 2026, "Gradient-Aware Scheduling: Coupling Curriculum
-and Staleness for Async Reinforcement Learning"; only the abstract is
-public): gradient variance under staleness grows exponentially with
-difficulty because hard tasks sit in sharper regions; the optimal budget
-is eta*(d) = eta_base exp(-lambda d) with lambda = alpha / 2, alpha the
-growth rate of the Hessian's curvature with difficulty; a bandit
-curriculum that picks difficulty by learning signal; execution-aware
-budgets so that slow tasks do not hold up rollout; coupling that tightens
-the budget as difficulty rises.
-
-Ours (the reasons: docs/gas.md):
-- budgets are policy lags in versions, floor(.) of the formula, with the
-  easiest bucket's budget s_base (comparable with a fixed global bound);
-- lambda = alpha / 2, from holding a stale gradient's error variance
-  (~ lambda_max s^2) equal across difficulties;
-- alpha from |lambda_max| of the Hessian of the bucket's mean
-  answer-token NLL (power iteration; 'rayleigh': one Hessian-vector
-  product along the gradient, a lower bound), clamped at 0 when the
-  fitted slope is negative;
-- the learning signal p(1 - p) ('learnability') or the mean
-  |r - group mean| ('abs_advantage'), both 0 where GRPO has no gradient;
-- discounted bandit statistics with a uniform floor (non-stationarity);
-- coupling tightens all budgets only as the curriculum's mean difficulty
-  rises above a uniform curriculum's;
-- execution-aware dispatch defers, never drops, and sends a substitute
-  on credit so the trained mix stays the curriculum's;
-- unmeasured latencies and curvatures block nothing.
+What the paper states (only its abstract is public) and each of our
+choices with its reason: docs/methods/gas.md, the GAS page of the
+documentation.
 
 Example:
 

@@ -4,13 +4,13 @@ SAM moves with the gradient at the perturbed point, g+ = grad f(w + e). It
 can stall where g+ vanishes while g = grad f(w) does not (Park, Jang, Ryu &
 Yang, arXiv 2509.21818): a *hallucinated minimizer*, not a stationary point
 of f. Both gradients are already computed by every SAM step, so the
-statistics are free:
+statistics are free::
 
   |g|, |g+|, r = |g+| / |g| and cos(g, g+),
 
 each smoothed by an exponential moving average over SAM steps (minibatch
 noise makes single steps unreliable), and a slower average of |g|, the
-gradient's own scale. A step is *suspicious* when
+gradient's own scale. A step is *suspicious* when::
 
   ratio_ema < ratio_threshold                       (g+ small against g)
   and grad_norm_ema > min_grad_fraction * scale     (g not vanishing, where

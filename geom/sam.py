@@ -1,7 +1,7 @@
 """SAM, ASAM and m-sharpness as an Optax transformation, with warm-start,
 step windows and hallucinated-minimizer detection.
 
-One SAM step at weights w with loss gradient g:
+One SAM step at weights w with loss gradient g::
 
     e    = rho * g / (|g| + eps)             (ASAM: rho * T^2 g / (|T g| + eps),
                                                T = |w| + eta, elementwise)
@@ -195,7 +195,7 @@ class SAMOptions:
 
   @property
   def never_perturbs(self) -> bool:
-    """rho is a constant 0: every step is the base optimizer's."""
+    """Whether rho is a constant 0 (every step is the base optimizer's)."""
     return _is_static(self.rho) and float(self.rho) == 0.0
 
   @property

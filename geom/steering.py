@@ -2,7 +2,7 @@
 
 Spherical steering (chili-lab/Spherical-Steering) moves a hidden state x
 along the great circle from its direction x/|x| toward a unit target mu,
-keeping |x|:
+keeping |x|::
 
     c      = <x/|x|, mu>,   theta = angle(x, mu)
     t      = fraction of the way to rotate (see the gate below)
