@@ -1,4 +1,5 @@
-# Two entry points (see README.md): `make run` and `make test`. Both create
+# Two entry points (README.md; the layers: docs/lab/quickstart.md,
+# "Installing"): `make run` and `make test`. Both create
 # .venv on first use and install what they need, in layers; later calls
 # reuse it and install nothing (a stamp per layer, redone when its files
 # change):
