@@ -1,8 +1,8 @@
 """geom: optimization-geometry methods as Optax-style transformations.
 
 Methods live one per module and depend only on jax, optax and numpy (see
-the repository's README, "Layout"); nothing here knows about Flax, data
-sets or files. Each module lists its public names in `__all__`; this
+the repository's docs/lab/index.md, "Layout"); nothing here knows about
+Flax, data sets or files. Each module lists its public names in `__all__`; this
 package re-exports the classes, and the modules themselves, because a
 method's factory shares its module's name:
 

@@ -1,6 +1,6 @@
 """The requirement files: exact pins, complete and disjoint layers.
 
-Layers (Makefile, README "Installing"): run (requirements.txt,
+Layers (Makefile; docs/lab/quickstart.md, "Installing"): run (requirements.txt,
 requirements-nodeps.txt), test (requirements-test.txt) and compile
 (requirements-compile.txt, installed apart into .venv/compile_toolchain).
 `make` installs each with --no-deps, so nothing but these checks says a
