@@ -1,6 +1,7 @@
 """Every command the documentation gives still runs as written.
 
-Read from README.md, RESULTS.md, BENCHMARKS.md, docs/**/*.md,
+Read from README.md, RESULTS.md, BENCHMARKS.md, docs/**/*.md (the lab's
+pages, docs/lab/*.md, included: the README's commands moved there),
 studies/**/README.md and the module docstrings of the repository's
 packages: in fenced blocks, inline code (also across lines), indented
 blocks and docstring lines, with `\\` continuations joined. Checked:
@@ -16,7 +17,9 @@ blocks and docstring lines, with `\\` continuations joined. Checked:
 - `make T`: Makefile has target T.
 The Makefile's own recipes (`$(PY) -m M ...`) are checked alike.
 Placeholders (`<module>`, `...`, `--flag=...`, `configs/X.py`) are skipped.
-One test per documentation file, so a stale file shows by name.
+One test per documentation file, so a stale file shows by name. The README
+and the lab's pages together still give `make run`, `make test` and a
+command of every launcher in launch/.
 """
 
 import ast
@@ -461,3 +464,27 @@ def test_finds_the_commands_it_checks():
       '--config=configs/no_such.py --workdir=... --helpfull --nomultihost '
       '--<flag>=1',
   ], '\n'.join(problems)
+
+
+def _commands_in(path: str) -> list[list[str]]:
+  with open(os.path.join(REPO_ROOT, path)) as f:
+    text = f.read()
+  return [command for _, snippet, whole in _snippets(text)
+          for command in _commands(snippet, whole)]
+
+
+def test_the_lab_pages_are_checked_and_give_every_launcher():
+  """The README's commands moved to docs/lab/: they stay checked, and none
+  of the launchers or the two make targets dropped out on the way."""
+  lab = sorted(os.path.relpath(p, REPO_ROOT) for p in glob.glob(
+      os.path.join(REPO_ROOT, 'docs', 'lab', '*.md')))
+  assert 'docs/lab/index.md' in lab, lab
+  assert set(lab) <= set(_doc_files()), sorted(set(lab) - set(_doc_files()))
+  commands = [c for path in ['README.md'] + lab for c in _commands_in(path)]
+  modules = {c[2] for c in commands if c[0] != 'make' and len(c) > 2}
+  launchers = {f'launch.{name[:-3]}' for name in os.listdir(
+      os.path.join(REPO_ROOT, 'launch'))
+               if name.endswith('.py') and not name.startswith('_')}
+  assert launchers <= modules, sorted(launchers - modules)
+  targets = {t for c in commands if c[0] == 'make' for t in c[1:]}
+  assert {'run', 'test'} <= targets, sorted(targets)
