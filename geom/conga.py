@@ -73,12 +73,12 @@ __all__ = [
 Updates = Any
 _OWNER = 'geom.conga.conga'
 # Defaults of the interval's ends, as multiples of the base rate.
-MIN_RATE_FACTOR = 0.1
-MAX_RATE_FACTOR = 10.0
+_MIN_RATE_FACTOR = 0.1
+_MAX_RATE_FACTOR = 10.0
 # The statistics see u scaled to at most this norm: its square, and the
 # EMAs of squares, stay below float32's maximum (3.4e38).
 _STATISTICS_NORM_LIMIT = 1e18
-# Keys of `diagnostics`, and the state field each reports.
+#: Keys of `diagnostics`, and the state field each reports.
 DIAGNOSTICS = {
     'conga_rate': 'rate', 'conga_lower': 'lower', 'conga_upper': 'upper',
     'conga_confident_fraction': 'confident_fraction', 'conga_snr': 'snr',
@@ -257,9 +257,9 @@ def _update(settings: CongaOptions, updates: Updates, state: CongaState,
         'geom.conga.entropies_from_logits(logits) gives them)')
   s = settings
   base = _f32(s.learning_rate)
-  low = (base * MIN_RATE_FACTOR if s.min_learning_rate is None
+  low = (base * _MIN_RATE_FACTOR if s.min_learning_rate is None
          else _f32(s.min_learning_rate))
-  high = (base * MAX_RATE_FACTOR if s.max_learning_rate is None
+  high = (base * _MAX_RATE_FACTOR if s.max_learning_rate is None
           else _f32(s.max_learning_rate))
   grad_decay, entropy_decay = _f32(s.grad_decay), _f32(s.entropy_decay)
 

@@ -76,10 +76,13 @@ __all__ = [
     'observe_signal', 'probabilities', 'record_admission',
 ]
 
+#: The curricula of `GasOptions.bandit`.
 BANDITS = ('boltzmann', 'ucb', 'uniform')
+#: The learning signals of `GasOptions.signal` (`learning_signal`).
 SIGNALS = ('learnability', 'abs_advantage')
+#: The estimates of `curvature` (its `method`).
 CURVATURE_METHODS = ('power', 'rayleigh')
-# Counters per bucket, rows of GasState.counts.
+#: Counters per bucket, rows of `GasState.counts`.
 COUNTS = ('dispatched', 'deferred', 'admitted', 'dropped')
 
 
@@ -107,6 +110,18 @@ class GasOptions:
     execution_aware: defer buckets that cannot arrive within budget.
     max_defer: dispatches a deferred bucket waits at most.
     latency_decay: EMA decay of latencies and the learner's step time.
+
+  Example:
+
+    >>> from geom import gas
+    >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
+    >>> options.num_buckets, options.bandit
+    (3, 'boltzmann')
+    >>> try:
+    ...   gas.GasOptions(difficulties=(2, 1))
+    ... except ValueError as e:   # geom.ArgumentError names the field.
+    ...   print(e.argument, e.value)
+    difficulties (2, 1)
   """
   difficulties: tuple[float, ...]
   s_base: int = 4
@@ -159,6 +174,7 @@ class GasOptions:
 
   @property
   def num_buckets(self) -> int:
+    """B, the number of difficulty buckets."""
     return len(self.difficulties)
 
 
@@ -178,6 +194,16 @@ class GasState(NamedTuple):
     pending_age: dispatches each pending bucket has waited.
     credit: (B,) int64, substitutes sent ahead of their bucket's draws.
     counts: (len(COUNTS), B) int64 counters (see COUNTS).
+
+  Example:
+
+    >>> import numpy as np
+    >>> from geom import gas
+    >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
+    >>> state = gas.init(options)
+
+    >>> state.alpha, state.pending, state.counts.shape
+    (1.0, (), (4, 3))
   """
   pulls: np.ndarray
   gains: np.ndarray
@@ -193,7 +219,18 @@ class GasState(NamedTuple):
 
 
 def init(options: GasOptions) -> GasState:
-  """The state before any observation."""
+  """The state before any observation.
+
+  Example:
+
+    >>> import numpy as np
+    >>> from geom import gas
+    >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
+    >>> state = gas.init(options)
+
+    >>> state.pulls.tolist(), bool(np.isnan(state.latency).all())
+    ([0.0, 0.0, 0.0], True)
+  """
   b = options.num_buckets
   nan = np.full(b, np.nan)
   return GasState(pulls=np.zeros(b), gains=np.zeros(b),
@@ -214,7 +251,18 @@ def _lam(state: GasState) -> float:
 
 def budgets(state: GasState, options: GasOptions,
             probs: np.ndarray | None = None) -> np.ndarray:
-  """s_max per bucket (int64, >= 0); `probs` defaults to `probabilities`."""
+  """s_max per bucket (int64, >= 0); `probs` defaults to `probabilities`.
+
+  Example:
+
+    >>> import numpy as np
+    >>> from geom import gas
+    >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
+    >>> state = gas.init(options)
+
+    >>> gas.budgets(state, options).tolist()   # floor(4 exp(-(d - 1) / 2))
+    [4, 2, 1]
+  """
   lam = _lam(state)
   offsets = _offsets(options)
   scale = float(options.s_base)
@@ -228,17 +276,51 @@ def budgets(state: GasState, options: GasOptions,
 
 def admit(state: GasState, options: GasOptions, bucket: int,
           staleness: int) -> bool:
-  """Whether a sample of `bucket` lagging `staleness` versions may train."""
+  """Whether a sample of `bucket` lagging `staleness` versions may train.
+
+  Example:
+
+    >>> import numpy as np
+    >>> from geom import gas
+    >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
+    >>> state = gas.init(options)
+
+    >>> gas.admit(state, options, bucket=0, staleness=4)
+    True
+    >>> gas.admit(state, options, bucket=2, staleness=2)
+    False
+  """
   return bool(staleness <= budgets(state, options)[bucket])
 
 
 def loss_weight(state: GasState, options: GasOptions, bucket: int) -> float:
-  """exp(-lam (d_b - d_0)): the optional per-bucket loss (or LR) scale."""
+  """exp(-lam (d_b - d_0)): the optional per-bucket loss (or LR) scale.
+
+  Example:
+
+    >>> import numpy as np
+    >>> from geom import gas
+    >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
+    >>> state = gas.init(options)
+
+    >>> round(gas.loss_weight(state, options, bucket=2), 4)   # exp(-1)
+    0.3679
+  """
   return float(math.exp(-_lam(state) * _offsets(options)[bucket]))
 
 
 def learning_signal(rewards: Any, group_size: int, kind: str) -> float:
-  """The bandit's reward for one batch of groups (rewards in [0, 1])."""
+  """The bandit's reward for one batch of groups (rewards in [0, 1]).
+
+  Example:
+
+    >>> from geom import gas
+    >>> rewards = [1, 1, 0, 0,  1, 1, 1, 1]   # Two groups of 4: p = 0.5, 1.
+    >>> gas.learning_signal(rewards, group_size=4, kind='learnability')
+    0.125
+    >>> gas.learning_signal(rewards, group_size=4, kind='abs_advantage')
+    0.25
+  """
   validation.check_choice('geom.gas.learning_signal', 'kind', kind, SIGNALS)
   r = np.asarray(rewards, np.float64)
   if r.ndim != 1 or not r.size or r.size % group_size:
@@ -255,7 +337,19 @@ def learning_signal(rewards: Any, group_size: int, kind: str) -> float:
 
 def observe_signal(state: GasState, options: GasOptions, bucket: int,
                    signal: float) -> GasState:
-  """Discounts every arm, then credits `signal` to `bucket`."""
+  """Discounts every arm, then credits `signal` to `bucket`.
+
+  Example:
+
+    >>> import numpy as np
+    >>> from geom import gas
+    >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
+    >>> state = gas.init(options)
+
+    >>> state = gas.observe_signal(state, options, bucket=1, signal=0.25)
+    >>> state.pulls.tolist(), state.gains.tolist()
+    ([0.0, 1.0, 0.0], [0.0, 0.25, 0.0])
+  """
   pulls = state.pulls * options.discount
   gains = state.gains * options.discount
   pulls[bucket] += 1.0
@@ -264,7 +358,23 @@ def observe_signal(state: GasState, options: GasOptions, bucket: int,
 
 
 def probabilities(state: GasState, options: GasOptions) -> np.ndarray:
-  """The curriculum's distribution over buckets (sums to 1)."""
+  """The curriculum's distribution over buckets (sums to 1).
+
+  Example:
+
+    >>> import numpy as np
+    >>> from geom import gas
+    >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
+    >>> state = gas.init(options)
+
+    >>> gas.probabilities(state, options).tolist()   # Nothing observed yet.
+    [0.3333333333333333, 0.3333333333333333, 0.3333333333333333]
+    >>> state = gas.observe_signal(state, options, bucket=0, signal=0.0)
+    >>> state = gas.observe_signal(state, options, bucket=1, signal=0.25)
+    >>> p = gas.probabilities(state, options)
+    >>> bool(p[1] > p[0]), round(float(p.sum()), 6)
+    (True, 1.0)
+  """
   b = options.num_buckets
   uniform = np.full(b, 1.0 / b)
   if options.bandit == 'uniform':
@@ -290,7 +400,20 @@ def probabilities(state: GasState, options: GasOptions) -> np.ndarray:
 def observe_latency(state: GasState, options: GasOptions,
                     bucket: int | None = None, seconds: float | None = None,
                     step_seconds: float | None = None) -> GasState:
-  """EMA updates of a bucket's generation latency and/or the step time."""
+  """EMA updates of a bucket's generation latency and/or the step time.
+
+  Example:
+
+    >>> import numpy as np
+    >>> from geom import gas
+    >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
+    >>> state = gas.init(options)
+
+    >>> state = gas.observe_latency(state, options, bucket=2, seconds=3.0,
+    ...                             step_seconds=1.0)
+    >>> state.latency.tolist()[2], state.step_time
+    (3.0, 1.0)
+  """
   decay = options.latency_decay
   latency, step = state.latency, state.step_time
   if bucket is not None and seconds is not None:
@@ -306,7 +429,22 @@ def observe_latency(state: GasState, options: GasOptions,
 
 def expected_lag(state: GasState) -> np.ndarray:
   """ceil(L(b) / T) per bucket: versions a batch spends being generated
-  (0 where the latency or the step time is not measured yet)."""
+  (0 where the latency or the step time is not measured yet).
+
+  Example:
+
+    >>> import numpy as np
+    >>> from geom import gas
+    >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
+    >>> state = gas.init(options)
+
+    >>> gas.expected_lag(state).tolist()   # Unmeasured: no lag.
+    [0, 0, 0]
+    >>> state = gas.observe_latency(state, options, bucket=2, seconds=2.5,
+    ...                             step_seconds=1.0)
+    >>> gas.expected_lag(state).tolist()
+    [0, 0, 3]
+  """
   if math.isnan(state.step_time) or state.step_time <= 0:
     return np.zeros(state.latency.shape, np.int64)
   lag = np.ceil(np.nan_to_num(state.latency, nan=0.0) / state.step_time
@@ -330,6 +468,24 @@ def dispatch(state: GasState, options: GasOptions, u: float,
   Returns:
     (bucket, new state); the state's counters record the dispatch and any
     deferral.
+
+  Example:
+
+    >>> import numpy as np
+    >>> from geom import gas
+    >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
+    >>> state = gas.init(options)
+
+    >>> bucket, state = gas.dispatch(state, options, u=0.9)
+    >>> bucket, state.counts[0].tolist()
+    (2, [0, 0, 1])
+    >>> # Bucket 2 now takes 3 versions to generate, past its budget of 1: it
+    >>> # is deferred and a bucket that fits goes in its place.
+    >>> state = gas.observe_latency(state, options, bucket=2, seconds=2.5,
+    ...                             step_seconds=1.0)
+    >>> bucket, state = gas.dispatch(state, options, u=0.9)
+    >>> bucket != 2, state.pending
+    (True, (2,))
   """
   probs = probabilities(state, options)
   limits = budgets(state, options, probs)
@@ -382,7 +538,19 @@ def dispatch(state: GasState, options: GasOptions, u: float,
 
 def record_admission(state: GasState, bucket: int, admitted: bool,
                      samples: int = 1) -> GasState:
-  """Counts `samples` admitted (or dropped) samples of `bucket`."""
+  """Counts `samples` admitted (or dropped) samples of `bucket`.
+
+  Example:
+
+    >>> import numpy as np
+    >>> from geom import gas
+    >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
+    >>> state = gas.init(options)
+
+    >>> state = gas.record_admission(state, bucket=1, admitted=False, samples=8)
+    >>> dict(zip(gas.COUNTS, state.counts[:, 1].tolist()))
+    {'dispatched': 0, 'deferred': 0, 'admitted': 0, 'dropped': 8}
+  """
   counts = state.counts.copy()
   counts[2 if admitted else 3, bucket] += samples
   return state._replace(counts=counts)
@@ -390,7 +558,17 @@ def record_admission(state: GasState, bucket: int, admitted: bool,
 
 def fit_alpha(difficulties: Any, log_curvature: Any) -> float:
   """The least-squares slope of log lambda_max on d over measured buckets
-  (NaN with fewer than two)."""
+  (NaN with fewer than two).
+
+  Example:
+
+    >>> import numpy as np
+    >>> from geom import gas
+    >>> round(gas.fit_alpha([1, 2, 3], np.log([1.0, 2.0, 4.0])), 4)   # ln 2
+    0.6931
+    >>> gas.fit_alpha([1, 2, 3], [0.0, np.nan, np.nan])   # One bucket measured.
+    nan
+  """
   d = np.asarray(difficulties, np.float64)
   y = np.asarray(log_curvature, np.float64)
   ok = np.isfinite(y)
@@ -403,7 +581,22 @@ def fit_alpha(difficulties: Any, log_curvature: Any) -> float:
 
 def observe_curvature(state: GasState, options: GasOptions, bucket: int,
                       eigenvalue: float) -> GasState:
-  """Folds one bucket's lambda_max into its EMA and refits alpha."""
+  """Folds one bucket's lambda_max into its EMA and refits alpha.
+
+  Example:
+
+    >>> import numpy as np
+    >>> from geom import gas
+    >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
+    >>> state = gas.init(options)
+
+    >>> for bucket, eigenvalue in enumerate([1.0, 2.0, 4.0]):
+    ...   state = gas.observe_curvature(state, options, bucket, eigenvalue)
+    >>> round(state.slope, 4)   # ln 2 per unit of difficulty
+    0.6931
+    >>> round(state.alpha, 4)   # Refit twice: alpha <- 0.7 alpha + 0.3 ln 2.
+    0.8435
+  """
   value = math.log(max(abs(float(eigenvalue)), 1e-30))
   log_curvature = state.log_curvature.copy()
   old = log_curvature[bucket]
@@ -424,7 +617,20 @@ def curvature(loss_fn: Callable[[Any], jax.Array], params: Any,
               num_iters: int = 20) -> jax.Array:
   """|lambda_max| by `method`: 'power' (`geom.curvature.power_iteration`
   with `num_iters` products) or 'rayleigh' (`geom.curvature.rayleigh`, the
-  one-product proxy)."""
+  one-product proxy).
+
+  Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from geom import gas
+    >>> loss = lambda w: 0.5 * (3.0 * w[0] ** 2 + w[1] ** 2)
+    >>> round(float(gas.curvature(loss, jnp.ones(2), jax.random.key(0),
+    ...                           num_iters=50)), 4)
+    3.0
+    >>> round(float(gas.curvature(loss, jnp.ones(2), jax.random.key(0),
+    ...                           method='rayleigh')), 4)   # Along g: a bound.
+    2.8
+  """
   validation.check_choice('geom.gas.curvature', 'method', method,
                           CURVATURE_METHODS)
   if method == 'power':
@@ -434,7 +640,19 @@ def curvature(loss_fn: Callable[[Any], jax.Array], params: Any,
 
 
 def diagnostics(state: GasState, options: GasOptions) -> dict[str, Any]:
-  """What a run logs: budgets, alpha, the curriculum, lags and counters."""
+  """What a run logs: budgets, alpha, the curriculum, lags and counters.
+
+  Example:
+
+    >>> import numpy as np
+    >>> from geom import gas
+    >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
+    >>> state = gas.init(options)
+
+    >>> d = gas.diagnostics(state, options)
+    >>> d['alpha'], d['budget/d1'], d['budget/d3']
+    (1.0, 4, 1)
+  """
   probs = probabilities(state, options)
   out = {
       'alpha': state.alpha,

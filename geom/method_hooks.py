@@ -47,7 +47,7 @@ from geom import validation
 __all__ = ['UPDATE_ARGUMENTS', 'MethodHooks', 'StepVariants', 'combine',
            'find_state']
 
-# The extra `update` arguments a loop may be asked for, and their meaning.
+#: The extra `update` arguments a loop may be asked for, and their meaning.
 UPDATE_ARGUMENTS: Mapping[str, str] = {
     'grad_fn': '`grad_fn(params) -> grads`: the gradient of the same loss on '
                'the same batch, at other weights',
@@ -71,6 +71,15 @@ class StepVariants:
       `update` decides by itself when the keyword is not given.
     reads_state: whether `choose` reads `opt_state` (a transfer from the
       devices each step); False means `opt_state` may be None.
+
+  Example:
+
+    >>> from geom import method_hooks
+    >>> v = method_hooks.StepVariants(
+    ...     argument='sam_step', values=(False, True),
+    ...     choose=lambda step, opt_state: step >= 10)
+    >>> v.choose(3, None), v.choose(12, None)
+    (False, True)
   """
   argument: str
   values: tuple[Hashable, ...]
@@ -99,6 +108,15 @@ class MethodHooks:
       `jax.shard_map`, or None.
     check_per_device_types: shard_map's `check_vma` for that per-device
       update.
+
+  Example:
+
+    >>> from geom import method_hooks, sam
+    >>> h = sam.hooks(sam.SAMOptions(rho=0.05, warmup_steps=10))
+    >>> h.name, h.update_arguments, h.variants.argument
+    ('sam', ('grad_fn',), 'sam_step')
+    >>> method_hooks.MethodHooks().update_arguments  # A plain transformation.
+    ()
   """
   name: str = 'none'
   update_arguments: tuple[str, ...] = ()
@@ -144,6 +162,14 @@ def combine(*hooks: MethodHooks) -> MethodHooks:
 
   Raises:
     ArgumentError: two methods have variants, or different per-device axes.
+
+  Example:
+
+    >>> from geom import conga, method_hooks, sam
+    >>> h = method_hooks.combine(sam.hooks(sam.SAMOptions(rho=0.05)),
+    ...                          conga.hooks())
+    >>> h.name, h.update_arguments
+    ('sam+conga', ('grad_fn', 'entropies'))
   """
   owner = 'geom.method_hooks.combine'
   active = [h for h in hooks if h != MethodHooks()]
@@ -174,7 +200,19 @@ def combine(*hooks: MethodHooks) -> MethodHooks:
 
 def find_state(opt_state: optax.OptState, state_type: type[Any]) -> Any:
   """The (first) `state_type` instance inside any optax state (chain,
-  inject_hyperparams, MultiSteps, a method wrapping another), or None."""
+  inject_hyperparams, MultiSteps, a method wrapping another), or None.
+
+  Example:
+
+    >>> import jax.numpy as jnp, optax
+    >>> from geom import method_hooks, sam
+    >>> tx = optax.chain(optax.clip(1.0), sam.sam(optax.sgd(0.1), rho=0.05))
+    >>> state = tx.init({'w': jnp.zeros(2)})
+    >>> type(method_hooks.find_state(state, sam.SAMState)).__name__
+    'SAMState'
+    >>> method_hooks.find_state(optax.sgd(0.1).init(0.0), sam.SAMState) is None
+    True
+  """
   found = [s for s in jax.tree.leaves(
       opt_state, is_leaf=lambda x: isinstance(x, state_type))
            if isinstance(s, state_type)]

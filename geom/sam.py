@@ -78,8 +78,8 @@ Updates = Any
 # grad_fn(params) -> grads, or optax.contrib.sam's grad_fn(params, i).
 GradFn = Callable[..., Updates]
 Responses = Literal['flag', 'warm_restart', 'shrink_rho']
-RESPONSES = ('flag', 'warm_restart', 'shrink_rho')
-MODES = ('opaque', 'two_call')
+_RESPONSES = ('flag', 'warm_restart', 'shrink_rho')
+_MODES = ('opaque', 'two_call')
 _OWNER = 'geom.sam.SAMOptions'
 
 
@@ -172,12 +172,12 @@ class SAMOptions:
         raise validation.ArgumentError(
             _OWNER, 'window', 'empty or negative (need 0 <= start < stop)',
             value=self.window)
-    validation.check_choice(_OWNER, 'response', self.response, RESPONSES)
+    validation.check_choice(_OWNER, 'response', self.response, _RESPONSES)
     if self.response != 'flag' and self.detector is None:
       raise validation.ArgumentError(
           _OWNER, 'response', 'needs a detector (detector=None)',
           value=self.response)
-    validation.check_choice(_OWNER, 'mode', self.mode, MODES)
+    validation.check_choice(_OWNER, 'mode', self.mode, _MODES)
     if self.mode == 'two_call' and self.batch_axis_name is not None:
       raise validation.ArgumentError(
           _OWNER, 'batch_axis_name', "m-sharpness needs mode='opaque'",

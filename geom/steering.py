@@ -74,7 +74,9 @@ __all__ = ['DIRECTION_METHODS', 'METHODS', 'SteerStats', 'Steering',
 _STEERING = 'geom.steering.Steering'
 _EXTRACT = 'geom.steering.extract_direction'
 
+#: The methods of `Steering`.
 METHODS = ('none', 'addition', 'spherical')
+#: The methods of `extract_direction`.
 DIRECTION_METHODS = ('mean_diff', 'pca')
 
 # Floor for the norms divided by in the gate and in addition's rescaling.

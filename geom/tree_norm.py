@@ -35,6 +35,16 @@ def tree_norm_f32(tree: Any) -> jax.Array:
 
   Returns:
     A float32 scalar: inf or NaN only if an element is.
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom.tree_norm import tree_norm_f32
+    >>> float(tree_norm_f32({'a': jnp.array([3.0]),
+    ...                      'b': jnp.array([4.0], jnp.bfloat16)}))
+    5.0
+    >>> float(tree_norm_f32([jnp.array([3e30, 4e30])]) / 1e30)  # No overflow.
+    5.0
   """
   leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(tree)]
   if not leaves:

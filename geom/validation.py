@@ -53,6 +53,16 @@ class ArgumentError(ValueError):
     value: the value given (None when the message does not show it).
     problem: what is wrong, e.g. 'must be >= 0' (None with only choices).
     choices: the valid values when they are a finite set, else None.
+
+  Example:
+
+    >>> from geom import validation
+    >>> e = validation.ArgumentError('geom.sam.SAMOptions', 'rho',
+    ...                              'must be >= 0', value=-0.1)
+    >>> str(e)
+    'geom.sam.SAMOptions.rho=-0.1: must be >= 0'
+    >>> e.argument, e.value, isinstance(e, ValueError)
+    ('rho', -0.1, True)
   """
 
   def __init__(self, owner: str, argument: str, problem: str | None = None,
@@ -76,7 +86,19 @@ class ArgumentError(ValueError):
 
 def is_concrete(value: Any) -> bool:
   """Whether `value` can be checked now: numbers, arrays and sequences, not
-  tracers nor the placeholders JAX's tree utilities unflatten with."""
+  tracers nor the placeholders JAX's tree utilities unflatten with.
+
+  Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from geom import validation
+    >>> validation.is_concrete(0.1), validation.is_concrete(jnp.ones(2))
+    (True, True)
+    >>> seen = []
+    >>> _ = jax.jit(lambda x: seen.append(validation.is_concrete(x)) or x)(1.0)
+    >>> seen   # Traced inside jit: not checkable.
+    [False]
+  """
   if isinstance(value, jax.core.Tracer):
     return False
   return isinstance(value, (int, float, list, tuple, np.ndarray, np.generic,
@@ -93,6 +115,15 @@ def check(owner: str, argument: str, value: Any, ok: Callable[[Any], bool],
     value: its value; traced values and non-scalars (schedules) pass.
     ok: the test, on the value as a Python number.
     requirement: what the value must be, e.g. '>= 0' ('must be' is added).
+
+  Example:
+
+    >>> from geom import validation
+    >>> validation.check('f', 'rho', 0.5, lambda r: r >= 0, '>= 0')  # Passes.
+    >>> validation.check('f', 'rho', -1, lambda r: r >= 0, '>= 0')
+    Traceback (most recent call last):
+    ...
+    geom.validation.ArgumentError: f: rho=-1: must be >= 0
   """
   if not is_concrete(value) or np.ndim(value) != 0:
     return
@@ -103,7 +134,18 @@ def check(owner: str, argument: str, value: Any, ok: Callable[[Any], bool],
 
 def check_choice(owner: str, argument: str, value: Any,
                  choices: Iterable[Any], problem: str | None = None) -> None:
-  """Raises `ArgumentError` listing `choices` unless `value` is one of them."""
+  """Raises `ArgumentError` listing `choices` unless `value` is one of them.
+
+  Example:
+
+    >>> from geom import validation
+    >>> choices = ('flag', 'shrink_rho')
+    >>> validation.check_choice('f', 'response', 'flag', choices)
+    >>> validation.check_choice('f', 'response', 'panic', choices)
+    Traceback (most recent call last):
+    ...
+    geom.validation.ArgumentError: f: response='panic'; valid choices: flag, shrink_rho
+  """
   choices = tuple(choices)
   if value not in choices:
     raise ArgumentError(owner, argument, problem, value=value,
