@@ -81,6 +81,16 @@ class DetectorConfig:
       is complete, one more parameter-sized buffer at peak (measured on an
       MLP SAM step: +29% peak memory, +6% time; without it the detector
       costs nothing measurable).
+
+  Example:
+
+    >>> import optax
+    >>> from geom import hallucination, sam
+    >>> config = hallucination.DetectorConfig(patience=5)
+    >>> config.ratio_threshold, config.patience
+    (0.5, 5)
+    >>> tx = sam.sam(optax.sgd(0.1), rho=0.05, detector=config,
+    ...              response='warm_restart')
   """
   ema_decay: float = 0.9
   ratio_threshold: float = 0.5
@@ -121,6 +131,16 @@ class DetectorState(NamedTuple):
     streak: consecutive suspicious SAM steps (int32).
     flagged: whether a hallucination is flagged now (bool).
     flagged_steps: number of steps at which it was flagged (int32).
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom import hallucination as h
+    >>> state = h.init(track_cosine=False)
+    >>> state = h.update(state, h.DetectorConfig(), jnp.array(True),
+    ...                  jnp.array(1.0), jnp.array(0.25), None)
+    >>> round(float(state.ratio_ema), 4), int(state.sam_steps)
+    (0.25, 1)
   """
   grad_norm: jax.Array
   perturbed_grad_norm: jax.Array
@@ -136,7 +156,15 @@ class DetectorState(NamedTuple):
 
 
 def init(track_cosine: bool = True) -> DetectorState:
-  """Zero statistics (with the cosine's when `track_cosine`)."""
+  """Zero statistics (with the cosine's when `track_cosine`).
+
+  Example:
+
+    >>> from geom import hallucination as h
+    >>> state = h.init(track_cosine=False)
+    >>> int(state.sam_steps), state.cosine is None
+    (0, True)
+  """
   f = lambda: jnp.zeros((), jnp.float32)
   i = lambda: jnp.zeros((), jnp.int32)
   return DetectorState(
@@ -150,7 +178,20 @@ def init(track_cosine: bool = True) -> DetectorState:
 
 def step_statistics(grad_norm: jax.Array, perturbed_grad_norm: jax.Array,
                     inner_product: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(|g+| / |g|, cos(g, g+)) from norms and <g, g+>, safe at zero."""
+  """(|g+| / |g|, cos(g, g+)) from norms and <g, g+>, safe at zero.
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom import hallucination as h
+    >>> ratio, cosine = h.step_statistics(jnp.array(2.0), jnp.array(1.0),
+    ...                                   jnp.array(-2.0))   # <g, g+> = -2
+    >>> float(ratio), float(cosine)
+    (0.5, -1.0)
+    >>> [float(v) for v in h.step_statistics(jnp.array(0.0), jnp.array(0.0),
+    ...                                      jnp.array(0.0))]   # Safe at zero.
+    [0.0, 0.0]
+  """
   tiny = jnp.finfo(jnp.float32).tiny
   ratio = perturbed_grad_norm / jnp.maximum(grad_norm, tiny)
   cosine = inner_product / jnp.maximum(grad_norm * perturbed_grad_norm, tiny)
@@ -163,6 +204,21 @@ def update(state: DetectorState, config: DetectorConfig, sam_step: jax.Array,
   """Folds one step in; a step with `sam_step` False leaves `state` as is.
 
   `inner_product` is <g, g+>, or None when the cosine is not tracked.
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom import hallucination as h
+    >>> config, state = h.DetectorConfig(patience=2), h.init(track_cosine=False)
+    >>> plain = jnp.array(False)   # A step without SAM changes nothing.
+    >>> h.update(state, config, plain, jnp.array(1.0), jnp.array(0.0),
+    ...          None).sam_steps.item()
+    0
+    >>> for _ in range(2):   # A stall: |g| = 1, |g+| = 0.01.
+    ...   state = h.update(state, config, jnp.array(True), jnp.array(1.0),
+    ...                    jnp.array(0.01), None)
+    >>> bool(state.flagged), int(state.flagged_steps)
+    (True, 1)
   """
   grad_norm = grad_norm.astype(jnp.float32)
   perturbed_grad_norm = perturbed_grad_norm.astype(jnp.float32)
@@ -198,6 +254,18 @@ def update(state: DetectorState, config: DetectorConfig, sam_step: jax.Array,
 
 
 def restart(state: DetectorState) -> DetectorState:
-  """Forgets the averages (after a response), keeps the flagged-step count."""
+  """Forgets the averages (after a response), keeps the flagged-step count.
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom import hallucination as h
+    >>> config, state = h.DetectorConfig(patience=1), h.init(track_cosine=False)
+    >>> state = h.update(state, config, jnp.array(True), jnp.array(1.0),
+    ...                  jnp.array(0.01), None)
+    >>> state = h.restart(state)
+    >>> bool(state.flagged), int(state.sam_steps), int(state.flagged_steps)
+    (False, 0, 1)
+  """
   fresh = init(track_cosine=state.cosine is not None)
   return fresh._replace(flagged_steps=state.flagged_steps)
