@@ -90,7 +90,20 @@ _PLANE_NOISE = 4
 def check_direction(direction, name: str = 'direction',
                     owner: str = 'geom.steering.Steering') -> np.ndarray:
   """The direction as float32 numpy after checking it is usable (a vector,
-  finite, non-zero); raises ArgumentError naming `name` otherwise."""
+  finite, non-zero); raises ArgumentError naming `name` otherwise.
+
+  Example:
+
+    >>> import numpy as np
+    >>> from geom import steering
+    >>> steering.check_direction([3.0, 4.0]).dtype
+    dtype('float32')
+    >>> try:
+    ...   steering.check_direction(np.zeros(3))
+    ... except ValueError as e:   # geom.ArgumentError
+    ...   print(e.argument, '|', e.problem)
+    direction | is zero; a steering direction needs a non-zero vector
+  """
   d = np.asarray(direction, np.float32)
   problem = None
   if d.ndim != 1 or d.size == 0:
@@ -105,13 +118,30 @@ def check_direction(direction, name: str = 'direction',
 
 
 def unit(direction) -> jax.Array:
-  """direction / |direction| in float32."""
+  """direction / |direction| in float32.
+
+  Example:
+
+    >>> from geom import steering
+    >>> steering.unit([3.0, 4.0]).tolist()
+    [0.6000000238418579, 0.800000011920929]
+  """
   d = jnp.asarray(direction, jnp.float32)
   return d / jnp.linalg.norm(d)
 
 
 def mean_difference(positive, negative) -> jax.Array:
-  """normalize(mean(positive) - mean(negative)); inputs are (n, dim) activations."""
+  """normalize(mean(positive) - mean(negative)); inputs are (n, dim) activations.
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom import steering
+    >>> positive = jnp.array([[2.0, 1.0], [2.0, -1.0]])
+    >>> negative = jnp.array([[0.0, 1.0], [0.0, -1.0]])
+    >>> steering.mean_difference(positive, negative).tolist()
+    [1.0, 0.0]
+  """
   positive = jnp.asarray(positive, jnp.float32)
   negative = jnp.asarray(negative, jnp.float32)
   if positive.ndim != 2 or negative.shape[1:] != positive.shape[1:]:
@@ -130,6 +160,15 @@ def pca_direction(positive, negative) -> jax.Array:
   differences share their mean, which is the concept itself, and
   centring would remove it. The sign is chosen so that the mean difference
   projects positively.
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom import steering
+    >>> positive = jnp.array([[2.0, 1.0], [3.0, -1.0]])
+    >>> negative = jnp.array([[0.0, 1.0], [0.0, -1.0]])
+    >>> [round(float(v), 4) for v in steering.pca_direction(positive, negative)]
+    [1.0, 0.0]
   """
   positive = jnp.asarray(positive, jnp.float32)
   negative = jnp.asarray(negative, jnp.float32)
@@ -145,7 +184,17 @@ def pca_direction(positive, negative) -> jax.Array:
 
 
 def extract_direction(positive, negative, method: str = 'mean_diff') -> jax.Array:
-  """A unit direction from contrastive activations: 'mean_diff' or 'pca'."""
+  """A unit direction from contrastive activations: 'mean_diff' or 'pca'.
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom import steering
+    >>> positive = jnp.array([[2.0, 1.0], [2.0, -1.0]])
+    >>> negative = jnp.array([[0.0, 1.0], [0.0, -1.0]])
+    >>> steering.extract_direction(positive, negative, 'mean_diff').tolist()
+    [1.0, 0.0]
+  """
   validation.check_choice(_EXTRACT, 'method', method, DIRECTION_METHODS,
                           'unknown direction method')
   if method == 'mean_diff':
@@ -158,6 +207,15 @@ def gate(cos: jax.Array, *, alpha, kappa, beta) -> tuple[jax.Array, jax.Array]:
 
   delta is p_H - p_T of softmax([kappa cos, -kappa cos]); t = 0 where
   delta <= beta, else clip(alpha (delta - beta) / (1 - beta), 0, 1).
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom import steering
+    >>> cos = jnp.array([-1.0, 0.0, 1.0])   # Away from, across, on the target.
+    >>> delta, t = steering.gate(cos, alpha=0.5, kappa=20.0, beta=0.0)
+    >>> [round(float(v), 4) for v in t]
+    [0.5, 0.0, 0.0]
   """
   delta = -jnp.tanh(kappa * cos)
   t = jnp.clip(alpha * (delta - beta) / (1.0 - beta), 0.0, 1.0)
@@ -206,6 +264,17 @@ def slerp_rotate(x: jax.Array, mu: jax.Array, t: jax.Array) -> jax.Array:
 
   Returns:
     The rotated activations in x's dtype promoted to at least float32.
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom import steering
+    >>> mu = jnp.array([1.0, 0.0])
+    >>> x = jnp.array([0.0, 2.0])   # 90 degrees from mu, norm 2.
+    >>> [round(float(v), 4) for v in steering.slerp_rotate(x, mu, 0.5)]
+    [1.4142, 1.4142]
+    >>> [round(float(v), 4) for v in steering.slerp_rotate(x, mu, 1.0)]
+    [2.0, 0.0]
   """
   dtype = jnp.promote_types(x.dtype, jnp.float32)
   x = x.astype(dtype)
@@ -238,6 +307,16 @@ class SteerStats(NamedTuple):
       masked token when alpha > 0).
     t_sum: sum of the strength t applied (the rotation fraction, or the
       multiplier of the addition; alpha everywhere without the gate).
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom import steering
+    >>> s = steering.Steering('spherical', jnp.array([1.0, 0.0]), alpha=1.0)
+    >>> x = jnp.array([[-1.0, 0.1], [1.0, 0.1]])   # One token away, one near.
+    >>> _, stats = s(x)
+    >>> float(stats.tokens), float(stats.triggered), float(stats.trigger_rate)
+    (2.0, 1.0, 0.5)
   """
   tokens: jax.Array
   triggered: jax.Array
@@ -245,6 +324,7 @@ class SteerStats(NamedTuple):
 
   @property
   def trigger_rate(self) -> jax.Array:
+    """The fraction of masked tokens that were changed."""
     return self.triggered / jnp.maximum(self.tokens, 1)
 
 
@@ -269,6 +349,23 @@ class Steering:
       alpha everywhere); None (the default): gated for 'spherical', not for
       'addition', as in the reference and the addition literature.
     renormalize: addition only: rescale x' to |x|.
+
+  Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from geom import steering
+    >>> mu = jnp.array([1.0, 0.0, 0.0])
+    >>> x = jnp.array([[0.0, 2.0, 0.0], [0.0, 0.0, -3.0]])
+    >>> rotate = steering.Steering('spherical', mu, alpha=0.5, gate=False)
+    >>> y, _ = rotate(x)
+    >>> [round(float(v), 4) for v in jnp.linalg.norm(y, axis=-1)]   # Norms kept.
+    [2.0, 3.0]
+    >>> add = steering.Steering('addition', mu, alpha=0.5, coefficient=2.0)
+    >>> add(x)[0][0].tolist()
+    [1.0, 2.0, 0.0]
+    >>> # A pytree: a jitted function sweeps alpha without recompiling.
+    >>> f = jax.jit(lambda s, x: s(x)[0])
+    >>> y = f(steering.Steering('spherical', mu, alpha=0.2, gate=False), x)
   """
   method: str = dataclasses.field(metadata=dict(static=True))
   direction: jax.Array
@@ -297,6 +394,7 @@ class Steering:
 
   @property
   def hidden_size(self) -> int:
+    """The direction's dimension, which the activations' last must match."""
     return int(np.shape(self.direction)[-1])
 
   def __call__(self, x: jax.Array,
