@@ -104,6 +104,20 @@ class CongaState(NamedTuple):
     confident_fraction: the last batch's fraction of entropies below E0.
     snr: the updates' signal-to-noise ratio, in [0, 1].
     progress: adaptation progress, in [0, 1].
+
+  Example:
+
+    >>> import jax.numpy as jnp, optax
+    >>> from geom import conga
+    >>> tx = optax.chain(optax.scale_by_adam(), conga.conga(1e-3, num_classes=10))
+    >>> state = tx.init(jnp.zeros(3))
+    >>> logits = jnp.array([[4.0] + [0.0] * 9, [0.0] * 10])   # Confident, not.
+    >>> updates, state = tx.update(jnp.ones(3), state, jnp.zeros(3),
+    ...                            entropies=conga.entropies_from_logits(logits))
+
+    >>> s = conga.find_state(state)
+    >>> int(s.count), float(s.confident_fraction)
+    (1, 0.5)
   """
   count: jax.Array
   grad_ema: Updates
@@ -124,7 +138,17 @@ class CongaOptions:
   """`conga`'s arguments (documented there), validated on construction
   (`ArgumentError` names the field), as `geom.sam.SAMOptions`. Numbers may
   be traced (under `optax.inject_hyperparams`), and are then checked where
-  they are concrete."""
+  they are concrete.
+
+  Example:
+
+    >>> from geom import conga
+    >>> try:
+    ...   conga.conga(1e-3, num_classes=1)
+    ... except ValueError as e:   # geom.ArgumentError, from CongaOptions.
+    ...   print(e)
+    geom.conga.conga: num_classes=1: must be an integer >= 2
+  """
   learning_rate: Any
   num_classes: Any
   min_learning_rate: Any
@@ -190,6 +214,14 @@ def entropies_from_logits(logits: jax.Array) -> jax.Array:
 
   Returns:
     float32 entropies of shape logits.shape[:-1], e.g. (batch,).
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom import conga
+    >>> h = conga.entropies_from_logits(jnp.array([[0.0, 0.0], [0.0, -jnp.inf]]))
+    >>> [round(abs(float(v)), 4) for v in h]   # ln 2 for a coin, 0 if certain.
+    [0.6931, 0.0]
   """
   z = jnp.asarray(logits).astype(jnp.float32)
   logp = jax.nn.log_softmax(z, axis=-1)
@@ -370,6 +402,20 @@ def conga(
   Raises:
     ArgumentError: (a ValueError) for an invalid argument, naming it; at
       update, when `entropies` is missing.
+
+  Example:
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from geom import conga
+    >>> tx = optax.inject_hyperparams(conga.conga, static_args=('num_classes',))(
+    ...     learning_rate=1e-3, num_classes=10)
+    >>> w = jnp.zeros(3)
+    >>> state = tx.init(w)
+    >>> entropies = jnp.array([0.1, 2.0, jnp.nan])   # NaN: a padded sample.
+    >>> updates, state = jax.jit(tx.update)(jnp.ones(3), state, w,
+    ...                                     entropies=entropies)
+    >>> float(conga.diagnostics(state)['conga_confident_fraction'])
+    0.5
   """
   settings = CongaOptions(
       learning_rate=learning_rate, num_classes=num_classes,
@@ -383,7 +429,23 @@ def conga(
 
 def find_state(opt_state: optax.OptState) -> CongaState | None:
   """The (first) `CongaState` inside any optax state (chain, inject,
-  MultiSteps), or None when there is none."""
+  MultiSteps), or None when there is none.
+
+  Example:
+
+    >>> import jax.numpy as jnp, optax
+    >>> from geom import conga
+    >>> tx = optax.chain(optax.scale_by_adam(), conga.conga(1e-3, num_classes=10))
+    >>> state = tx.init(jnp.zeros(3))
+    >>> logits = jnp.array([[4.0] + [0.0] * 9, [0.0] * 10])   # Confident, not.
+    >>> updates, state = tx.update(jnp.ones(3), state, jnp.zeros(3),
+    ...                            entropies=conga.entropies_from_logits(logits))
+
+    >>> type(conga.find_state(state)).__name__
+    'CongaState'
+    >>> conga.find_state(optax.sgd(0.1).init(jnp.zeros(3))) is None
+    True
+  """
   return method_hooks.find_state(opt_state, CongaState)
 
 
@@ -397,6 +459,22 @@ def diagnostics(opt_state: optax.OptState) -> dict[str, jax.Array]:
 
   Raises:
     ArgumentError: if `opt_state` contains no `conga` state.
+
+  Example:
+
+    >>> import jax.numpy as jnp, optax
+    >>> from geom import conga
+    >>> tx = optax.chain(optax.scale_by_adam(), conga.conga(1e-3, num_classes=10))
+    >>> state = tx.init(jnp.zeros(3))
+    >>> logits = jnp.array([[4.0] + [0.0] * 9, [0.0] * 10])   # Confident, not.
+    >>> updates, state = tx.update(jnp.ones(3), state, jnp.zeros(3),
+    ...                            entropies=conga.entropies_from_logits(logits))
+
+    >>> sorted(conga.diagnostics(state)) == sorted(conga.DIAGNOSTICS)
+    True
+    >>> d = conga.diagnostics(state)
+    >>> bool(d['conga_lower'] <= d['conga_rate'] <= d['conga_upper'])
+    True
   """
   state = find_state(opt_state)
   if state is None:
@@ -408,7 +486,15 @@ def diagnostics(opt_state: optax.OptState) -> dict[str, jax.Array]:
 
 def hooks() -> method_hooks.MethodHooks:
   """What a loop needs to run `conga`: the batch's `entropies` at update,
-  and its diagnostics (the rate on the progress line)."""
+  and its diagnostics (the rate on the progress line).
+
+  Example:
+
+    >>> from geom import conga
+    >>> h = conga.hooks()
+    >>> h.update_arguments, h.console
+    (('entropies',), ('conga_rate',))
+  """
   return method_hooks.MethodHooks(
       name='conga', update_arguments=('entropies',), diagnostics=diagnostics,
       console=('conga_rate',))
