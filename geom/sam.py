@@ -90,6 +90,15 @@ class TwoCallCache(NamedTuple):
     phase: 0 when the next call brings g at w, 1 when it brings g+ at w + e.
     params: w, the weights before the perturbation.
     grads: g, for the detector statistics.
+
+  Example:
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from geom import sam
+    >>> tx = sam.sam(optax.sgd(0.1), rho=0.05, mode='two_call')
+    >>> state = tx.init(jnp.zeros(2))
+    >>> int(sam.find_state(state).cache.phase)   # The next call brings g at w.
+    0
   """
   phase: jax.Array
   params: Params
@@ -109,6 +118,21 @@ class SAMState(NamedTuple):
     detector: the hallucination detector's statistics, or None.
     cache: two-call mode only, else None.
     ascent_state: the `ascent` transformation's state, or None.
+
+  Example:
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from geom import sam
+    >>> loss = lambda w: jnp.sum((w - 1.0) ** 2)
+    >>> tx = sam.sam(optax.sgd(0.1), rho=0.05)
+    >>> w = jnp.zeros(2)
+    >>> state = tx.init(w)
+    >>> updates, state = tx.update(jax.grad(loss)(w), state, w,
+    ...                            grad_fn=jax.grad(loss))
+
+    >>> s = sam.find_state(state)
+    >>> int(s.count), bool(s.sam_active), round(float(s.rho), 4)
+    (1, True, 0.05)
   """
   count: jax.Array
   base_state: optax.OptState
@@ -134,6 +158,20 @@ class SAMOptions:
   are `sam`'s keyword arguments, documented there; numbers may be traced
   (under `optax.inject_hyperparams`), and are then checked where they were
   concrete.
+
+  Example:
+
+    >>> import optax
+    >>> from geom import sam
+    >>> options = sam.SAMOptions(rho=0.05, warmup_steps=10)
+    >>> tx = sam.from_options(optax.sgd(0.1), options)   # = sam.sam(...)
+    >>> options.never_perturbs, options.may_skip, options.scheduled_rho(3)
+    (False, True, 0.0)
+    >>> try:
+    ...   sam.SAMOptions(rho=-0.1)
+    ... except ValueError as e:   # geom.ArgumentError names the field.
+    ...   print(e.argument, e.value)
+    rho -0.1
   """
   rho: float | optax.Schedule = 0.05
   adaptive: bool = False
@@ -235,6 +273,13 @@ def is_sam_step(options: SAMOptions, count: int | jax.Array,
 
   Returns:
     A Python bool for Python arguments and static settings; else an array.
+
+  Example:
+
+    >>> from geom import sam
+    >>> options = sam.SAMOptions(rho=0.05, window=(10, 20))
+    >>> [sam.is_sam_step(options, step) for step in (9, 10, 19, 20)]
+    [False, True, True, False]
   """
   return _effective_rho(options, count, cooldown, rho_scale) > 0
 
@@ -276,6 +321,18 @@ def perturbation(grads: Updates, params: Params, rho: jax.Array | float, *,
 
   Returns:
     (e as a float32 tree shaped like `params`, |g| or |T g| as float32).
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom import sam
+    >>> e, norm = sam.perturbation(jnp.array([3.0, 4.0]), jnp.zeros(2), rho=0.5)
+    >>> [round(float(v), 4) for v in e], float(norm)
+    ([0.3, 0.4], 5.0)
+    >>> e, norm = sam.perturbation(jnp.array([1.0, 1.0]), jnp.array([1.0, 0.0]),
+    ...                            rho=0.5, adaptive=True, eta=0.0)   # ASAM
+    >>> [round(float(v), 4) for v in e]   # T = |w|: the zero weight stays put.
+    [0.5, 0.0]
   """
   g = jax.tree.map(lambda x: x.astype(jnp.float32), grads)
   if adaptive:
@@ -291,7 +348,18 @@ def perturbation(grads: Updates, params: Params, rho: jax.Array | float, *,
 
 
 def perturbed_params(params: Params, e: Updates) -> Params:
-  """w + e, added in float32 and cast back to each parameter's dtype."""
+  """w + e, added in float32 and cast back to each parameter's dtype.
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom import sam
+    >>> w = {'a': jnp.ones(2, jnp.bfloat16)}
+    >>> e, _ = sam.perturbation({'a': jnp.array([3.0, 4.0])}, w, rho=0.5)
+    >>> w_adv = sam.perturbed_params(w, e)
+    >>> w_adv['a'].dtype, w_adv['a'].tolist()
+    (dtype(bfloat16), [1.296875, 1.3984375])
+  """
   return jax.tree.map(
       lambda w, ei: (w.astype(jnp.float32) + ei).astype(w.dtype), params, e)
 
@@ -543,7 +611,18 @@ def _two_call_update(options: SAMOptions,
 
 def from_options(base_optimizer: optax.GradientTransformation,
                  options: SAMOptions) -> optax.GradientTransformationExtraArgs:
-  """`sam` from a `SAMOptions` (the object `hooks` reads too)."""
+  """`sam` from a `SAMOptions` (the object `hooks` reads too).
+
+  Example:
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from geom import sam
+    >>> options = sam.SAMOptions(rho=0.05, adaptive=True)
+    >>> tx = sam.from_options(optax.adam(1e-3), options)
+    >>> loop_needs = sam.hooks(options)   # The same options, read by the loop.
+    >>> loop_needs.update_arguments
+    ('grad_fn',)
+  """
   base = optax.with_extra_args_support(base_optimizer)
   update = _opaque_update if options.mode == 'opaque' else _two_call_update
   return optax.GradientTransformationExtraArgs(
@@ -622,6 +701,37 @@ def sam(
 
   Raises:
     ArgumentError: (a ValueError) for an invalid argument, naming it.
+
+  Example:
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from geom import sam
+    >>> loss = lambda w: jnp.sum((w - 1.0) ** 2)
+    >>> tx = sam.sam(optax.sgd(0.1), rho=0.05)
+    >>> @jax.jit
+    ... def step(w, state):
+    ...   updates, state = tx.update(jax.grad(loss)(w), state, w,
+    ...                              grad_fn=jax.grad(loss))
+    ...   return optax.apply_updates(w, updates), state
+    >>> w = jnp.zeros(2)
+    >>> state = tx.init(w)
+    >>> for _ in range(30):
+    ...   w, state = step(w, state)
+    >>> [round(float(v), 2) for v in w]
+    [1.0, 1.0]
+
+    Two-call mode, for a loop that cannot pass `grad_fn`: the first call
+    moves to w + e, the second comes back and takes the base step.
+
+    >>> tx = sam.sam(optax.sgd(0.1), rho=0.05, mode='two_call')
+    >>> w = jnp.zeros(2)
+    >>> state = tx.init(w)
+    >>> updates, state = tx.update(jax.grad(loss)(w), state, w)
+    >>> w_adv = optax.apply_updates(w, updates)   # w + e
+    >>> updates, state = tx.update(jax.grad(loss)(w_adv), state, w_adv)
+    >>> w = optax.apply_updates(w_adv, updates)   # w - 0.1 g+
+    >>> [round(float(v), 4) for v in w]
+    [0.2071, 0.2071]
   """
   options = SAMOptions(
       rho=rho, adaptive=adaptive, eta=eta, eps=eps, warmup_steps=warmup_steps,
@@ -634,7 +744,25 @@ def sam(
 
 def find_state(opt_state: optax.OptState) -> SAMState | None:
   """The (first) `SAMState` inside any optax state (chain, inject, MultiSteps),
-  or None when there is none."""
+  or None when there is none.
+
+  Example:
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from geom import sam
+    >>> loss = lambda w: jnp.sum((w - 1.0) ** 2)
+    >>> tx = sam.sam(optax.sgd(0.1), rho=0.05)
+    >>> w = jnp.zeros(2)
+    >>> state = tx.init(w)
+    >>> updates, state = tx.update(jax.grad(loss)(w), state, w,
+    ...                            grad_fn=jax.grad(loss))
+
+    >>> chained = optax.chain(optax.clip_by_global_norm(1.0), tx)
+    >>> type(sam.find_state(chained.init(w))).__name__
+    'SAMState'
+    >>> sam.find_state(optax.sgd(0.1).init(w)) is None
+    True
+  """
   return method_hooks.find_state(opt_state, SAMState)
 
 
@@ -654,6 +782,23 @@ def diagnostics(opt_state: optax.OptState) -> dict[str, jax.Array]:
 
   Raises:
     ArgumentError: if `opt_state` contains no `sam` state.
+
+  Example:
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from geom import sam
+    >>> loss = lambda w: jnp.sum((w - 1.0) ** 2)
+    >>> tx = sam.sam(optax.sgd(0.1), rho=0.05)
+    >>> w = jnp.zeros(2)
+    >>> state = tx.init(w)
+    >>> updates, state = tx.update(jax.grad(loss)(w), state, w,
+    ...                            grad_fn=jax.grad(loss))
+
+    >>> d = sam.diagnostics(state)
+    >>> bool(d['sam_active']), round(float(d['grad_norm']), 4)   # |g| at w
+    (True, 2.8284)
+    >>> bool(d['hallucination'])
+    False
   """
   state = find_state(opt_state)
   if state is None:
@@ -685,6 +830,16 @@ def hooks(options: SAMOptions) -> method_hooks.MethodHooks:
   `is_sam_step` on the host, which reads the warm restart's cooldown from
   the state only when `response='warm_restart'`. m-sharpness asks for a
   per-device update over `batch_axis_name`.
+
+  Example:
+
+    >>> import optax
+    >>> from geom import sam
+    >>> h = sam.hooks(sam.SAMOptions(rho=0.05, warmup_steps=2))
+    >>> h.update_arguments, h.variants.argument
+    (('grad_fn',), 'sam_step')
+    >>> [h.variants.choose(step, None) for step in range(4)]   # On the host.
+    [False, False, True, True]
   """
   variants = None
   if (options.mode == 'opaque' and options.may_skip
