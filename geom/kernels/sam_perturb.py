@@ -84,6 +84,18 @@ class BlockSizes:
     pack_below: leaves with fewer elements, and larger ones whose size is
       not a multiple of 128, are packed into one buffer per dtype pair.
     num_warps: warps per Triton program (GPU only; None: Triton's choice).
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom.kernels import sam_perturb as k
+    >>> k.BlockSizes.for_target('gpu')
+    BlockSizes(block_rows=64, pack_below=65536, num_warps=8)
+    >>> w, g = {'a': jnp.ones(300)}, {'a': jnp.ones(300)}
+    >>> sizes = k.BlockSizes(block_rows=8, pack_below=0)   # Several grid steps.
+    >>> _, norm = k.sam_perturb(w, g, 0.1, block_sizes=sizes, interpret=True)
+    >>> round(float(norm), 4)   # sqrt(300)
+    17.3205
   """
   block_rows: int = 1024
   pack_below: int = 64 * 1024
@@ -102,7 +114,14 @@ class BlockSizes:
 
   @classmethod
   def for_target(cls, target: str) -> 'BlockSizes':
-    """The defaults for 'tpu', 'gpu' or 'interpret' (Pallas's interpreter)."""
+    """The defaults for 'tpu', 'gpu' or 'interpret' (Pallas's interpreter).
+
+    Example:
+
+      >>> from geom.kernels import sam_perturb as k
+      >>> k.BlockSizes.for_target('tpu').block_rows
+      1024
+    """
     validation.check_choice(f'{_OWNER}.BlockSizes.for_target', 'target',
                             target, (*TARGETS, 'interpret'))
     return _DEFAULTS[target]
@@ -125,7 +144,15 @@ _DEFAULTS = {
 
 def interprets_by_default() -> bool:
   """Whether `sam_perturb(interpret=None)` runs in Pallas's interpreter here
-  (a CPU default backend) rather than compiled."""
+  (a CPU default backend) rather than compiled.
+
+  Example:
+
+    >>> import jax
+    >>> from geom.kernels import sam_perturb as k
+    >>> k.interprets_by_default() == (jax.default_backend() == 'cpu')
+    True
+  """
   return jax.default_backend() == 'cpu'
 
 
@@ -733,7 +760,18 @@ def sam_perturb_reference(params: Params, grads: Params, rho, *,
                           adaptive: bool = False, eta: float = 0.01,
                           eps: float = 1e-12) -> tuple[Params, jax.Array]:
   """`sam_perturb` in plain jnp (float32 arithmetic; the scale-safe norm of
-  `geom.tree_norm`, as the kernel's blockwise one)."""
+  `geom.tree_norm`, as the kernel's blockwise one).
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom.kernels import sam_perturb as k
+    >>> w, g = {'a': jnp.ones(5)}, {'a': jnp.full(5, 2.0)}
+    >>> reference, norm = k.sam_perturb_reference(w, g, 0.5)
+    >>> fused, _ = k.sam_perturb(w, g, 0.5)
+    >>> bool(jnp.allclose(fused['a'], reference['a'])), round(float(norm), 4)
+    (True, 4.4721)
+  """
   f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)
   w, g = f32(params), f32(grads)
   if adaptive:
