@@ -3,7 +3,8 @@
 - The check (at `builder-inited`): every public name of geom, that is every
   name in the `__all__` of the package and of each of its modules, has a
   docstring, and every public function and class has an example in it (a
-  doctest, `>>>`); a public constant has a doc comment (`#:` above it, or
+  doctest, `>>>`); so has every public method and property of those
+  classes (a docstring, no example needed); a public constant has a doc comment (`#:` above it, or
   a string right below it), which is what autodoc shows for it. autodoc
   silently leaves out a member without a docstring, so this check is what
   makes the build (`-W`) fail on one. Each miss is one warning naming it.
@@ -59,6 +60,23 @@ def _attribute_docs(module_name):
           if scope == ''}
 
 
+def _member_problems(cls, where):
+  """Public methods and properties a class defines without a docstring."""
+  found = []
+  for name, member in vars(cls).items():
+    if name.startswith('_'):
+      continue
+    if isinstance(member, (staticmethod, classmethod)):
+      member = member.__func__
+    if isinstance(member, property):
+      member = member.fget
+    elif not inspect.isfunction(member):
+      continue  # Fields (NamedTuple, dataclass): documented by the class.
+    if not (member.__doc__ or '').strip():
+      found.append(f'{where}.{name}: public, and no docstring')
+  return found
+
+
 def problems(package=PACKAGE):
   """['module.name: what is missing', ...] over the package's public names."""
   found = []
@@ -84,6 +102,8 @@ def problems(package=PACKAGE):
           found.append(f'{where}: public, and no docstring')
         elif '>>>' not in doc:
           found.append(f'{where}: its docstring has no example (>>>)')
+        if inspect.isclass(value):
+          found += _member_problems(value, where)
       elif not any(line.strip() for line in attr_docs.get(name, [])):
         found.append(f'{where}: a public constant with no doc comment (#:)')
   return found

@@ -57,10 +57,10 @@ __all__ = ['BlockSizes', 'LANES', 'TARGETS', 'interprets_by_default',
 
 Params = Any
 
-#: The width of every buffer the kernels see is a multiple of this: the TPU
-#: vector width, and whole 128-byte GPU memory transactions.
+#: Every buffer the kernels see is a multiple of this many lanes wide (the
+#: TPU vector width, and whole 128-byte GPU memory transactions).
 LANES = 128
-#: The kernel bodies, by backend: `target=` of `sam_perturb`.
+#: The kernel bodies by backend, the values of `target=` in `sam_perturb`.
 TARGETS = ('tpu', 'gpu')
 _OWNER = 'geom.kernels.sam_perturb'
 # VMEM a step may use: the scoped-VMEM default Mosaic kernels get on the
