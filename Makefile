@@ -4,13 +4,21 @@
 # reuse it and install nothing (a stamp per layer, redone when its files
 # change):
 #   run layer      requirements.txt, requirements-nodeps.txt and the
-#                  project (editable): `make run`, the launchers, `make bench`
+#                  library, geom (editable): `make run`, the launchers,
+#                  `make bench`
 #   test layer     requirements-test.txt: `make test`
 #   compile layer  requirements-compile.txt (--no-deps) into
 #                  .venv/compile_toolchain, never into site-packages
 #                  (`make compile-toolchain`; `make test` runs it)
 # uv does the installs (pip installs it, pinned, into .venv);
 # `make INSTALLER=pip ...` has pip do them instead.
+# The lab (train/, launch/, configs/, studies/, bench/, tests/) is not
+# installed: the recipes run it from here (`python -m launch.train` finds
+# it in the current directory), as big_vision and MaxText run from their
+# checkouts; pytest finds it through pyproject.toml's `pythonpath`, and the
+# processes tests start through PYTHONPATH (tests/conftest.py). The
+# package that pyproject.toml builds holds geom alone (tests/test_wheel.py
+# builds its wheel and checks it).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -66,8 +74,12 @@ $(VENV)/.uv-$(UV_VERSION): | $(PY)
 
 # Each layer is complete (tests/test_requirements.py checks it), so it is
 # installed as it stands, --no-deps: no resolution, and with uv no rebuild
-# of the one sdist (promise) to read its metadata.
-$(RUN_STAMP): requirements.txt requirements-nodeps.txt pyproject.toml | $(INSTALLER_STAMP)
+# of the one sdist (promise) to read its metadata. Then geom, editable
+# (its dependencies, jax, optax and numpy, are pinned in requirements.txt);
+# only geom: the lab stays in the checkout (above). Redone when its
+# version (geom/_version.py) changes, so that the installed metadata
+# matches geom.__version__.
+$(RUN_STAMP): requirements.txt requirements-nodeps.txt pyproject.toml geom/_version.py | $(INSTALLER_STAMP)
 	$(INSTALL) --no-deps -r requirements.txt -r requirements-nodeps.txt
 	$(INSTALL) --no-deps --no-build-isolation -e .
 	touch $@

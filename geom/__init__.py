@@ -25,6 +25,9 @@ Modules:
   method_hooks   what a method needs from a training loop (`MethodHooks`).
   tree_norm      a pytree's L2 norm in float32, safe from over/underflow.
   validation     argument checks; `ArgumentError`.
+
+`geom.__version__` is the installed distribution's version
+(`importlib.metadata.version('geom')`; both come from geom/_version.py).
 """
 
 from geom import conga
@@ -38,6 +41,7 @@ from geom import sam
 from geom import steering
 from geom import tree_norm
 from geom import validation
+from geom._version import __version__
 from geom.conga import CongaState
 from geom.gas import GasOptions
 from geom.gas import GasState

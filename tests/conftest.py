@@ -52,6 +52,17 @@ for _flag in ('--xla_backend_optimization_level=0',
 os.environ['XLA_FLAGS'] = ' '.join(
     _FLAGS + ['--xla_force_host_platform_device_count=8'])
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# The lab (train/, launch/, configs/, studies/, bench/, tests/) is not
+# installed: it runs from the checkout, as `python -m launch.train` from
+# the repository's root finds it (the current directory is on sys.path).
+# This process finds it through pytest (pyproject.toml's `pythonpath`);
+# the processes the tests start (`python -m launch.X`, `python -c ...`,
+# some with another current directory) find it here, before anything
+# installed. (tests/test_wheel.py's fresh environment drops it.)
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ['PYTHONPATH'] = os.pathsep.join(
+    [REPO_ROOT] + [p for p in os.environ.get('PYTHONPATH', '').split(
+        os.pathsep) if p and p != REPO_ROOT])
 # Hermetic data, built here on first use: one directory for the session,
 # shared by the xdist workers (created by the controller, like the cache
 # below). The builders take a lock per data set (train.vision.datasets), so
@@ -85,8 +96,6 @@ from train.training import host_devices  # pylint: disable=g-import-not-at-top,w
 
 # The launcher does the same from config.cpu_devices (see host_devices).
 host_devices.configure_cpu_devices(8)
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope='session', autouse=True)
