@@ -12,7 +12,8 @@ method's factory shares its module's name:
   >>> geom.sam.hooks(geom.SAMOptions(rho=0.05)).update_arguments
   ('grad_fn',)
 
-Modules:
+Modules::
+
   sam            SAM, ASAM, m-sharpness, warm-start, step windows.
   conga          CONGA, a learning rate for test-time adaptation.
   curvature      the Hessian's top eigenvalue and trace (sharpness).

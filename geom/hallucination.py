@@ -24,7 +24,7 @@ leave the statistics unchanged.
 Every default test is relative: multiplying the loss by any constant
 changes nothing. Why the tests and the 0.5 ratio threshold are what they
 are (measured, RESULTS.md "The detector under gradient noise"):
-docs/hallucination.md.
+docs/methods/sam.md.
 
 Which parts are the paper's: the definition (g+ = 0, g != 0). Ours: the
 statistics, the smoothing, the thresholds and the patience.

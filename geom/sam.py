@@ -17,7 +17,7 @@ m-sharpness (`batch_axis_name`), and a hallucinated-minimizer detector
 (`geom.hallucination`) with a response (flag, warm restart, shrink rho).
 `hooks(options)` tells a loop which steps perturb, so that it compiles
 SAM and plain steps apart. Design notes (modes, which steps perturb,
-precision, m-sharpness, clipping): docs/sam.md.
+precision, m-sharpness, clipping): docs/methods/sam.md.
 
 Which parts are the papers': SAM (Foret et al., 2021), ASAM (Kwon et al.,
 2021), m-sharpness (Foret et al.), hallucinated minimizers and the
@@ -680,7 +680,7 @@ def sam(
       all leaves) instead of jnp; equal to the unfused result to float32
       rounding (relative 1e-6 on the norm). Over several devices each
       perturbs its own shards with the global norm (how, on each
-      backend: docs/sam_perturb.md).
+      backend: docs/methods/sam_perturb.md).
     ascent: an optax transformation that gives the ascent direction, in
       the convention of `optax.contrib.sam`'s `adv_optimizer` (it returns
       a descent step; e = -rho * its update). None: the normalized step

@@ -27,7 +27,7 @@ rotation/addition). By default the rotation is gated and addition is not.
 
 Computed in float32 and cast back to the input dtype; tokens outside `mask`
 and tokens the gate leaves alone come back bit for bit. How the rotation
-stays exact from theta = 0 to theta = pi: docs/steering.md.
+stays exact from theta = 0 to theta = pi: docs/methods/steering.md.
 
 Which parts are the reference's: the rotation, the vMF gate with kappa,
 alpha, beta. Ours: the gate on addition (for the ablation), the

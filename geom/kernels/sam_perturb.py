@@ -24,7 +24,7 @@ differentiates through its ascent point). `sam_perturb_reference` is the
 same computation in plain jnp.
 
 Layout, lowering, sharding and what compiling for TPU v4/v5e/v5p/v6e and
-H100/H200 showed: docs/sam_perturb.md.
+H100/H200 showed: docs/methods/sam_perturb.md.
 
 References:
   Foret et al., Sharpness-Aware Minimization for Efficiently Improving
@@ -722,7 +722,7 @@ def sam_perturb(params: Params, grads: Params, rho: float | jax.Array, *,
     shardings: None, or NamedShardings (one for all leaves, or a tree like
       `params`) of the leaves over one mesh: the kernels then run in a
       `shard_map` over it, each device on its shards
-      (docs/sam_perturb.md). Without it, under `jax.jit` the SPMD
+      (docs/methods/sam_perturb.md). Without it, under `jax.jit` the SPMD
       partitioner splits the call (GPU, CPU) or XLA's fusion runs where it
       splits it (TPU).
 
