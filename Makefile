@@ -54,7 +54,7 @@ else
 $(error INSTALLER=$(INSTALLER): unknown installer; valid choices: uv, pip)
 endif
 
-.PHONY: run test test-all compile-toolchain bench bazel-test steering clean-venv
+.PHONY: run test test-all compile-toolchain bench bazel-test steering docs clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV_ARGS) $(VENV)
@@ -142,6 +142,13 @@ test-all: $(TEST_STAMP) $(TOOLCHAIN_STAMP)
 
 bench: $(RUN_STAMP)
 	$(PY) -m bench.training.trainer_overhead
+
+# The documentation site (docs/site.md), from the code's docstrings and the
+# pages under docs/, into docs/_build/html. Warnings are errors, as in
+# tests/test_docs.py: a broken cross-reference, an unknown role, or a public
+# name of geom without a docstring or an example fails the build.
+docs: $(TEST_STAMP)
+	$(PY) -m sphinx -W --keep-going -n -q -b html docs docs/_build/html
 
 # The steering study (RESULTS.md): the LM on templates + fortunes, then the
 # method x alpha evaluation. Both resume / skip finished work.
