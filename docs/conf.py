@@ -52,17 +52,19 @@ default_role = 'literal'
 # an empty glob (before they exist) is not an error.
 suppress_warnings = ['toc.empty_glob']
 
-# autodoc: each module's `__all__`, in source order; signatures carry the
-# type hints.
+# autodoc: each module's `__all__`, in its order (the method's factory
+# first). Type hints go with the documented arguments, not into the
+# signature: jax's ArrayLike alone expands to a line of types there.
 autodoc_default_options = {
     'members': True,
     'member-order': 'bysource',
     'show-inheritance': False,
 }
-autodoc_typehints = 'signature'
+autodoc_typehints = 'description'
+autodoc_typehints_description_target = 'documented_params'
 autodoc_typehints_format = 'short'
 autodoc_preserve_defaults = True
-autodoc_class_signature = 'separated'
+autodoc_class_signature = 'mixed'
 autosummary_generate = False
 add_module_names = False
 
@@ -82,6 +84,19 @@ myst_heading_anchors = 3
 # Python blocks of the pages run as tests (tests/test_docs.py); "python
 # skip" opts a block out and is shown as Python.
 myst_fence_as_directive = []
+
+# Equations are typeset by MathJax, from its CDN by default. Offline, point
+# GEOM_DOCS_MATHJAX at a local MathJax 2 (Debian's libjs-mathjax:
+# /usr/share/javascript/mathjax/MathJax.js); the screenshots in
+# docs/_static/screenshots were taken that way.
+if os.environ.get('GEOM_DOCS_MATHJAX'):
+  mathjax_path = ('file://' + os.environ['GEOM_DOCS_MATHJAX']
+                  + '?config=TeX-AMS-MML_HTMLorMML')
+  # MyST marks its math with the class 'math' and the rest of the page as
+  # ignored, in MathJax 3's terms; these are MathJax 2's.
+  mathjax2_config = {'tex2jax': {
+      'inlineMath': [['\\(', '\\)']], 'displayMath': [['\\[', '\\]']],
+      'processClass': 'math', 'ignoreClass': 'tex2jax_ignore|mathjax_ignore'}}
 
 html_theme = 'furo'
 html_title = 'geom'

@@ -68,9 +68,9 @@ from geom import validation
 from geom.kernels import sam_perturb as fused_kernels
 
 __all__ = [
-    'SAMOptions', 'SAMState', 'TwoCallCache', 'diagnostics', 'find_state',
-    'from_options', 'hooks', 'is_sam_step', 'perturbation',
-    'perturbed_params', 'sam',
+    'sam', 'SAMOptions', 'from_options', 'SAMState', 'hooks', 'is_sam_step',
+    'diagnostics', 'find_state', 'perturbation', 'perturbed_params',
+    'TwoCallCache',
 ]
 
 Params = Any

@@ -12,9 +12,10 @@
   reStructuredText reads as a substitution; `autodoc-process-docstring`
   escapes `|` outside code (backticks, literal blocks after `::`, doctest
   examples) before napoleon reads the docstring.
-- The Lab section of the index globs `lab/*`, pages written apart from
-  the code; while there are none, the toctree is left out instead of
-  warning that the glob is empty.
+- The Lab section of the index lists `lab/index` first, then globs
+  `lab/*`, pages written apart from the code; while there are none, the
+  toctree is left out instead of warning that the glob is empty (and
+  without a `lab/index`, that line).
 - `.. geom-reexports::` documents the classes that the package `geom`
   re-exports from its modules as `geom.<Name>`, each pointing to its
   entry in its module's page, so every name of `geom.__all__` has an
@@ -199,9 +200,11 @@ def _source_read(app, docname, source):
   if docname != app.config.root_doc:
     return
   lab = os.path.join(app.srcdir, 'lab')
-  if not (os.path.isdir(lab) and any(
-      f.endswith(('.md', '.rst')) for f in os.listdir(lab))):
+  pages = os.listdir(lab) if os.path.isdir(lab) else []
+  if not any(f.endswith(('.md', '.rst')) for f in pages):
     source[0] = _LAB_TOCTREE.sub('', source[0])
+  elif not {'index.md', 'index.rst'} & set(pages):
+    source[0] = source[0].replace('\nlab/index\n', '\n')
 
 
 def _check(app):
