@@ -225,7 +225,9 @@ class ReExports(SphinxDirective):
       if inspect.ismodule(value):
         continue
       target = f'{value.__module__}.{value.__qualname__}'
-      first = (inspect.getdoc(value) or '').strip().splitlines()[0]
+      # The docstring's first paragraph, on one line.
+      first = ' '.join((inspect.getdoc(value) or '').strip().split('\n\n')[0]
+                       .split())
       lines += [f'.. py:class:: {name}', f'   :module: {package.__name__}',
                 '', f'   Re-exported from :py:class:`{target}`: {first}', '']
     node = nodes.section()
