@@ -1,0 +1,246 @@
+"""The documentation site builds, documents every public name, and runs.
+
+docs/site.md says what is checked and why. Here:
+- the site builds offline with warnings as errors (`make docs`'s command,
+  into a temporary folder, once for the module), and its inventory has an
+  entry for every public name of geom;
+- a public function whose docstring is removed (in a copy of geom and
+  docs/) fails the build, naming it; one without an example is reported;
+- every Python block of every page (docs/**/*.md and README.md) runs, a
+  page's blocks in order in one namespace; a block opts out only with the
+  fence ```python skip, and is counted;
+- every docstring example of geom runs as a doctest, here or in the
+  method's own test file (DOCTESTED_ELSEWHERE).
+"""
+
+import doctest
+import glob
+import importlib
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+from markdown_it import MarkdownIt
+import pytest
+from sphinx.util.inventory import InventoryFile
+
+# Under Bazel the test runs from a runfiles tree of symlinks: follow them to
+# the source tree, whose documentation this test builds and runs.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+DOCS = os.path.join(REPO_ROOT, 'docs')
+
+
+def _load_extension():
+  """docs/_ext/geom_docs.py, the site's extension (not a package)."""
+  path = os.path.join(DOCS, '_ext', 'geom_docs.py')
+  spec = importlib.util.spec_from_file_location('geom_docs', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+geom_docs = _load_extension()
+
+PAGES = sorted(
+    [os.path.relpath(p, REPO_ROOT) for p in glob.glob(
+        os.path.join(DOCS, '**', '*.md'), recursive=True)
+     if os.sep + '_build' + os.sep not in p] + ['README.md'])
+MODULES = geom_docs.public_modules()
+# Modules whose examples a method's own test file runs already.
+DOCTESTED_ELSEWHERE = {
+    'geom': 'tests/test_geom_api.py',
+    'geom.curvature': 'tests/test_geom_api.py',
+    'geom.gas': 'tests/test_geom_api.py',
+    'geom.hallucination': 'tests/test_geom_api.py',
+    'geom.method_hooks': 'tests/test_geom_api.py',
+    'geom.validation': 'tests/test_geom_api.py',
+    'geom.sam': 'tests/test_sam.py',
+    'geom.conga': 'tests/test_conga.py',
+    'geom.kernels.sam_perturb': 'tests/test_kernels_sam_perturb.py',
+}
+SKIP = 'skip'
+
+
+def _sphinx(srcdir, outdir, keep_going=True):
+  """`make docs`'s command; (return code, output, seconds)."""
+  command = [sys.executable, '-m', 'sphinx', '-W', '-n', '-q', '-b', 'html',
+             '-d', os.path.join(outdir, 'doctrees'), srcdir,
+             os.path.join(outdir, 'html')]
+  if keep_going:
+    command.insert(3, '--keep-going')
+  start = time.perf_counter()
+  done = subprocess.run(command, capture_output=True, text=True,
+                        timeout=600, check=False)
+  return done.returncode, done.stdout + done.stderr, time.perf_counter() - start
+
+
+@pytest.fixture(scope='module')
+def site(tmp_path_factory):
+  out = tmp_path_factory.mktemp('site')
+  code, output, seconds = _sphinx(DOCS, str(out))
+  print(f'site built in {seconds:.1f} s')
+  return code, output, out / 'html'
+
+
+def test_the_site_builds_with_warnings_as_errors(site):
+  code, output, html = site
+  assert code == 0, output
+  assert not output.strip(), output
+  for page in ('index.html', 'api/geom.sam.html', 'methods/sam.html'):
+    assert (html / page).is_file(), page
+
+
+def _inventory(html):
+  with open(html / 'objects.inv', 'rb') as f:
+    inventory = InventoryFile.load(f, '', os.path.join)
+  names = {}
+  for kind, entries in inventory.items():
+    if kind.startswith('py:'):
+      for name, entry in entries.items():
+        names[name] = entry
+  return names
+
+
+def test_every_public_name_has_an_entry_in_the_site(site):
+  code, output, html = site
+  assert code == 0, output
+  names = _inventory(html)
+  missing = []
+  for module_name in MODULES:
+    module = importlib.import_module(module_name)
+    if module_name not in names:
+      missing.append(module_name)
+    for name in module.__all__:
+      if f'{module_name}.{name}' not in names:
+        missing.append(f'{module_name}.{name}')
+  assert not missing, f'no entry in the site: {missing}'
+  # The package's re-exports point to their module's page.
+  assert 'api/geom.sam.html' in names['geom.sam.sam'].uri
+  assert 'api/geom.html' in names['geom.SAMOptions'].uri
+
+
+def _copy_for_a_build(tmp_path):
+  """A checkout's docs/ and geom/ under tmp_path; the build documents them."""
+  ignore = shutil.ignore_patterns('_build', '__pycache__')
+  shutil.copytree(DOCS, tmp_path / 'docs', ignore=ignore)
+  shutil.copytree(os.path.join(REPO_ROOT, 'geom'), tmp_path / 'geom',
+                  ignore=ignore)
+  return tmp_path
+
+
+def test_a_public_name_without_a_docstring_fails_the_build(tmp_path):
+  root = _copy_for_a_build(tmp_path)
+  path = root / 'geom' / 'tree_norm.py'
+  source = path.read_text()
+  # Remove tree_norm_f32's docstring: from its first line to the closing
+  # quotes (the body's code stays).
+  start = source.index('  """sqrt(sum of squares)')
+  end = source.index('  """\n', start + 1) + len('  """\n')
+  path.write_text(source[:start] + source[end:])
+  # The planted copy is what the build imports (conf.py puts the folder
+  # above docs/ first on sys.path).
+  code, output, _ = _sphinx(str(root / 'docs'), str(tmp_path / 'out'),
+                            keep_going=False)
+  assert code != 0, output
+  assert 'geom.tree_norm.tree_norm_f32: public, and no docstring' in output
+
+
+def test_the_check_reports_a_missing_example_and_constant_doc(monkeypatch):
+  from geom import steering  # pylint: disable=g-import-not-at-top
+  assert geom_docs.problems() == []
+  monkeypatch.setattr(steering.unit, '__doc__', 'A unit vector.')
+  monkeypatch.setattr(steering, '__all__', steering.__all__ + ['_MIN_NORM'])
+  found = geom_docs.problems()
+  assert 'geom.steering.unit: its docstring has no example (>>>)' in found
+  assert ('geom.steering._MIN_NORM: a public constant with no doc comment '
+          '(#:)') in found
+  assert len(found) == 2, found
+
+
+def _python_blocks(path):
+  """[(line, code, skipped)] of the page's fenced Python blocks."""
+  with open(os.path.join(REPO_ROOT, path)) as f:
+    tokens = MarkdownIt('commonmark').parse(f.read())
+  blocks = []
+  for token in tokens:
+    words = token.info.split()
+    if token.type == 'fence' and words[:1] == ['python']:
+      assert set(words[1:]) <= {SKIP}, (
+          f'{path}:{token.map[0] + 1}: unknown fence option {words[1:]}; '
+          f'"{SKIP}" is the only one')
+      blocks.append((token.map[0] + 1, token.content, SKIP in words[1:]))
+  return blocks
+
+
+@pytest.mark.parametrize('page', [p for p in PAGES if _python_blocks(p)])
+def test_the_python_blocks_of_each_page_run(page, monkeypatch, capsys):
+  blocks = _python_blocks(page)
+  monkeypatch.chdir(REPO_ROOT)
+  namespace = {'__name__': '__docs__'}
+  ran = 0
+  for line, code, skipped in blocks:
+    if skipped:
+      continue
+    exec(compile(code, f'{page}:{line}', 'exec'), namespace)  # pylint: disable=exec-used
+    ran += 1
+  with capsys.disabled():
+    skipped = [line for line, _, s in blocks if s]
+    if blocks:
+      print(f'\n{page}: {ran} Python blocks ran'
+            + (f', {len(skipped)} skipped (lines {skipped})' if skipped
+               else ''))
+
+
+def test_every_method_page_has_a_runnable_example():
+  for page in glob.glob(os.path.join(DOCS, 'methods', '*.md')):
+    page = os.path.relpath(page, REPO_ROOT)
+    assert any(not skipped for _, _, skipped in _python_blocks(page)), page
+
+
+def _examples(module):
+  finder = doctest.DocTestFinder()
+  return sum(len(t.examples) for t in finder.find(module))
+
+
+@pytest.mark.parametrize('module_name', [
+    m for m in MODULES if m not in DOCTESTED_ELSEWHERE])
+def test_docstring_examples_run(module_name):
+  module = importlib.import_module(module_name)
+  result = doctest.testmod(module, verbose=False)
+  assert result.failed == 0
+  assert result.attempted == _examples(module)
+
+
+def test_every_module_with_examples_is_doctested_somewhere():
+  total = 0
+  for module_name in MODULES:
+    module = importlib.import_module(module_name)
+    total += _examples(module)
+    where = DOCTESTED_ELSEWHERE.get(module_name)
+    if where is None:
+      continue
+    with open(os.path.join(REPO_ROOT, where)) as f:
+      source = f.read()
+    short = module_name.rsplit('.', 1)[-1]
+    assert 'doctest.testmod(' in source and re.search(
+        rf'\b{short}\b', source), f'{where} does not doctest {module_name}'
+  print(f'\n{total} docstring examples in {len(MODULES)} modules of geom')
+  assert total > 300
+
+
+def test_the_pages_name_only_files_that_exist():
+  # A moved or renamed page leaves no dangling `docs/x.md` behind.
+  missing = []
+  sources = PAGES + [os.path.relpath(p, REPO_ROOT) for p in glob.glob(
+      os.path.join(REPO_ROOT, 'geom', '**', '*.py'), recursive=True)]
+  for path in sources:
+    with open(os.path.join(REPO_ROOT, path)) as f:
+      text = f.read()
+    for name in set(re.findall(r'(?<![\w/.])docs/[\w/.-]+\.md\b', text)):
+      if not os.path.exists(os.path.join(REPO_ROOT, name)):
+        missing.append(f'{path}: {name}')
+  assert not missing, missing
