@@ -55,9 +55,8 @@ def summarize(records: list[dict], paper: dict = PAPER) -> str:
 
 
 def plot(records: list[dict], path: str) -> None:
-  plt = plots.pyplot()
   variants = [v for v in VARIANTS if any(r['variant'] == v for r in records)]
-  fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+  fig, axes = plots.subplots(1, 3, figsize=(15, 4.2))
   for ax, key, title in ((axes[0], 'forgetting_post',
                           'forgetting after post-training'),
                          (axes[1], 'forgetting_quant',

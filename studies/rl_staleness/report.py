@@ -89,12 +89,11 @@ def _schedule_table(study: runs_lib.Study, raw: dict[str, dict],
 def plot(study: runs_lib.Study, raw: dict[str, dict], path: str) -> None:
   """pass@1 (mean over difficulties, then each difficulty) against wall
   time and trained samples, mean over seeds."""
-  plt = plots.pyplot()
   difficulties = sorted(raw['sync|0']['pass_at_1'], key=int)
   keys = ['eval/pass_at_1'] + [f'eval/pass_at_1_d{d}' for d in difficulties]
   titles = ['mean over difficulties'] + [f'{d} digits' for d in difficulties]
-  fig, axes = plt.subplots(len(keys), 2, figsize=(11, 3.2 * len(keys)),
-                           sharey='row')
+  fig, axes = plots.subplots(len(keys), 2, figsize=(11, 3.2 * len(keys)),
+                             sharey='row')
   for label, *_ in runs_lib.runs(study):
     curves = [raw[f'{label}|{s}']['curve'] for s in range(study.seeds)]
     n = min(len(c) for c in curves)

@@ -69,9 +69,8 @@ def load(path: str):
 
 def plot(results, path, *, steps, lr, rho=0.8, warm=50):
   from train.analysis import plots  # pylint: disable=g-import-not-at-top
-  plt = plots.pyplot()
   X, Y, Z = landscapes.grid()
-  fig, ax = plt.subplots(figsize=(7.5, 6.5))
+  fig, ax = plots.subplots(figsize=(7.5, 6.5))
   ax.contour(X, Y, Z, levels=np.linspace(0, 4, 33), cmap='viridis',
              linewidths=0.7)
   runs = [(0.0, 0, 'grey', 'gradient descent (rho = 0)'),
@@ -105,4 +104,3 @@ def plot(results, path, *, steps, lr, rho=0.8, warm=50):
   ax.legend(loc='lower right', fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)

@@ -83,11 +83,10 @@ def norm(study: grids.Study, raw: dict[str, float]) -> str:
 def plot_rates(study: grids.Study, raw: dict[str, float], path: str) -> None:
   """Mean error against the base rate, fixed vs CONGA, one panel per
   method (README: results/tta_rates.png)."""
-  plt = plots.pyplot()
   summary = _rates_summary(study, raw)
   names = study.methods
-  fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 3.8),
-                           sharey=True)
+  fig, axes = plots.subplots(1, len(names),
+                             figsize=(4.5 * len(names), 3.8), sharey=True)
   axes_list = list(axes) if len(names) > 1 else [axes]
   for ax, method in zip(axes_list, names):
     for schedule, style in (('fixed', 'o-'), ('conga', 's-')):

@@ -162,8 +162,7 @@ def results(config, counters, curve, seconds: float) -> dict[str, Any]:
 
 
 def plot(curve, config, path: str) -> None:
-  plt = plots.pyplot()
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = plots.subplots(figsize=(6, 4))
   walls = [c['wall'] for c in curve]
   for d in config.difficulties:
     ax.plot(walls, [c[f'eval/pass_at_1_d{d}'] for c in curve], 'o-',

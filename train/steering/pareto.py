@@ -11,8 +11,7 @@ def plot_pareto(rows: list[dict], tasks: list[str], out_path: str) -> None:
   panels = [(f'{t}_acc_mean', f'{t}: accuracy (mean log-prob)')
             for t in tasks] + [('positive_share',
                                 'generations: positive share')]
-  fig, axes = plots.pyplot().subplots(1, len(panels),
-                                      figsize=(5 * len(panels), 4))
+  fig, axes = plots.subplots(1, len(panels), figsize=(5 * len(panels), 4))
   methods = list(dict.fromkeys(r['method'] for r in rows))
   for ax, (key, title) in zip(axes, panels):
     for method in methods:
@@ -40,7 +39,7 @@ def plot_bands(panels: dict[str, dict[str, tuple]], out_path: str,
     unsteered: {title: (mean, low, high)} of the unsteered model, drawn as
       a line with its band.
   """
-  fig, axes = plots.pyplot().subplots(
+  fig, axes = plots.subplots(
       1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
   for ax, (title, curves) in zip(axes[0], panels.items()):
     if unsteered and title in unsteered:
