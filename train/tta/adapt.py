@@ -182,9 +182,8 @@ def _results(names: list[str], adaptation: _Adaptation,
 
 
 def _plot(results: Mapping[str, Any], title: str, path: str) -> None:
-  plt = plots.pyplot()
   names = list(results['errors'])
-  fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(names)), 4))
+  fig, ax = plots.subplots(figsize=(max(6, 0.6 * len(names)), 4))
   ax.bar(range(len(names)), [results['errors'][n] for n in names])
   ax.set_xticks(range(len(names)), names, rotation=60, ha='right')
   ax.set_ylabel('error %')
