@@ -114,7 +114,6 @@ class CongaState(NamedTuple):
     >>> logits = jnp.array([[4.0] + [0.0] * 9, [0.0] * 10])   # Confident, not.
     >>> updates, state = tx.update(jnp.ones(3), state, jnp.zeros(3),
     ...                            entropies=conga.entropies_from_logits(logits))
-
     >>> s = conga.find_state(state)
     >>> int(s.count), float(s.confident_fraction)
     (1, 0.5)
@@ -440,7 +439,6 @@ def find_state(opt_state: optax.OptState) -> CongaState | None:
     >>> logits = jnp.array([[4.0] + [0.0] * 9, [0.0] * 10])   # Confident, not.
     >>> updates, state = tx.update(jnp.ones(3), state, jnp.zeros(3),
     ...                            entropies=conga.entropies_from_logits(logits))
-
     >>> type(conga.find_state(state)).__name__
     'CongaState'
     >>> conga.find_state(optax.sgd(0.1).init(jnp.zeros(3))) is None
@@ -469,7 +467,6 @@ def diagnostics(opt_state: optax.OptState) -> dict[str, jax.Array]:
     >>> logits = jnp.array([[4.0] + [0.0] * 9, [0.0] * 10])   # Confident, not.
     >>> updates, state = tx.update(jnp.ones(3), state, jnp.zeros(3),
     ...                            entropies=conga.entropies_from_logits(logits))
-
     >>> sorted(conga.diagnostics(state)) == sorted(conga.DIAGNOSTICS)
     True
     >>> d = conga.diagnostics(state)

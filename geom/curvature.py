@@ -84,7 +84,6 @@ class TopEigen(NamedTuple):
     >>> import jax, jax.numpy as jnp
     >>> from geom import curvature
     >>> loss = lambda w: 0.5 * (3.0 * w[0] ** 2 + w[1] ** 2)   # H = diag(3, 1)
-
     >>> top = curvature.power_iteration(loss, jnp.ones(2), jax.random.key(0),
     ...                                 num_iters=100, tol=1e-6)
     >>> round(float(top.eigenvalue), 3)
@@ -112,7 +111,6 @@ class TraceEstimate(NamedTuple):
     >>> import jax, jax.numpy as jnp
     >>> from geom import curvature
     >>> loss = lambda w: 0.5 * (3.0 * w[0] ** 2 + w[1] ** 2)   # H = diag(3, 1)
-
     >>> trace = curvature.hutchinson_trace(loss, jnp.ones(2), jax.random.key(1),
     ...                                    num_samples=8)
     >>> float(trace.mean), float(trace.stderr)   # Exact for a diagonal H.
@@ -131,7 +129,6 @@ def hvp(loss_fn: LossFn, params: Any, v: Any) -> Any:
     >>> import jax, jax.numpy as jnp
     >>> from geom import curvature
     >>> loss = lambda w: 0.5 * (3.0 * w[0] ** 2 + w[1] ** 2)   # H = diag(3, 1)
-
     >>> curvature.hvp(loss, jnp.ones(2), jnp.array([1.0, 1.0])).tolist()
     [3.0, 1.0]
   """
@@ -190,7 +187,6 @@ def power_iteration(loss_fn: LossFn, params: Any, key: jax.Array,
     >>> import jax, jax.numpy as jnp
     >>> from geom import curvature
     >>> loss = lambda w: 0.5 * (3.0 * w[0] ** 2 + w[1] ** 2)   # H = diag(3, 1)
-
     >>> key = jax.random.key(0)
     >>> top = curvature.power_iteration(loss, jnp.ones(2), key, 50)
     >>> round(float(top.eigenvalue), 4)
@@ -239,7 +235,6 @@ def rayleigh(loss_fn: LossFn, params: Any) -> jax.Array:
     >>> import jax, jax.numpy as jnp
     >>> from geom import curvature
     >>> loss = lambda w: 0.5 * (3.0 * w[0] ** 2 + w[1] ** 2)   # H = diag(3, 1)
-
     >>> round(float(curvature.rayleigh(loss, jnp.ones(2))), 4)   # g = (3, 1)
     2.8
   """
@@ -270,7 +265,6 @@ def hutchinson_trace(loss_fn: LossFn, params: Any, key: jax.Array,
     >>> import jax, jax.numpy as jnp
     >>> from geom import curvature
     >>> loss = lambda w: 0.5 * (3.0 * w[0] ** 2 + w[1] ** 2)   # H = diag(3, 1)
-
     >>> trace = curvature.hutchinson_trace(loss, jnp.ones(2), jax.random.key(1))
     >>> round(float(trace.mean), 4)
     4.0

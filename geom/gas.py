@@ -201,7 +201,6 @@ class GasState(NamedTuple):
     >>> from geom import gas
     >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
     >>> state = gas.init(options)
-
     >>> state.alpha, state.pending, state.counts.shape
     (1.0, (), (4, 3))
   """
@@ -227,7 +226,6 @@ def init(options: GasOptions) -> GasState:
     >>> from geom import gas
     >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
     >>> state = gas.init(options)
-
     >>> state.pulls.tolist(), bool(np.isnan(state.latency).all())
     ([0.0, 0.0, 0.0], True)
   """
@@ -259,7 +257,6 @@ def budgets(state: GasState, options: GasOptions,
     >>> from geom import gas
     >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
     >>> state = gas.init(options)
-
     >>> gas.budgets(state, options).tolist()   # floor(4 exp(-(d - 1) / 2))
     [4, 2, 1]
   """
@@ -284,7 +281,6 @@ def admit(state: GasState, options: GasOptions, bucket: int,
     >>> from geom import gas
     >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
     >>> state = gas.init(options)
-
     >>> gas.admit(state, options, bucket=0, staleness=4)
     True
     >>> gas.admit(state, options, bucket=2, staleness=2)
@@ -302,7 +298,6 @@ def loss_weight(state: GasState, options: GasOptions, bucket: int) -> float:
     >>> from geom import gas
     >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
     >>> state = gas.init(options)
-
     >>> round(gas.loss_weight(state, options, bucket=2), 4)   # exp(-1)
     0.3679
   """
@@ -345,7 +340,6 @@ def observe_signal(state: GasState, options: GasOptions, bucket: int,
     >>> from geom import gas
     >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
     >>> state = gas.init(options)
-
     >>> state = gas.observe_signal(state, options, bucket=1, signal=0.25)
     >>> state.pulls.tolist(), state.gains.tolist()
     ([0.0, 1.0, 0.0], [0.0, 0.25, 0.0])
@@ -366,7 +360,6 @@ def probabilities(state: GasState, options: GasOptions) -> np.ndarray:
     >>> from geom import gas
     >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
     >>> state = gas.init(options)
-
     >>> gas.probabilities(state, options).tolist()   # Nothing observed yet.
     [0.3333333333333333, 0.3333333333333333, 0.3333333333333333]
     >>> state = gas.observe_signal(state, options, bucket=0, signal=0.0)
@@ -408,7 +401,6 @@ def observe_latency(state: GasState, options: GasOptions,
     >>> from geom import gas
     >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
     >>> state = gas.init(options)
-
     >>> state = gas.observe_latency(state, options, bucket=2, seconds=3.0,
     ...                             step_seconds=1.0)
     >>> state.latency.tolist()[2], state.step_time
@@ -437,7 +429,6 @@ def expected_lag(state: GasState) -> np.ndarray:
     >>> from geom import gas
     >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
     >>> state = gas.init(options)
-
     >>> gas.expected_lag(state).tolist()   # Unmeasured: no lag.
     [0, 0, 0]
     >>> state = gas.observe_latency(state, options, bucket=2, seconds=2.5,
@@ -471,20 +462,16 @@ def dispatch(state: GasState, options: GasOptions, u: float,
 
   Example:
 
-    >>> import numpy as np
     >>> from geom import gas
     >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
     >>> state = gas.init(options)
-
-    >>> bucket, state = gas.dispatch(state, options, u=0.9)
-    >>> bucket, state.counts[0].tolist()
-    (2, [0, 0, 1])
-    >>> # Bucket 2 now takes 3 versions to generate, past its budget of 1: it
-    >>> # is deferred and a bucket that fits goes in its place.
+    >>> gas.dispatch(state, options, u=0.9)[0]   # Drawn from the curriculum.
+    2
+    >>> # Bucket 2 takes 3 versions to generate, past its budget of 1:
     >>> state = gas.observe_latency(state, options, bucket=2, seconds=2.5,
     ...                             step_seconds=1.0)
     >>> bucket, state = gas.dispatch(state, options, u=0.9)
-    >>> bucket != 2, state.pending
+    >>> bucket != 2, state.pending   # Deferred; a bucket that fits goes.
     (True, (2,))
   """
   probs = probabilities(state, options)
@@ -546,7 +533,6 @@ def record_admission(state: GasState, bucket: int, admitted: bool,
     >>> from geom import gas
     >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
     >>> state = gas.init(options)
-
     >>> state = gas.record_admission(state, bucket=1, admitted=False, samples=8)
     >>> dict(zip(gas.COUNTS, state.counts[:, 1].tolist()))
     {'dispatched': 0, 'deferred': 0, 'admitted': 0, 'dropped': 8}
@@ -589,7 +575,6 @@ def observe_curvature(state: GasState, options: GasOptions, bucket: int,
     >>> from geom import gas
     >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
     >>> state = gas.init(options)
-
     >>> for bucket, eigenvalue in enumerate([1.0, 2.0, 4.0]):
     ...   state = gas.observe_curvature(state, options, bucket, eigenvalue)
     >>> round(state.slope, 4)   # ln 2 per unit of difficulty
@@ -648,7 +633,6 @@ def diagnostics(state: GasState, options: GasOptions) -> dict[str, Any]:
     >>> from geom import gas
     >>> options = gas.GasOptions(difficulties=(1, 2, 3), s_base=4, alpha=1.0)
     >>> state = gas.init(options)
-
     >>> d = gas.diagnostics(state, options)
     >>> d['alpha'], d['budget/d1'], d['budget/d3']
     (1.0, 4, 1)

@@ -129,7 +129,6 @@ class SAMState(NamedTuple):
     >>> state = tx.init(w)
     >>> updates, state = tx.update(jax.grad(loss)(w), state, w,
     ...                            grad_fn=jax.grad(loss))
-
     >>> s = sam.find_state(state)
     >>> int(s.count), bool(s.sam_active), round(float(s.rho), 4)
     (1, True, 0.05)
@@ -653,20 +652,16 @@ def sam(
   """Sharpness-aware minimization around any optax optimizer.
 
   Args:
-    base_optimizer: the optimizer that steps with the SAM gradient g+
-      (e.g. `optax.sgd(0.1, momentum=0.9)`, `optax.adamw(...)`, a chain).
+    base_optimizer: the optimizer that steps with g+ (any optax one).
     rho: radius, a float >= 0 or a schedule of the step count.
     adaptive: ASAM (scale-invariant neighbourhood T = |w| + eta).
     eta: ASAM's offset, > 0.
     eps: added to the perturbation's norm (g = 0 gives e = 0).
-    warmup_steps: the first steps are plain base steps on g (no second
-      gradient). >= 0.
-    window: (start, stop): SAM only for start <= step < stop (stop None:
-      no end); other steps are plain. Must not be empty.
-    batch_axis_name: m-sharpness: the mapped axis (inside `jax.shard_map`
-      or pmap) whose devices each perturb with their own gradient; the
-      resulting gradients are averaged over it. None: `grads` are already
-      global.
+    warmup_steps: the first steps are plain base steps on g, >= 0.
+    window: (start, stop): SAM only for start <= step < stop (None: no end).
+    batch_axis_name: m-sharpness: the mapped axis (`jax.shard_map`, pmap)
+      whose devices each perturb with their own gradient, the results
+      averaged over it. None: `grads` are already global.
     detector: thresholds of the hallucination detector, or None to skip it.
     response: what a flagged hallucination does: 'flag' (only record it),
       'warm_restart' (`restart_steps` plain steps, then SAM again) or
@@ -676,28 +671,21 @@ def sam(
     mode: 'opaque' (one call, needs `grad_fn`) or 'two_call' (alternating
       calls, no `grad_fn`; keeps a copy of w and g in the state).
     fused: compute w + e with the Pallas kernels of
-      `geom.kernels.sam_perturb` (one norm pass and one update pass over
-      all leaves) instead of jnp; equal to the unfused result to float32
-      rounding (relative 1e-6 on the norm). Over several devices each
-      perturbs its own shards with the global norm (how, on each
-      backend: docs/methods/sam_perturb.md).
-    ascent: an optax transformation that gives the ascent direction, in
-      the convention of `optax.contrib.sam`'s `adv_optimizer` (it returns
-      a descent step; e = -rho * its update). None: the normalized step
+      `geom.kernels.sam_perturb`, equal to jnp's to float32 rounding
+      (sharded too: docs/methods/sam_perturb.md).
+    ascent: an optax transformation for the ascent direction, as
+      `optax.contrib.sam`'s `adv_optimizer` (e = -rho * its update). None:
       rho g / (|g| + eps). Not with `adaptive` or `fused`.
-    reset_ascent: start `ascent` from its initial state at every SAM step
-      (optax's `reset_state`); False keeps its state (e.g. Adam moments)
-      from one SAM step to the next.
+    reset_ascent: restart `ascent`'s state at every SAM step (optax's
+      `reset_state`); False keeps it (e.g. Adam moments) between them.
 
   Returns:
-    An `optax.GradientTransformationExtraArgs`. In opaque mode its update
-    is `update(grads, state, params, *, grad_fn, sam_step=None,
-    **extra_args)`: `grad_fn(params)` (or `grad_fn(params, i)`, as
-    optax.contrib.sam calls it; here i = 0) gives the loss gradient at
-    other weights on the same batch; `sam_step` (a Python bool) fixes the
-    branch of this step at trace time instead of deciding it on the device
-    (the caller then follows `is_sam_step`); other extra arguments go to
-    the base optimizer.
+    An `optax.GradientTransformationExtraArgs`; in opaque mode its update
+    is `update(grads, state, params, *, grad_fn, sam_step=None, **extra)`:
+    `grad_fn(params)` (or optax.contrib.sam's `grad_fn(params, i)`) is the
+    loss gradient at other weights on the same batch; `sam_step` (a Python
+    bool) fixes the step's branch at trace time (see `is_sam_step`); other
+    extra arguments go to the base optimizer.
 
   Raises:
     ArgumentError: (a ValueError) for an invalid argument, naming it.
@@ -707,30 +695,10 @@ def sam(
     >>> import jax, jax.numpy as jnp, optax
     >>> from geom import sam
     >>> loss = lambda w: jnp.sum((w - 1.0) ** 2)
-    >>> tx = sam.sam(optax.sgd(0.1), rho=0.05)
-    >>> @jax.jit
-    ... def step(w, state):
-    ...   updates, state = tx.update(jax.grad(loss)(w), state, w,
-    ...                              grad_fn=jax.grad(loss))
-    ...   return optax.apply_updates(w, updates), state
-    >>> w = jnp.zeros(2)
-    >>> state = tx.init(w)
-    >>> for _ in range(30):
-    ...   w, state = step(w, state)
-    >>> [round(float(v), 2) for v in w]
-    [1.0, 1.0]
-
-    Two-call mode, for a loop that cannot pass `grad_fn`: the first call
-    moves to w + e, the second comes back and takes the base step.
-
-    >>> tx = sam.sam(optax.sgd(0.1), rho=0.05, mode='two_call')
-    >>> w = jnp.zeros(2)
-    >>> state = tx.init(w)
-    >>> updates, state = tx.update(jax.grad(loss)(w), state, w)
-    >>> w_adv = optax.apply_updates(w, updates)   # w + e
-    >>> updates, state = tx.update(jax.grad(loss)(w_adv), state, w_adv)
-    >>> w = optax.apply_updates(w_adv, updates)   # w - 0.1 g+
-    >>> [round(float(v), 4) for v in w]
+    >>> tx, w = sam.sam(optax.sgd(0.1), rho=0.05), jnp.zeros(2)
+    >>> updates, state = tx.update(jax.grad(loss)(w), tx.init(w), w,
+    ...                            grad_fn=jax.grad(loss))
+    >>> [round(float(u), 4) for u in updates]   # -0.1 g+, g+ at w + e
     [0.2071, 0.2071]
   """
   options = SAMOptions(
@@ -756,7 +724,6 @@ def find_state(opt_state: optax.OptState) -> SAMState | None:
     >>> state = tx.init(w)
     >>> updates, state = tx.update(jax.grad(loss)(w), state, w,
     ...                            grad_fn=jax.grad(loss))
-
     >>> chained = optax.chain(optax.clip_by_global_norm(1.0), tx)
     >>> type(sam.find_state(chained.init(w))).__name__
     'SAMState'
@@ -793,7 +760,6 @@ def diagnostics(opt_state: optax.OptState) -> dict[str, jax.Array]:
     >>> state = tx.init(w)
     >>> updates, state = tx.update(jax.grad(loss)(w), state, w,
     ...                            grad_fn=jax.grad(loss))
-
     >>> d = sam.diagnostics(state)
     >>> bool(d['sam_active']), round(float(d['grad_norm']), 4)   # |g| at w
     (True, 2.8284)
