@@ -195,6 +195,19 @@ def test_the_python_blocks_of_each_page_run(page, monkeypatch, capsys):
                else ''))
 
 
+def test_python_is_fenced_as_python():
+  # A block fenced ```py (or python3, pycon, ipython) would not run here.
+  others = {'py', 'python3', 'py3', 'pycon', 'ipython', 'ipython3'}
+  found = []
+  for page in PAGES:
+    with open(os.path.join(REPO_ROOT, page)) as f:
+      tokens = MarkdownIt('commonmark').parse(f.read())
+    found += [f'{page}:{t.map[0] + 1}: ```{t.info.strip()}' for t in tokens
+              if t.type == 'fence' and t.info.split()[:1]
+              and t.info.split()[0].lower() in others]
+  assert not found, f'fence Python as ```python (or ```python skip): {found}'
+
+
 def test_every_method_page_has_a_runnable_example():
   for page in glob.glob(os.path.join(DOCS, 'methods', '*.md')):
     page = os.path.relpath(page, REPO_ROOT)
