@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from configs import lm as lm_config
+from tests import launch_runs
 from train import errors
 from train.lm import trainer
 
@@ -91,12 +92,15 @@ def test_init_from_a_model_of_another_shape_is_one_line(pretrained,
   assert 'mlp' in text and '\n' not in text
 
 
+_STUDY_FLAGS = ('--config_arg=runlocal,forgetting', '--seeds=1',
+                '--mid_steps=10', '--post_steps=10', '--hessian_windows=8',
+                '--power_iters=5', '--trace_samples=4')
+
+
 def _study(workdir, *extra, timeout=600):
   return subprocess.run(
       [sys.executable, '-m', 'studies.lm_forgetting',
-       f'--workdir={workdir}', '--config_arg=runlocal,forgetting',
-       '--seeds=1', '--mid_steps=10', '--post_steps=10',
-       '--hessian_windows=8', '--power_iters=5', '--trace_samples=4', *extra],
+       f'--workdir={workdir}', *_STUDY_FLAGS, *extra],
       cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -128,7 +132,7 @@ def test_study_end_to_end_and_its_measures(tmp_path):
       stamp)
 
 
-@pytest.mark.parametrize('flag, expected', [
+_BAD_SETTINGS = [
     ('--post_source=klingon',
      "error: --post_source='klingon': unknown post-training source"),
     ('--post_source=pydoc',
@@ -140,11 +144,29 @@ def test_study_end_to_end_and_its_measures(tmp_path):
      "error: --variants='tiny_lr': unknown variant; valid choices: "
      "'baseline', 'sam'"),
     ('--anneal_fraction=0', 'error: --anneal_fraction=0.0: must be in (0, 1]'),
-])
+]
+
+
+@pytest.fixture(scope='module')
+def bad_settings_runs(tmp_path_factory):
+  """{flag: (the study's result with it, its workdir)}: each run its own
+  process, forked from one that imported the study once
+  (launch_runs.run_module_each; a process's imports cost more CPU than the
+  check)."""
+  workdirs = [tmp_path_factory.mktemp('bad') / 'study'
+              for _ in _BAD_SETTINGS]
+  results = launch_runs.run_module_each('studies.lm_forgetting', [
+      [f'--workdir={workdir}', *_STUDY_FLAGS, flag]
+      for workdir, (flag, _) in zip(workdirs, _BAD_SETTINGS)])
+  return {flag: (result, workdir) for (flag, _), result, workdir in zip(
+      _BAD_SETTINGS, results, workdirs)}
+
+
+@pytest.mark.parametrize('flag, expected', _BAD_SETTINGS)
 def test_bad_study_settings_are_one_line_before_any_work(flag, expected,
-                                                          tmp_path):
-  result = _study(tmp_path / 'study', flag, timeout=120)
+                                                          bad_settings_runs):
+  result, workdir = bad_settings_runs[flag]
   assert result.returncode == 2
   lines = [l for l in result.stderr.splitlines() if l.strip()]
   assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
-  assert not os.path.exists(tmp_path / 'study' / 'measures')
+  assert not os.path.exists(workdir / 'measures')

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests import launch_runs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ('--lm_config_arg=runlocal', '--steering_config_arg=runlocal',
          '--lm_seeds=0', '--item_seeds=7,8', '--gate_betas=-0.5',
@@ -84,7 +86,7 @@ def test_study_evaluates_aggregates_and_reuses_finished_work(
       'config (mc_seeds)' in lines[0], other.stderr[-2000:]
 
 
-@pytest.mark.parametrize('flags, start', [
+_BAD_FLAGS = [
     (['--lm_seeds=0,x'], "error: --lm_seeds='x': not a number"),
     (['--item_seeds=7,7'], "error: --item_seeds='7,7': has a repeated value"),
     (['--targets=0.2,0.1'], "error: --targets='0.2,0.1': give increasing"),
@@ -93,10 +95,27 @@ def test_study_evaluates_aggregates_and_reuses_finished_work(
     (['--lm_config_arg=tokenizer=wordpiece'],
      "error: --lm_config_arg='tokenizer=wordpiece': tokenizer='wordpiece'; "
      'valid: byte, sentencepiece'),
-])
-def test_a_bad_flag_is_one_line_before_any_run(tmp_path, flags, start):
-  result = _study(tmp_path / 'study', *flags, timeout=120)
+]
+
+
+@pytest.fixture(scope='module')
+def bad_flag_runs(tmp_path_factory):
+  """{flags: (the study's result with them, its workdir)}: each run its
+  own process, forked from one that imported the study once
+  (launch_runs.run_module_each; a process's imports cost more CPU than the
+  check)."""
+  workdirs = [tmp_path_factory.mktemp('bad') / 'study' for _ in _BAD_FLAGS]
+  results = launch_runs.run_module_each('studies.steering', [
+      [f'--workdir={workdir}', *flags]
+      for workdir, (flags, _) in zip(workdirs, _BAD_FLAGS)])
+  return {tuple(flags): (result, workdir) for (flags, _), result, workdir
+          in zip(_BAD_FLAGS, results, workdirs)}
+
+
+@pytest.mark.parametrize('flags, start', _BAD_FLAGS)
+def test_a_bad_flag_is_one_line_before_any_run(bad_flag_runs, flags, start):
+  result, workdir = bad_flag_runs[tuple(flags)]
   assert result.returncode == 2, result.stderr[-3000:]
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith(start), result.stderr
-  assert not os.path.exists(tmp_path / 'study')
+  assert not os.path.exists(workdir)

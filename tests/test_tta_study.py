@@ -75,7 +75,7 @@ def test_the_table_command_runs_at_runlocal_size(tmp_path):
                                for label, _, _ in grids.TABLE_ROWS)
 
 
-@pytest.mark.parametrize('flag, expected', [
+_BAD_FLAGS = [
     ('--methods=tent,foo', "error: --methods='foo': unknown; valid choices: "
      "'tent', 'eata', 'sar'"),
     ('--severities=5,9', "error: --severities='9': must be an integer in 1-5"),
@@ -83,13 +83,31 @@ def test_the_table_command_runs_at_runlocal_size(tmp_path):
     ('--rates=1e-3,inf', "error: --rates='inf': must be a number > 0"),
     ('--norm_methods=source', "error: --norm_methods='source': unknown"),
     ('--protocols=', "error: --protocols='': is empty"),
-])
-def test_bad_flags_are_one_line_before_any_work(tmp_path, flag, expected):
-  result = _study(tmp_path / 'study', flag)
+]
+
+
+@pytest.fixture(scope='module')
+def bad_flag_runs(tmp_path_factory):
+  """{flag: (the study's result with it, its workdir)}: each run its own
+  process, forked from one that imported the study once
+  (launch_runs.run_module_each; a process's imports cost more CPU than the
+  check)."""
+  workdirs = [tmp_path_factory.mktemp('bad') / 'study' for _ in _BAD_FLAGS]
+  results = launch_runs.run_module_each('studies.tta', [
+      [f'--workdir={workdir}', flag]
+      for workdir, (flag, _) in zip(workdirs, _BAD_FLAGS)])
+  return {flag: (result, workdir) for (flag, _), result, workdir in zip(
+      _BAD_FLAGS, results, workdirs)}
+
+
+@pytest.mark.parametrize('flag, expected', _BAD_FLAGS)
+def test_bad_flags_are_one_line_before_any_work(bad_flag_runs, flag,
+                                                 expected):
+  result, workdir = bad_flag_runs[flag]
   assert result.returncode == 2, result.stderr[-2000:]
   lines = launch_runs.error_lines(result)
   assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
-  assert not os.path.exists(tmp_path / 'study')
+  assert not os.path.exists(workdir)
 
 
 def test_a_held_workdir_is_one_line_and_exit_75(tmp_path):
