@@ -12,12 +12,12 @@ import jax
 import numpy as np
 import pytest
 
-from configs import digits as digits_config
 from configs import tta as tta_config
 from tests import config_edits
 from tests import full_disk
 from tests import launch_runs
 from tests import read_only
+from tests import tta_source
 from train import errors
 from train.tta import adapt
 from train.tta import source as source_lib
@@ -28,11 +28,9 @@ REPO_ROOT = launch_runs.REPO_ROOT
 
 @pytest.fixture(scope='module')
 def source_workdir(tmp_path_factory):
-  """A CNN trained briefly on mnist5k (the streams' clean data set)."""
-  workdir = str(tmp_path_factory.mktemp('source'))
-  trainer.train_and_evaluate(digits_config.get_config('runlocal,dataset=mnist5k'),
-                             workdir)
-  return workdir
+  """A CNN trained briefly on mnist5k (the streams' clean data set): the
+  session's, which test_tta_study's study reuses (tests/tta_source.py)."""
+  return tta_source.workdir(tmp_path_factory)
 
 
 @pytest.fixture(scope='module')
@@ -104,7 +102,7 @@ def test_a_source_trained_further_is_refused_on_resume_and_rerun(
   for step in steps[1:]:
     shutil.rmtree(cut / 'checkpoints' / str(step))
   before = source_lib.load(config).fingerprint
-  further = digits_config.get_config('runlocal,dataset=mnist5k')
+  further = tta_source.config()
   further.num_steps += 1
   trainer.train_and_evaluate(further, src)
   after = source_lib.load(config).fingerprint
