@@ -13,8 +13,10 @@ state, params, grad_fn=...)` does the whole step (`grad_fn(params) ->
 grads` on the same batch), or, in two-call mode, alternates as
 `optax.contrib.sam` does. Options: ASAM (`adaptive`), a pluggable
 `ascent`, `warmup_steps` and a step `window` (SAM only inside it),
-m-sharpness (`batch_axis_name`), and a hallucinated-minimizer detector
-(`geom.hallucination`) with a response (flag, warm restart, shrink rho).
+m-sharpness (`batch_axis_name`), LookSAM's reuse (`every=k`: g+ every k
+steps, its part orthogonal to g reused in between), and a
+hallucinated-minimizer detector (`geom.hallucination`) with a response
+(flag, warm restart, shrink rho).
 `hooks(options)` tells a loop which steps perturb, so that it compiles
 SAM and plain steps apart. Design notes (modes, which steps perturb,
 precision, m-sharpness, clipping): docs/methods/sam.md.
@@ -22,8 +24,14 @@ precision, m-sharpness, clipping): docs/methods/sam.md.
 Which parts are the papers': SAM (Foret et al., 2021), ASAM (Kwon et al.,
 2021), m-sharpness (Foret et al.), hallucinated minimizers and the
 warm-start remedy (Park et al., 2025/2026), the mid-training window
-(arXiv 2605.02105). Ours: the detector statistics and thresholds, the
-response policies, and eps in the ASAM denominator.
+(arXiv 2605.02105), LookSAM (Liu et al., 2022: g+ every k steps, g_v =
+g+ - |g+| cos(g, g+) g / |g|, reuse steps g + alpha |g| / |g_v| g_v,
+alpha 0.7). Ours: the detector statistics and thresholds, the response
+policies, eps in the ASAM denominator, and of LookSAM: norms and the
+projection over all the weights at once (the paper writes vectors; public
+ports work per tensor), the phase counted from the warm-up's end, g_v
+cleared by plain steps, 0 for g = 0 or g_v < 1e-5 |g+| (g+ parallel to g),
+and g_v kept in the parameters' dtype.
 
 Example:
 
@@ -48,6 +56,8 @@ References:
   Park, Jang, Ryu & Yang, SAM's hallucinated minimizers, arXiv 2509.21818.
   Sharpness-Aware Pretraining Mitigates Catastrophic Forgetting,
     arXiv 2605.02105.
+  Liu, Mai, Chen, Hsieh & You, Towards Efficient and Scalable
+    Sharpness-Aware Minimization, CVPR 2022. arXiv 2203.02714.
 """
 
 from collections.abc import Callable
@@ -111,13 +121,16 @@ class SAMState(NamedTuple):
   Attributes:
     count: completed steps (int32); warm-up and window count these.
     base_state: the base optimizer's state.
-    rho: the rho of the last step (float32; 0 on plain steps).
+    rho: the rho of the last step (float32; 0 on steps without g+).
     rho_scale: multiplier of rho, lowered by the 'shrink_rho' response.
     cooldown: plain steps left after a 'warm_restart' response (int32).
-    sam_active: whether the last step was a SAM step (bool).
+    sam_active: whether the last step computed g+ (bool; False on plain
+      and on LookSAM's reuse steps).
     detector: the hallucination detector's statistics, or None.
     cache: two-call mode only, else None.
     ascent_state: the `ascent` transformation's state, or None.
+    orthogonal: `every` > 1 only, else None: g_v, the part of the last g+
+      orthogonal to its g (the parameters' dtype; zeros after a plain step).
 
   Example:
 
@@ -142,6 +155,7 @@ class SAMState(NamedTuple):
   detector: hallucination.DetectorState | None
   cache: TwoCallCache | None
   ascent_state: optax.OptState | None = None
+  orthogonal: Updates | None = None
 
 
 def _is_static(value: Any) -> bool:
@@ -188,6 +202,8 @@ class SAMOptions:
   fused: bool = False
   ascent: optax.GradientTransformation | None = None
   reset_ascent: bool = True
+  every: int = 1
+  alpha: float = 0.7
 
   def __post_init__(self):
     check = functools.partial(validation.check, _OWNER)
@@ -199,6 +215,20 @@ class SAMOptions:
     check('restart_steps', self.restart_steps, lambda v: v >= 1, '>= 1')
     check('shrink_factor', self.shrink_factor, lambda v: 0 < v < 1,
           'in (0, 1)')
+    check('every', self.every, lambda v: v >= 1 and v == int(v),
+          'an integer >= 1')
+    check('alpha', self.alpha, lambda v: 0 <= v < math.inf, 'finite and >= 0')
+    # Checked where concrete (inject_hyperparams builds with a concrete
+    # every at init); there, a traced every is not read.
+    if validation.is_concrete(self.every) and int(self.every) != 1:
+      if self.mode == 'two_call':
+        raise validation.ArgumentError(
+            _OWNER, 'every', "LookSAM's reuse (every > 1) needs "
+            "mode='opaque'", value=self.every)
+      if self.batch_axis_name is not None:
+        raise validation.ArgumentError(
+            _OWNER, 'every', "LookSAM's reuse (every > 1) is not supported "
+            'with m-sharpness (batch_axis_name)', value=self.every)
     if self.window is not None:
       if len(self.window) != 2:
         raise validation.ArgumentError(
@@ -236,10 +266,18 @@ class SAMOptions:
     return _is_static(self.rho) and float(self.rho) == 0.0
 
   @property
+  def reuses(self) -> bool:
+    """Whether some step may reuse g_v (`every` > 1, or traced; never in
+    two-call mode or with m-sharpness)."""
+    if self.mode == 'two_call' or self.batch_axis_name is not None:
+      return False
+    return not (_is_static(self.every) and int(self.every) == 1)
+
+  @property
   def may_skip(self) -> bool:
-    """Whether some step may be a plain step (which needs a branch)."""
-    return not (_is_static(self.rho) and float(self.rho) > 0
-                and _is_static(self.warmup_steps)
+    """Whether some step may skip g+ (a plain or reuse step: a branch)."""
+    return not (not self.reuses and _is_static(self.rho)
+                and float(self.rho) > 0 and _is_static(self.warmup_steps)
                 and int(self.warmup_steps) == 0
                 and self.window is None and self.response != 'warm_restart')
 
@@ -262,7 +300,9 @@ class SAMOptions:
 def is_sam_step(options: SAMOptions, count: int | jax.Array,
                 cooldown: int | jax.Array = 0,
                 rho_scale: float | jax.Array = 1.0) -> bool | jax.Array:
-  """Whether step `count` perturbs: its effective rho is > 0.
+  """Whether step `count` perturbs (computes g+): its effective rho is > 0
+  and, with `every` = k > 1, it is a multiple of k steps after the first
+  step SAM may run (the warm-up's end, the window's start).
 
   Args:
     options: the SAM configuration.
@@ -279,8 +319,23 @@ def is_sam_step(options: SAMOptions, count: int | jax.Array,
     >>> options = sam.SAMOptions(rho=0.05, window=(10, 20))
     >>> [sam.is_sam_step(options, step) for step in (9, 10, 19, 20)]
     [False, True, True, False]
+    >>> options = sam.SAMOptions(rho=0.05, warmup_steps=2, every=3)
+    >>> [sam.is_sam_step(options, step) for step in range(7)]
+    [False, False, True, False, False, True, False]
   """
-  return _effective_rho(options, count, cooldown, rho_scale) > 0
+  due = _effective_rho(options, count, cooldown, rho_scale) > 0
+  return due & _on_phase(options, count)
+
+
+def _on_phase(options: SAMOptions, count):
+  """Whether step `count` is one of every k from the first SAM may run."""
+  if not options.reuses:
+    return True
+  start = options.warmup_steps
+  if options.window is not None:
+    start = (max(start, options.window[0]) if _is_static(start)
+             else jnp.maximum(start, options.window[0]))
+  return (count - start) % options.every == 0
 
 
 def _effective_rho(options, count, cooldown, rho_scale):
@@ -414,6 +469,36 @@ def _next_ascent_state(options: SAMOptions, params, new, old, perturbed):
   return jax.tree.map(lambda a, b: jnp.where(perturbed, a, b), new, old)
 
 
+# g_v below this fraction of |g+| counts as 0 (g+ parallel to g): float32
+# rounding leaves about 1e-7 |g+| of the projection, which the reuse step
+# would otherwise rescale to alpha |g|.
+_PARALLEL_RTOL = 1e-5
+
+
+def _orthogonal(grads: Updates, g_adv: Updates, like: Params) -> Updates:
+  """LookSAM's g_v = g+ - <g, g+> g / |g|^2, in float32, cast like `like`."""
+  g_norm = _tree_norm_f32(grads)
+  inv = jnp.where(g_norm > 0, 1.0 / g_norm, 0.0)
+  unit = jax.tree.map(lambda g: g.astype(jnp.float32) * inv, grads)
+  along = _tree_vdot_f32(unit, g_adv)
+  g_v = jax.tree.map(lambda u, gs: gs.astype(jnp.float32) - along * u, unit,
+                     g_adv)
+  keep = _tree_norm_f32(g_v) > _PARALLEL_RTOL * _tree_norm_f32(g_adv)
+  return jax.tree.map(lambda v, p: jnp.where(keep, v, 0.0).astype(p.dtype),
+                      g_v, like)
+
+
+def _reused(options: SAMOptions, grads: Updates, g_v: Updates,
+            reuse: jax.Array) -> Updates:
+  """LookSAM's g + alpha |g| / |g_v| g_v where `reuse`, else g exactly."""
+  v_norm = _tree_norm_f32(g_v)
+  scale = jnp.where(reuse & (v_norm > 0),
+                    options.alpha * _tree_norm_f32(grads) / v_norm, 0.0)
+  return jax.tree.map(
+      lambda g, v: jnp.where(reuse, (g.astype(jnp.float32) + scale * v.astype(
+          jnp.float32)).astype(g.dtype), g), grads, g_v)
+
+
 def _one_argument(grad_fn: GradFn) -> Callable[[Params], Updates]:
   """`grad_fn` as grad_fn(params): optax's grad_fn(params, i) gets i = 0."""
   try:
@@ -472,7 +557,9 @@ def _init(options: SAMOptions, base: optax.GradientTransformationExtraArgs,
                 else hallucination.init(detector.track_cosine)),
       cache=cache,
       ascent_state=(None if options.ascent is None
-                    else options.ascent.init(params)))
+                    else options.ascent.init(params)),
+      orthogonal=(jax.tree.map(jnp.zeros_like, params) if options.reuses
+                  else None))
 
 
 def _check_call(params, grad_fn, needs_grad_fn: bool):
@@ -496,8 +583,10 @@ def _opaque_update(options: SAMOptions,
   _check_call(params, grad_fn, needs_grad_fn=True)
   grad_fn = _one_argument(grad_fn)
   rho = _effective_rho(options, state.count, state.cooldown, state.rho_scale)
-  active = rho > 0
+  due = rho > 0  # SAM's steps: full (g+) or, with every > 1, reuse steps.
+  active = due & _on_phase(options, state.count)  # Computes g+.
   tracked = options.detector is not None and options.detector.track_cosine
+  reuses = options.reuses
 
   def sam_grads(_):
     w_adv, norm, ascent_state = _ascent_point(options, grads, params, rho,
@@ -511,32 +600,38 @@ def _opaque_update(options: SAMOptions,
     stats = (grad_norm, _tree_norm_f32(g_adv), inner)
     if options.batch_axis_name is not None:
       stats = jax.lax.pmean(stats, options.batch_axis_name)
-    return _mean_over_axis(options, g_adv), stats, ascent_state
+    g_v = _orthogonal(grads, g_adv, params) if reuses else None
+    return _mean_over_axis(options, g_adv), stats, ascent_state, g_v
 
-  def plain_grads(_):
+  def plain_grads(_):  # Plain steps, and LookSAM's reuse steps (no g+).
     zero = jnp.zeros((), jnp.float32)
-    return (_mean_over_axis(options, grads),
-            (zero, zero, zero if tracked else None), state.ascent_state)
+    step_grads, g_v = _mean_over_axis(options, grads), None
+    if reuses:
+      step_grads = _reused(options, step_grads, state.orthogonal, due)
+      g_v = jax.tree.map(lambda v: jnp.where(due, v, jnp.zeros_like(v)),
+                         state.orthogonal)
+    return (step_grads, (zero, zero, zero if tracked else None),
+            state.ascent_state, g_v)
 
   if options.never_perturbs or sam_step is False:
-    # The base optimizer's own computation, nothing else.
-    step_grads, stats, ascent_state = plain_grads(None)
+    # The base optimizer's own computation (or a reuse step), nothing else.
+    step_grads, stats, ascent_state, g_v = plain_grads(None)
     active = jnp.array(False)
   elif sam_step:
-    step_grads, stats, ascent_state = sam_grads(None)
+    step_grads, stats, ascent_state, g_v = sam_grads(None)
     active = jnp.array(True)
   elif not options.may_skip:
     # No step can be plain: straight-line code, which XLA schedules with
     # the memory of a hand-written SAM step (a cond's output would hold
     # one more gradient-sized buffer).
-    step_grads, stats, ascent_state = sam_grads(None)
+    step_grads, stats, ascent_state, g_v = sam_grads(None)
   else:
-    step_grads, stats, ascent_state = jax.lax.cond(active, sam_grads,
-                                                   plain_grads, None)
+    step_grads, stats, ascent_state, g_v = jax.lax.cond(
+        active, sam_grads, plain_grads, None)
   updates, base_state = base.update(step_grads, state.base_state, params,
                                     **extra_args)
   det = state.detector
-  if det is not None:
+  if det is not None:  # Fed by steps with g+ only (not reuse steps).
     det = hallucination.update(det, options.detector, active, *stats)
   det, rho_scale, cooldown = _respond(options, state, det, active)
   return updates, SAMState(
@@ -545,7 +640,8 @@ def _opaque_update(options: SAMOptions,
       rho_scale=rho_scale, cooldown=cooldown, sam_active=active,
       detector=det, cache=None,
       ascent_state=_next_ascent_state(options, params, ascent_state,
-                                      state.ascent_state, active))
+                                      state.ascent_state, active),
+      orthogonal=g_v)
 
 
 def _two_call_update(options: SAMOptions,
@@ -648,6 +744,8 @@ def sam(
     fused: bool = False,
     ascent: optax.GradientTransformation | None = None,
     reset_ascent: bool = True,
+    every: int = 1,
+    alpha: float = 0.7,
 ) -> optax.GradientTransformationExtraArgs:
   """Sharpness-aware minimization around any optax optimizer.
 
@@ -660,32 +758,32 @@ def sam(
     warmup_steps: the first steps are plain base steps on g, >= 0.
     window: (start, stop): SAM only for start <= step < stop (None: no end).
     batch_axis_name: m-sharpness: the mapped axis (`jax.shard_map`, pmap)
-      whose devices each perturb with their own gradient, the results
-      averaged over it. None: `grads` are already global.
+      whose devices each perturb with their own gradient, averaged over it.
     detector: thresholds of the hallucination detector, or None to skip it.
-    response: what a flagged hallucination does: 'flag' (only record it),
-      'warm_restart' (`restart_steps` plain steps, then SAM again) or
-      'shrink_rho' (multiply rho by `shrink_factor`).
+    response: on a flag: 'flag' (record it), 'warm_restart'
+      (`restart_steps` plain steps) or 'shrink_rho' (rho * `shrink_factor`).
     restart_steps: plain steps of a warm restart, >= 1.
     shrink_factor: rho's multiplier on each 'shrink_rho' response, in (0, 1).
     mode: 'opaque' (one call, needs `grad_fn`) or 'two_call' (alternating
       calls, no `grad_fn`; keeps a copy of w and g in the state).
     fused: compute w + e with the Pallas kernels of
-      `geom.kernels.sam_perturb`, equal to jnp's to float32 rounding
-      (sharded too: docs/methods/sam_perturb.md).
-    ascent: an optax transformation for the ascent direction, as
-      `optax.contrib.sam`'s `adv_optimizer` (e = -rho * its update). None:
-      rho g / (|g| + eps). Not with `adaptive` or `fused`.
+      `geom.kernels.sam_perturb` (docs/methods/sam_perturb.md).
+    ascent: an optax transformation as `optax.contrib.sam`'s `adv_optimizer`
+      (e = -rho * its update), not with `adaptive`/`fused`. None: rho g / |g|.
     reset_ascent: restart `ascent`'s state at every SAM step (optax's
       `reset_state`); False keeps it (e.g. Adam moments) between them.
+    every: LookSAM: g+ every k-th step from the warm-up's end (or window's
+      start) only; the steps between take one gradient and step with g +
+      alpha |g| / |g_v| g_v, g_v the part of the last g+ orthogonal to its g
+      (opaque mode, no m-sharpness; docs/methods/sam.md). 1: SAM.
+    alpha: LookSAM's weight of g_v on the reuse steps, >= 0.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; in opaque mode its update
     is `update(grads, state, params, *, grad_fn, sam_step=None, **extra)`:
-    `grad_fn(params)` (or optax.contrib.sam's `grad_fn(params, i)`) is the
-    loss gradient at other weights on the same batch; `sam_step` (a Python
-    bool) fixes the step's branch at trace time (see `is_sam_step`); other
-    extra arguments go to the base optimizer.
+    `grad_fn(params)` (or optax's `grad_fn(params, i)`) is the gradient at
+    other weights, same batch; `sam_step` (a Python bool) fixes whether the
+    step computes g+ (`is_sam_step`) at trace time; the rest go to the base.
 
   Raises:
     ArgumentError: (a ValueError) for an invalid argument, naming it.
@@ -701,13 +799,12 @@ def sam(
     >>> [round(float(u), 4) for u in updates]   # -0.1 g+, g+ at w + e
     [0.2071, 0.2071]
   """
-  options = SAMOptions(
+  return from_options(base_optimizer, SAMOptions(
       rho=rho, adaptive=adaptive, eta=eta, eps=eps, warmup_steps=warmup_steps,
       window=window, batch_axis_name=batch_axis_name, detector=detector,
       response=response, restart_steps=restart_steps,
       shrink_factor=shrink_factor, mode=mode, fused=fused, ascent=ascent,
-      reset_ascent=reset_ascent)
-  return from_options(base_optimizer, options)
+      reset_ascent=reset_ascent, every=every, alpha=alpha))
 
 
 def find_state(opt_state: optax.OptState) -> SAMState | None:

@@ -4,6 +4,7 @@ import doctest
 import functools
 
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
@@ -614,3 +615,210 @@ def test_ascent_with_m_sharpness_perturbs_per_device():
   with pytest.raises(ValueError, match='reset_ascent=False'):
     sam.sam(optax.sgd(0.1), batch_axis_name='batch', ascent=adv(),
             reset_ascent=False)
+
+
+# LookSAM's reuse (`every=k`) against a hand-written loop in plain jnp.
+
+
+def _looksam_reference(params, loss, steps, k, lr, rho, alpha):
+  """Liu et al.'s Algorithm 1 on the flattened weights with SGD: the
+  updates, the g_v after each step and the steps that took g+."""
+  w, unravel = jax.flatten_util.ravel_pytree(params)
+  grad = lambda v: jax.flatten_util.ravel_pytree(
+      jax.grad(loss)(unravel(v)))[0]
+  norm = lambda v: jnp.sqrt(jnp.sum(v * v))
+  g_v, updates, stored = jnp.zeros_like(w), [], []
+  for t in range(steps):
+    g = grad(w)
+    if t % k == 0:
+      g_s = grad(w + rho * g / (norm(g) + 1e-12))
+      cos = jnp.dot(g, g_s) / (norm(g) * norm(g_s))
+      g_v = g_s - norm(g_s) * cos * g / norm(g)
+      step = g_s
+    else:
+      step = g + alpha * norm(g) / norm(g_v) * g_v
+    updates.append(unravel(-lr * step))
+    stored.append(unravel(g_v))
+    w = w - lr * step
+  return updates, stored
+
+
+def _updates_of(tx, params, loss, steps, jit=True, grad_fn=None):
+  grad = jax.grad(loss)
+  grad_fn = grad if grad_fn is None else grad_fn
+  update = lambda p, s: tx.update(grad(p), s, p, grad_fn=grad_fn)
+  update = jax.jit(update) if jit else update
+  state, out, states = tx.init(params), [], []
+  for _ in range(steps):
+    u, state = update(params, state)
+    params = optax.apply_updates(params, u)
+    out.append(u)
+    states.append(state)
+  return out, states
+
+
+@pytest.mark.parametrize('jit', [True, False])
+def test_every_k_follows_a_hand_written_looksam_loop(jit):
+  params, loss, _ = _mlp()
+  tx = sam.sam(optax.sgd(0.1), rho=0.2, every=3, alpha=0.7)
+  got, states = _updates_of(tx, params, loss, 7, jit=jit)
+  want, want_g_v = _looksam_reference(params, loss, 7, 3, 0.1, 0.2, 0.7)
+  for t in range(7):
+    assert _max_diff(got[t], want[t]) < 2e-6, t
+    assert _max_diff(states[t].orthogonal, want_g_v[t]) < 2e-6, t
+  assert [bool(s.sam_active) for s in states] == [
+      True, False, False, True, False, False, True]
+  # The reuse steps are not plain steps: g_v moves them.
+  plain = -0.1 * jax.flatten_util.ravel_pytree(jax.grad(loss)(
+      optax.apply_updates(params, got[0])))[0]
+  assert float(jnp.max(jnp.abs(
+      jax.flatten_util.ravel_pytree(got[1])[0] - plain))) > 1e-4
+
+
+def test_every_1_is_sam_exactly():
+  params, loss, _ = _mlp()
+  want, _ = _updates_of(sam.sam(optax.sgd(0.1), rho=0.2), params, loss, 3)
+  got, states = _updates_of(sam.sam(optax.sgd(0.1), rho=0.2, every=1,
+                                    alpha=0.3), params, loss, 3)
+  for a, b in zip(got, want):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+  assert states[-1].orthogonal is None
+
+
+def test_every_k_reuse_steps_do_not_call_grad_fn():
+  params, loss, _ = _mlp()
+  grad, calls = jax.grad(loss), []
+
+  def counted_grad_fn(p):
+    jax.debug.callback(lambda: calls.append(1))
+    return grad(p)
+
+  tx = sam.sam(optax.sgd(0.1), rho=0.2, every=3)
+  _, states = _updates_of(tx, params, loss, 7, grad_fn=counted_grad_fn)
+  jax.effects_barrier()
+  assert len(calls) == 3  # Steps 0, 3 and 6.
+  # The detector saw those three steps only: reuse steps have no g+.
+  assert int(sam.diagnostics(states[-1])['sam_steps']) == 3
+  assert int(sam.diagnostics(states[-2])['sam_steps']) == 2
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_every_k_keeps_g_v_in_the_parameters_dtype(dtype):
+  params, loss, batch = battery.problem(dtype)
+  tx = sam.sam(optax.sgd(0.1), rho=0.2, every=2)
+  got, states = _updates_of(tx, params, lambda p: loss(p, batch), 4)
+  for s in states:
+    assert jax.tree.map(lambda x: x.dtype, s.orthogonal) == jax.tree.map(
+        lambda x: x.dtype, params)
+  assert all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32))))
+             for u in got for x in jax.tree.leaves(u))
+  # Step 1 reuses step 0's g_v: LookSAM's rule in float32 on the stored
+  # values, rounded to the parameters' dtype.
+  w1 = optax.apply_updates(params, got[0])
+  g = jax.jit(jax.grad(lambda p: loss(p, batch)))(w1)
+  f32 = lambda t: jax.flatten_util.ravel_pytree(
+      jax.tree.map(lambda x: x.astype(jnp.float32), t))[0]
+  g32, v32 = f32(g), f32(states[0].orthogonal)
+  want = -0.1 * (g32 + 0.7 * jnp.linalg.norm(g32) / jnp.linalg.norm(v32)
+                 * v32)
+  np.testing.assert_allclose(f32(got[1]), want, rtol=2e-2,
+                             atol=2e-2 * float(jnp.max(jnp.abs(want))))
+  assert float(jnp.linalg.norm(v32)) > 0
+
+
+def test_every_k_with_zero_or_parallel_gradients_reuses_nothing():
+  # g = 0: e = 0, g+ = 0, g_v = 0; the next reuse step is the plain step.
+  params, _, _ = _mlp()
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  tx = sam.sam(optax.sgd(0.1), rho=0.05, every=2)
+  u, s = tx.update(zeros, tx.init(params), params, grad_fn=lambda p: zeros)
+  assert all(bool(jnp.all(x == 0)) for x in jax.tree.leaves(s.orthogonal))
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(u))
+  assert all(bool(jnp.isfinite(v)) for v in sam.diagnostics(s).values())
+  g = jax.tree.map(jnp.ones_like, params)
+  u, s = tx.update(g, s, params, grad_fn=lambda p: g)
+  jax.tree.map(np.testing.assert_array_equal, u,
+               jax.tree.map(lambda x: -0.1 * x, g))
+  # H = 3 I: g+ = g (1 + 3 rho / |g|) is parallel to g, so g_v = 0 (not
+  # float32 rounding scaled up to alpha |g|), and a reuse step is plain.
+  loss = lambda p: 1.5 * sum(jnp.sum(jnp.square(x - 0.3))
+                             for x in jax.tree.leaves(p))
+  got, states = _updates_of(tx, params, loss, 2)
+  assert all(bool(jnp.all(x == 0))
+             for x in jax.tree.leaves(states[0].orthogonal))
+  w1 = optax.apply_updates(params, got[0])
+  jax.tree.map(np.testing.assert_array_equal, got[1],
+               jax.tree.map(lambda x: -0.1 * x, jax.jit(jax.grad(loss))(w1)))
+
+
+def test_every_k_counts_from_the_warmup_and_compiles_apart():
+  params, loss, _ = _mlp()
+  options = sam.SAMOptions(rho=0.2, warmup_steps=2, every=3)
+  tx = sam.from_options(optax.sgd(0.1), options)
+  free, states = _updates_of(tx, params, loss, 7)
+  assert [bool(s.sam_active) for s in states] == [
+      False, False, True, False, False, True, False]
+  # A loop compiling the kinds apart (hooks) takes the same steps.
+  hooks = sam.hooks(options)
+  grad = jax.grad(loss)
+  step = jax.jit(lambda p, s, kind: tx.update(grad(p), s, p, grad_fn=grad,
+                                              sam_step=kind),
+                 static_argnums=2)
+  p, s, kinds = params, tx.init(params), []
+  for t in range(7):
+    kinds.append(hooks.variants.choose(t, s))
+    u, s = step(p, s, kinds[-1])
+    assert _max_diff(u, free[t]) < 1e-6, t
+    p = optax.apply_updates(p, u)
+  assert kinds == [bool(x.sam_active) for x in states]
+  # The warm-up steps are the base optimizer's, and leave g_v at 0.
+  base, _ = _updates_of(optax.with_extra_args_support(optax.sgd(0.1)),
+                        params, loss, 2)
+  for a, b in zip(free[:2], base):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+  assert all(bool(jnp.all(x == 0))
+             for x in jax.tree.leaves(states[1].orthogonal))
+
+
+def test_every_k_after_the_window_is_plain_and_clears_g_v():
+  params, loss, _ = _mlp()
+  tx = sam.sam(optax.sgd(0.1), rho=0.2, window=(1, 4), every=2)
+  got, states = _updates_of(tx, params, loss, 6)
+  assert [bool(s.sam_active) for s in states] == [
+      False, True, False, True, False, False]
+  assert all(bool(jnp.all(x == 0))
+             for x in jax.tree.leaves(states[4].orthogonal))
+  p = params
+  for u in got[:4]:
+    p = optax.apply_updates(p, u)
+  jax.tree.map(np.testing.assert_array_equal, got[4],
+               jax.tree.map(lambda x: -0.1 * x, jax.jit(jax.grad(loss))(p)))
+
+
+def test_every_k_with_the_fused_kernel_matches_jnp():
+  params, loss, _ = _mlp()
+  run = lambda fused: _updates_of(sam.sam(optax.sgd(0.1), rho=0.2, every=2,
+                                          fused=fused), params, loss, 4)[0]
+  for a, b in zip(run(True), run(False)):
+    assert _max_diff(a, b) < 1e-6
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(every=0), r'every=0: must be an integer >= 1'),
+    (dict(every=2.5), r'every=2.5: must be an integer >= 1'),
+    (dict(alpha=-0.1), r'alpha=-0.1: must be finite and >= 0'),
+    (dict(every=2, mode='two_call'), r"every=2: .*needs mode='opaque'"),
+    (dict(every=2, batch_axis_name='batch'), r'every=2: .*m-sharpness'),
+])
+def test_every_k_bad_arguments_are_named(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    sam.sam(optax.sgd(0.1), **kwargs)
+
+
+def test_every_k_under_inject_hyperparams_is_checked_at_init():
+  params, _, _ = _mlp()
+  injected = optax.inject_hyperparams(sam.sam)
+  with pytest.raises(ValueError, match=r"every=3: .*needs mode='opaque'"):
+    injected(optax.sgd(0.1), mode='two_call', every=3).init(params)
+  with pytest.raises(ValueError, match=r'every=0: must be an integer >= 1'):
+    injected(optax.sgd(0.1), every=0).init(params)
