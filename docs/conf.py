@@ -4,6 +4,8 @@ Why Sphinx, and how the site is checked: docs/site.md. Built offline
 (no intersphinx), with warnings as errors (`-W --keep-going -n`):
 a broken cross-reference, an unknown role, or a public name of geom
 without a docstring or an example (docs/_ext/geom_docs.py) fails it.
+Each study's README becomes a page of the site when it is built
+(docs/_ext/study_pages.py, into docs/_generated/, which git ignores).
 """
 
 import os
@@ -26,6 +28,7 @@ extensions = [
     'sphinx.ext.napoleon',
     'myst_parser',
     'geom_docs',
+    'study_pages',
 ]
 
 source_suffix = {'.rst': 'restructuredtext', '.md': 'markdown'}

@@ -6,15 +6,21 @@ docs/site.md says what is checked and why. Here:
   entry for every public name of geom;
 - a public function whose docstring is removed (in a copy of geom and
   docs/) fails the build, naming it; one without an example is reported;
-- every Python block of every page (docs/**/*.md and README.md) runs, a
-  page's blocks in order in one namespace; a block opts out only with the
-  fence ```python skip, and is counted;
+- every study folder with a README has a page in the built site
+  (docs/_ext/study_pages.py renders it at build time) with the README's
+  title, every row of its tables and its images, linked from
+  docs/lab/studies.md;
+- every Python block of every page (docs/**/*.md, README.md and the
+  studies' READMEs, whose rendered copies under docs/_generated are not
+  run twice) runs, a page's blocks in order in one namespace; a block opts
+  out only with the fence ```python skip, and is counted;
 - every docstring example of geom runs as a doctest, here or in the
   method's own test file (DOCTESTED_ELSEWHERE).
 """
 
 import doctest
 import glob
+import html.parser
 import importlib
 import importlib.util
 import os
@@ -45,10 +51,18 @@ def _load_extension():
 
 geom_docs = _load_extension()
 
+# The pages the site renders from the studies' READMEs at build time
+# (docs/_generated, see docs/_ext/study_pages.py) are not pages of their
+# own here: their READMEs are, so a README's Python blocks run (or opt out)
+# as any page's, whether or not a build has written the copies.
+STUDY_READMES = sorted(glob.glob(os.path.join(REPO_ROOT, 'studies', '*',
+                                              'README.md')))
 PAGES = sorted(
     [os.path.relpath(p, REPO_ROOT) for p in glob.glob(
         os.path.join(DOCS, '**', '*.md'), recursive=True)
-     if os.sep + '_build' + os.sep not in p] + ['README.md'])
+     if not {'_build', '_generated'} & set(
+         os.path.relpath(p, DOCS).split(os.sep))]
+    + [os.path.relpath(p, REPO_ROOT) for p in STUDY_READMES] + ['README.md'])
 MODULES = geom_docs.public_modules()
 # Modules whose examples a method's own test file runs already.
 DOCTESTED_ELSEWHERE = {
@@ -94,6 +108,110 @@ def test_the_site_builds_with_warnings_as_errors(site):
     assert (html / page).is_file(), page
 
 
+class _Page(html.parser.HTMLParser):
+  """A built page's h1 and table rows, as text."""
+
+  def __init__(self):
+    super().__init__()
+    self.h1, self.rows, self.images = [], [], []
+    self._in_h1 = self._cell = self._row = None
+
+  def handle_starttag(self, tag, attrs):
+    if tag == 'h1':
+      self._in_h1 = []
+    elif tag == 'tr':
+      self._row = []
+    elif tag in ('td', 'th') and self._row is not None:
+      self._cell = []
+    elif tag == 'img':
+      self.images.append(dict(attrs)['src'])
+
+  def handle_endtag(self, tag):
+    if tag == 'h1' and self._in_h1 is not None:
+      # Less the heading's own link, a pilcrow.
+      self.h1.append(_text(''.join(self._in_h1).rstrip('¶')))
+      self._in_h1 = None
+    elif tag in ('td', 'th') and self._cell is not None:
+      self._row.append(_text(''.join(self._cell)))
+      self._cell = None
+    elif tag == 'tr' and self._row is not None:
+      self.rows.append(tuple(self._row))
+      self._row = None
+
+  def handle_data(self, data):
+    if self._cell is not None:
+      self._cell.append(data)
+    if self._in_h1 is not None:
+      self._in_h1.append(data)
+
+
+# Sphinx's smart quotes and dashes, back to what the Markdown writes.
+_TYPOGRAPHY = str.maketrans({'\u2019': "'", '\u2018': "'", '\u201c': '"',
+                             '\u201d': '"', '\u2014': '---', '\u2013': '--',
+                             '\u2026': '...'})
+
+
+def _text(text):
+  return ' '.join(text.translate(_TYPOGRAPHY).split())
+
+
+def _markdown_title_and_rows(path):
+  """The Markdown file's first heading and its tables' rows, as text."""
+  with open(path) as f:
+    tokens = MarkdownIt('commonmark').enable('table').parse(f.read())
+  title, rows, row = None, [], None
+  for i, token in enumerate(tokens):
+    if token.type == 'heading_open' and title is None:
+      title = _text(_inline_text(tokens[i + 1]))
+    elif token.type == 'tr_open':
+      row = []
+    elif token.type == 'inline' and row is not None:
+      row.append(_text(_inline_text(token)))
+    elif token.type == 'tr_close':
+      rows.append(tuple(row))
+      row = None
+  return title, rows
+
+
+def _inline_text(token):
+  return ''.join(child.content for child in token.children or ()
+                 if child.type in ('text', 'code_inline'))
+
+
+def test_every_study_has_a_page_with_its_readme(site):
+  # docs/_ext/study_pages.py renders studies/<name>/README.md as
+  # _generated/studies/<name>.html: its title, its tables row by row, its
+  # images; docs/lab/studies.md links each one.
+  code, output, html_dir = site
+  assert code == 0, output
+  assert len(STUDY_READMES) >= 12, STUDY_READMES
+  # The page's own text (furo's <article>), not the navigation around it.
+  studies_page = (html_dir / 'lab' / 'studies.html').read_text()
+  studies_page = studies_page[studies_page.index('<article'):]
+  missing, rows_checked = [], 0
+  for readme in STUDY_READMES:
+    name = os.path.basename(os.path.dirname(readme))
+    page = html_dir / '_generated' / 'studies' / f'{name}.html'
+    if not page.is_file():
+      missing.append(f'{name}: no page')
+      continue
+    parsed = _Page()
+    parsed.feed(page.read_text())
+    title, rows = _markdown_title_and_rows(readme)
+    if parsed.h1[:1] != [title]:
+      missing.append(f'{name}: title {parsed.h1[:1]}, not {title!r}')
+    built_rows = set(parsed.rows)
+    missing += [f'{name}: table row {row}' for row in rows
+                if row not in built_rows]
+    rows_checked += len(rows)
+    missing += [f'{name}: image {src}' for src in parsed.images
+                if not (page.parent / src).is_file()]
+    if f'href="../_generated/studies/{name}.html"' not in studies_page:
+      missing.append(f'{name}: not linked from lab/studies.html')
+  assert not missing, missing
+  assert rows_checked > 100, rows_checked
+
+
 def _inventory(html):
   with open(html / 'objects.inv', 'rb') as f:
     inventory = InventoryFile.load(f, '', os.path.join)
@@ -124,9 +242,13 @@ def test_every_public_name_has_an_entry_in_the_site(site):
 
 
 def _copy_for_a_build(tmp_path):
-  """A checkout's docs/ and geom/ under tmp_path; the build documents them."""
-  ignore = shutil.ignore_patterns('_build', '__pycache__')
+  """A checkout's docs/, geom/ and studies/ under tmp_path; the build
+  documents them."""
+  ignore = shutil.ignore_patterns('_build', '_generated', '__pycache__')
   shutil.copytree(DOCS, tmp_path / 'docs', ignore=ignore)
+  # The study pages are built from the rooms' READMEs and results.
+  shutil.copytree(os.path.join(REPO_ROOT, 'studies'), tmp_path / 'studies',
+                  ignore=ignore)
   shutil.copytree(os.path.join(REPO_ROOT, 'geom'), tmp_path / 'geom',
                   ignore=ignore)
   return tmp_path
