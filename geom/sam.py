@@ -275,7 +275,7 @@ class SAMOptions:
 
   @property
   def may_skip(self) -> bool:
-    """Whether some step may skip g+ (a plain or reuse step: a branch)."""
+    """Whether some step may skip g+ (on plain or reuse steps)."""
     return not (not self.reuses and _is_static(self.rho)
                 and float(self.rho) > 0 and _is_static(self.warmup_steps)
                 and int(self.warmup_steps) == 0
