@@ -57,7 +57,10 @@ def _doc_files() -> list[str]:
   files = set()
   for pattern in DOC_GLOBS:
     files.update(glob.glob(os.path.join(REPO_ROOT, pattern), recursive=True))
-  return sorted(os.path.relpath(f, REPO_ROOT) for f in files)
+  # docs/_generated/ holds the site's copies of the studies' READMEs (made
+  # by a build, or not): their originals are read above.
+  return sorted(r for r in (os.path.relpath(f, REPO_ROOT) for f in files)
+                if not r.startswith('docs/_generated/'))
 
 
 def _module_docstrings() -> dict[str, tuple[str, int]]:
