@@ -303,8 +303,8 @@ def test_a_kernel_block_over_vmem_fails_the_compile_naming_the_step(
   kernels.cache_clear()
   # Only the step under test is compiled (through the launcher's path all
   # the same): the job's other three programs (the warm-up step, eval,
-  # finiteness; the 2048-wide MLP's) compile, and took most of the test's
-  # 10 s of CPU. Its error is the first row's either way.
+  # finiteness of the 2048-wide MLP) compile, and took 3 of the test's 10
+  # s of CPU. Its error is the first row's either way.
   every_program = aot.programs
   monkeypatch.setattr(aot, 'programs', lambda exp: [
       p for p in every_program(exp)
