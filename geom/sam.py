@@ -30,8 +30,9 @@ alpha 0.7). Ours: the detector statistics and thresholds, the response
 policies, eps in the ASAM denominator, and of LookSAM: norms and the
 projection over all the weights at once (the paper writes vectors; public
 ports work per tensor), the phase counted from the warm-up's end, g_v
-cleared by plain steps, 0 for g = 0 or g_v < 1e-5 |g+| (g+ parallel to g),
-and g_v kept in the parameters' dtype.
+cleared by plain steps, g_v = g+ for g = 0 (nothing to project on), g_v =
+0 below 1e-5 |g+| (g+ parallel to g), a reuse step with g_v = 0 plain, and
+g_v kept in the parameters' dtype.
 
 Example:
 

@@ -624,8 +624,8 @@ def _looksam_reference(params, loss, steps, k, lr, rho, alpha):
   """Liu et al.'s Algorithm 1 on the flattened weights with SGD: the
   updates, the g_v after each step and the steps that took g+."""
   w, unravel = jax.flatten_util.ravel_pytree(params)
-  grad = lambda v: jax.flatten_util.ravel_pytree(
-      jax.grad(loss)(unravel(v)))[0]
+  grad = jax.jit(lambda v: jax.flatten_util.ravel_pytree(
+      jax.grad(loss)(unravel(v)))[0])
   norm = lambda v: jnp.sqrt(jnp.sum(v * v))
   g_v, updates, stored = jnp.zeros_like(w), [], []
   for t in range(steps):
@@ -739,6 +739,10 @@ def test_every_k_with_zero_or_parallel_gradients_reuses_nothing():
   u, s = tx.update(g, s, params, grad_fn=lambda p: g)
   jax.tree.map(np.testing.assert_array_equal, u,
                jax.tree.map(lambda x: -0.1 * x, g))
+  # g = 0 but g+ not (a grad_fn on purpose inconsistent with g): nothing
+  # to project on, so g_v = g+, not NaN and not 0.
+  _, s = tx.update(zeros, tx.init(params), params, grad_fn=lambda p: g)
+  jax.tree.map(np.testing.assert_array_equal, s.orthogonal, g)
   # H = 3 I: g+ = g (1 + 3 rho / |g|) is parallel to g, so g_v = 0 (not
   # float32 rounding scaled up to alpha |g|), and a reuse step is plain.
   loss = lambda p: 1.5 * sum(jnp.sum(jnp.square(x - 0.3))
@@ -822,3 +826,23 @@ def test_every_k_under_inject_hyperparams_is_checked_at_init():
     injected(optax.sgd(0.1), mode='two_call', every=3).init(params)
   with pytest.raises(ValueError, match=r'every=0: must be an integer >= 1'):
     injected(optax.sgd(0.1), every=0).init(params)
+
+
+def test_every_k_changed_under_inject_hyperparams_takes_effect():
+  params, loss, _ = _mlp()
+  grad = jax.grad(loss)
+  tx = optax.inject_hyperparams(sam.sam)(optax.sgd(0.1), rho=0.2, every=3)
+  step = jax.jit(lambda p, s: tx.update(grad(p), s, p, grad_fn=grad))
+  u, state = step(params, tx.init(params))
+  p = optax.apply_updates(params, u)
+  _, kept = step(p, state)
+  assert not bool(sam.find_state(kept).sam_active)  # Step 1 of 3: reuse.
+  state.hyperparams['every'] = jnp.asarray(2)
+  got, changed = step(p, state)
+  assert not bool(sam.find_state(changed).sam_active)  # Step 1 of 2.
+  state.hyperparams['every'] = jnp.asarray(1)
+  got, changed = step(p, state)
+  assert bool(sam.find_state(changed).sam_active)  # Every step: SAM.
+  want, _ = sam.sam(optax.sgd(0.1), rho=0.2).update(
+      grad(p), sam.find_state(state), p, grad_fn=grad)
+  assert _max_diff(got, want) < 1e-6
