@@ -41,6 +41,15 @@ def tent_run(source_workdir, tmp_path_factory):
       _config(source_workdir, 'runlocal,method=tent'), workdir)
 
 
+@pytest.fixture(scope='module')
+def source_run(source_workdir, tmp_path_factory):
+  """runlocal's run of the source model alone (at its severity, 5),
+  finished: (workdir, results)."""
+  workdir = str(tmp_path_factory.mktemp('source_run'))
+  return workdir, adapt.adapt_and_evaluate(
+      _config(source_workdir, 'runlocal,method=source', severity=5), workdir)
+
+
 def _config(source, arg='runlocal', **fields):
   config = tta_config.get_config(arg)
   config.source_workdir = source
@@ -130,12 +139,14 @@ def test_a_write_that_runs_out_of_space_is_disk_full(source_workdir,
 
 
 def test_adapts_and_reports_per_corruption_errors(source_workdir, tent_run,
-                                                  tmp_path):
+                                                  source_run, tmp_path):
   results = {}
   for name in ('source', 'bn_stats', 'tent'):
     workdir = str(tmp_path / name)
     if name == 'tent':
       workdir, results[name] = tent_run
+    elif name == 'source':
+      workdir, results[name] = source_run
     else:
       results[name] = adapt.adapt_and_evaluate(
           _config(source_workdir, f'runlocal,method={name}'), workdir)
@@ -167,14 +178,18 @@ def test_a_finished_workdir_reports_without_adapting_again(source_workdir,
 
 def test_kill_9_then_resume_is_bit_exact(source_workdir, tmp_path):
   # Two corruptions (of runlocal's three): the stream still resets between
-  # episodes after the resume, in two thirds of the time.
+  # episodes after the resume, in two thirds of the time. A checkpoint
+  # every 16 of the 126 batches, not every 4 (a save costs about 0.1 s of
+  # CPU, in the reference and in the resumed run): the kill still comes at
+  # the first, and the resume still crosses the episodes' boundary (batch
+  # 63).
   overrides = ('--config.method.schedule=conga', '--config.batch_size=8',
-               '--config.checkpoint_every=4',
+               '--config.checkpoint_every=16',
                '--config.corruptions=fog,contrast')
   reference = str(tmp_path / 'reference')  # The same run, in-process.
   adapt.adapt_and_evaluate(
       _config(source_workdir, 'runlocal,method=sar', batch_size=8,
-              checkpoint_every=4, corruptions='fog,contrast',
+              checkpoint_every=16, corruptions='fog,contrast',
               **{'method.schedule': 'conga'}), reference)
 
   workdir = str(tmp_path / 'killed')
@@ -313,11 +328,13 @@ def test_a_held_workdir_is_refused(source_workdir, tmp_path):
   assert 'in use by another run' in result.stderr
 
 
-def test_source_error_rises_with_severity(source_workdir, tmp_path):
+def test_source_error_rises_with_severity(source_workdir, source_run,
+                                          tmp_path):
   errors = []
-  for severity in (1, 3, 5):
+  for severity in (1, 3):
     result = adapt.adapt_and_evaluate(
         _config(source_workdir, 'runlocal,method=source', severity=severity),
         str(tmp_path / f's{severity}'))
     errors.append(result['mean_error'])
+  errors.append(source_run[1]['mean_error'])  # Severity 5.
   assert errors[0] < errors[1] < errors[2], errors
