@@ -1,5 +1,6 @@
 """Config changes named by dotted paths, as `--config.a.b=v` would make them."""
 
+import ast
 from typing import Any, Mapping
 
 import ml_collections
@@ -14,4 +15,18 @@ def apply(config: ml_collections.ConfigDict,
     for parent in parents:
       block = block[parent]
     block[name] = value
+  return config
+
+
+def apply_flags(config: ml_collections.ConfigDict,
+                flags) -> ml_collections.ConfigDict:
+  """Applies `--config.a.b=v` flags as the launcher's command line would:
+  `v` a Python literal, else a string (`--config.scheduler=gas`)."""
+  for flag in flags:
+    path, value = flag[len('--config.'):].split('=', 1)
+    try:
+      value = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      pass
+    apply(config, {path: value})
   return config

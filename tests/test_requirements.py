@@ -13,7 +13,6 @@ run and test layers do; pyproject's `tpu` and `cuda12` extras pin the
 versions of the compile layer and of jax.
 """
 
-import ast
 import functools
 import importlib.metadata
 import os
@@ -23,6 +22,8 @@ import tomllib
 
 from packaging.requirements import Requirement
 import pytest
+
+from tests import python_imports
 
 # Under Bazel the test runs from a runfiles tree of symlinks: follow them to
 # the source tree, which is what this test reads.
@@ -151,18 +152,7 @@ def test_each_layer_is_installed_at_its_pins_and_complete(layer):
 
 def _third_party_imports(top):
   """Top-level modules imported by .py files under `top`, not the repo's."""
-  modules = set()
-  for dirpath, dirnames, files in os.walk(os.path.join(REPO_ROOT, top)):
-    dirnames[:] = [d for d in dirnames if d != '__pycache__']
-    for filename in (f for f in files if f.endswith('.py')):
-      path = os.path.join(dirpath, filename)
-      with open(path) as f:
-        tree = ast.parse(f.read(), path)
-      for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-          modules.update(a.name.split('.')[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-          modules.add(node.module.split('.')[0])
+  modules = python_imports.top_level_imports(os.path.join(REPO_ROOT, top))
   local = set(RUN_CODE) | {'tests'}
   return sorted(m for m in modules
                 if m not in sys.stdlib_module_names and m not in local)

@@ -8,7 +8,6 @@ compared with use 8 devices, 4 of them generating, so that every program
 runs on a mesh of the same size either way.
 """
 
-import ast
 import json
 import os
 import signal
@@ -60,14 +59,7 @@ def _config(sft_workdir, staleness, *overrides):
   config.sft_workdir = str(sft_workdir)
   config.difficulties = (1, 2)
   config.num_versions = VERSIONS
-  for flag in overrides:
-    path, value = flag[len('--config.'):].split('=', 1)
-    try:
-      value = ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-      pass  # A string: '--config.scheduler=gas'.
-    config_edits.apply(config, {path: value})
-  return config
+  return config_edits.apply_flags(config, overrides)
 
 
 def _env():

@@ -1,7 +1,6 @@
 """The RL job: synchronous mode = a plain GRPO loop bit for bit, the
 staleness bound, resume after SIGTERM and kill -9, and one-line errors."""
 
-import ast
 import json
 import os
 import shutil
@@ -269,14 +268,7 @@ def _launched_config(sft_workdir, *overrides):
   config.difficulties = (1, 2)
   config.num_versions = 10
   config.runtime.deterministic = True
-  for flag in overrides:
-    path, value = flag[len('--config.'):].split('=', 1)
-    try:
-      value = ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-      pass  # A string: '--config.scheduler=gas'.
-    config_edits.apply(config, {path: value})
-  return config
+  return config_edits.apply_flags(config, overrides)
 
 
 # In-process: the launcher prints `error: <the UsageError>` and exits 2
@@ -402,10 +394,8 @@ def test_a_held_workdir_a_changed_config_or_policy_are_refused(sft_workdir,
   # sft_workdir may name another path, but not another policy: a resumed
   # run took the new one as its first policy's reference.
   before = checksums.digest(sft.load_policy(policy).params)
-  further = sft_config.get_config('runlocal')
-  for flag in SFT_POLICY_OVERRIDES:  # '--config.a.b=v'
-    path, value = flag[len('--config.'):].split('=')
-    config_edits.apply(further, {path: ast.literal_eval(value)})
+  further = config_edits.apply_flags(sft_config.get_config('runlocal'),
+                                     SFT_POLICY_OVERRIDES)
   further.num_steps += 10
   trainers.train_and_evaluate(further, policy)
   after = checksums.digest(sft.load_policy(policy).params)

@@ -37,6 +37,7 @@ from packaging.requirements import Requirement
 import pytest
 
 import geom
+from tests import python_imports
 
 # Under Bazel, the runfiles tree: geom/'s sources and the two files are
 # its declared inputs (tests/BUILD).
@@ -175,19 +176,7 @@ def test_version_is_the_installed_metadata():
 
 def _imported_modules(top):
   """Top-level modules the .py files under `top` import (absolute imports)."""
-  modules = set()
-  for dirpath, dirnames, files in os.walk(os.path.join(REPO_ROOT, top)):
-    dirnames[:] = [d for d in dirnames if d != '__pycache__']
-    for filename in (f for f in files if f.endswith('.py')):
-      path = os.path.join(dirpath, filename)
-      with open(path) as f:
-        tree = ast.parse(f.read(), path)
-      for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-          modules.update(a.name.split('.')[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-          modules.add(node.module.split('.')[0])
-  return modules
+  return python_imports.top_level_imports(os.path.join(REPO_ROOT, top))
 
 
 @functools.cache
