@@ -152,6 +152,18 @@ def lm_runlocal_run(tmp_path_factory):
                                                workdir)
 
 
+@pytest.fixture(scope='session')
+def tta_source_run(tmp_path_factory):
+  """The workdir of the TTA tests' source CNN (tests/tta_source.py), trained
+  once per test session for test_tta_loop and test_tta_study: tests read
+  it or copy it, never write into it."""
+  from tests import tta_source  # pylint: disable=g-import-not-at-top
+  from train.vision import trainer  # pylint: disable=g-import-not-at-top
+  with _built_once(tmp_path_factory, 'tta_source') as workdir:
+    trainer.train_and_evaluate(tta_source.config(), workdir)
+    return workdir
+
+
 # The SFT warm start the RL tests start from: launch.train on
 # configs/rl_sft.py, longer than runlocal (its 30 steps answer almost no
 # sum, and all-zero rewards give no update), on one- and two-digit sums.

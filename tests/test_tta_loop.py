@@ -27,10 +27,10 @@ REPO_ROOT = launch_runs.REPO_ROOT
 
 
 @pytest.fixture(scope='module')
-def source_workdir(tmp_path_factory):
+def source_workdir(tta_source_run):
   """A CNN trained briefly on mnist5k (the streams' clean data set): the
   session's, which test_tta_study's study reuses (tests/tta_source.py)."""
-  return tta_source.workdir(tmp_path_factory)
+  return tta_source_run
 
 
 @pytest.fixture(scope='module')

@@ -12,7 +12,6 @@ import pytest
 from studies.tta import grids
 from studies.tta import report
 from tests import launch_runs
-from tests import tta_source
 
 
 def _study(workdir, *flags, timeout=120):
@@ -40,7 +39,7 @@ def _run_and_rebuild(workdir, name, flags, study):
 
 
 def test_the_rates_and_norm_commands_run_at_runlocal_size(tmp_path,
-                                                          tmp_path_factory):
+                                                          tta_source_run):
   # One workdir, as the README's commands share workdirs/tta_study: the
   # BatchNorm source trains once. Methods without gradients in the norm
   # study keep the cost down (the table's runs are the slow test below).
@@ -48,7 +47,7 @@ def test_the_rates_and_norm_commands_run_at_runlocal_size(tmp_path,
   # study's config, also test_tta_loop's): the study still trains it,
   # finding it finished (the table command's slow test trains its own).
   workdir = tmp_path / 'study'
-  shutil.copytree(tta_source.workdir(tmp_path_factory), workdir / 'source_0')
+  shutil.copytree(tta_source_run, workdir / 'source_0')
   raw = _run_and_rebuild(
       workdir, 'rates', ('--methods=tent', '--rates=1e-2'),
       grids.Study(str(workdir), seeds=1, methods=('tent',), rates=(1e-2,)))
