@@ -163,6 +163,18 @@ def run_module_each(module: str, argvs: list[list[str]], timeout: float = 120
             for argv, (code, out, err) in zip(argvs, json.load(results))]
 
 
+def run_study_each(tmp_path_factory, module: str, flag_lists, common=()
+                   ) -> list[tuple[subprocess.CompletedProcess, object]]:
+  """(result, workdir) of `python -m <module> --workdir=<new> *common
+  *flags` for each of `flag_lists`, through `run_module_each`: one fresh
+  workdir (not created) per run, for runs that must fail before any work."""
+  workdirs = [tmp_path_factory.mktemp('bad') / 'study' for _ in flag_lists]
+  results = run_module_each(module, [
+      [f'--workdir={workdir}', *common, *flags]
+      for workdir, flags in zip(workdirs, flag_lists)])
+  return list(zip(results, workdirs))
+
+
 # argv[1]: the module; argv[2]: its argument lists (JSON); argv[3]: where
 # to write [exit status, stdout, stderr] of each. A child exits as
 # `python -m` would (app.run's sys.exit, atexit handlers, an uncaught

@@ -153,13 +153,10 @@ def bad_settings_runs(tmp_path_factory):
   process, forked from one that imported the study once
   (launch_runs.run_module_each; a process's imports cost more CPU than the
   check)."""
-  workdirs = [tmp_path_factory.mktemp('bad') / 'study'
-              for _ in _BAD_SETTINGS]
-  results = launch_runs.run_module_each('studies.lm_forgetting', [
-      [f'--workdir={workdir}', *_STUDY_FLAGS, flag]
-      for workdir, (flag, _) in zip(workdirs, _BAD_SETTINGS)])
-  return {flag: (result, workdir) for (flag, _), result, workdir in zip(
-      _BAD_SETTINGS, results, workdirs)}
+  flags = [flag for flag, _ in _BAD_SETTINGS]
+  return dict(zip(flags, launch_runs.run_study_each(
+      tmp_path_factory, 'studies.lm_forgetting', [[flag] for flag in flags],
+      common=_STUDY_FLAGS)))
 
 
 @pytest.mark.parametrize('flag, expected', _BAD_SETTINGS)

@@ -104,12 +104,9 @@ def bad_flag_runs(tmp_path_factory):
   own process, forked from one that imported the study once
   (launch_runs.run_module_each; a process's imports cost more CPU than the
   check)."""
-  workdirs = [tmp_path_factory.mktemp('bad') / 'study' for _ in _BAD_FLAGS]
-  results = launch_runs.run_module_each('studies.steering', [
-      [f'--workdir={workdir}', *flags]
-      for workdir, (flags, _) in zip(workdirs, _BAD_FLAGS)])
-  return {tuple(flags): (result, workdir) for (flags, _), result, workdir
-          in zip(_BAD_FLAGS, results, workdirs)}
+  flag_lists = [flags for flags, _ in _BAD_FLAGS]
+  return dict(zip(map(tuple, flag_lists), launch_runs.run_study_each(
+      tmp_path_factory, 'studies.steering', flag_lists)))
 
 
 @pytest.mark.parametrize('flags, start', _BAD_FLAGS)

@@ -98,12 +98,9 @@ def bad_flag_runs(tmp_path_factory):
   process, forked from one that imported the study once
   (launch_runs.run_module_each; a process's imports cost more CPU than the
   check)."""
-  workdirs = [tmp_path_factory.mktemp('bad') / 'study' for _ in _BAD_FLAGS]
-  results = launch_runs.run_module_each('studies.tta', [
-      [f'--workdir={workdir}', flag]
-      for workdir, (flag, _) in zip(workdirs, _BAD_FLAGS)])
-  return {flag: (result, workdir) for (flag, _), result, workdir in zip(
-      _BAD_FLAGS, results, workdirs)}
+  flags = [flag for flag, _ in _BAD_FLAGS]
+  return dict(zip(flags, launch_runs.run_study_each(
+      tmp_path_factory, 'studies.tta', [[flag] for flag in flags])))
 
 
 @pytest.mark.parametrize('flag, expected', _BAD_FLAGS)
