@@ -14,8 +14,9 @@ grads` on the same batch), or, in two-call mode, alternates as
 `optax.contrib.sam` does. Options: ASAM (`adaptive`), a pluggable
 `ascent`, `warmup_steps` and a step `window` (SAM only inside it),
 m-sharpness (`batch_axis_name`), LookSAM's reuse (`every=k`: g+ every k
-steps, its part orthogonal to g reused in between), and a
-hallucinated-minimizer detector (`geom.hallucination`) with a response
+steps, its part orthogonal to g reused in between), AE-SAM's switch
+(`ae_margin`: g+ only when |g|^2 is above its running mean by `ae_margin`
+running standard deviations), and a hallucinated-minimizer detector (`geom.hallucination`) with a response
 (flag, warm restart, shrink rho).
 `hooks(options)` tells a loop which steps perturb, so that it compiles
 SAM and plain steps apart. Design notes (modes, which steps perturb,
@@ -26,13 +27,20 @@ Which parts are the papers': SAM (Foret et al., 2021), ASAM (Kwon et al.,
 warm-start remedy (Park et al., 2025/2026), the mid-training window
 (arXiv 2605.02105), LookSAM (Liu et al., 2022: g+ every k steps, g_v =
 g+ - |g+| cos(g, g+) g / |g|, reuse steps g + alpha |g| / |g_v| g_v,
-alpha 0.7). Ours: the detector statistics and thresholds, the response
+alpha 0.7), AE-SAM (Jiang et al., 2023: mu_t = delta mu_{t-1} + (1 -
+delta) |g_t|^2, sigma_t^2 = delta sigma_{t-1}^2 + (1 - delta) (|g_t|^2 -
+mu_t)^2, SAM iff |g_t|^2 >= mu_t + c_t sigma_t, c_t linear in t). Ours: the
+detector statistics and thresholds, the response
 policies, eps in the ASAM denominator, and of LookSAM: norms and the
 projection over all the weights at once (the paper writes vectors; public
 ports work per tensor), the phase counted from the warm-up's end, g_v
 cleared by plain steps, g_v = g+ for g = 0 (nothing to project on), g_v =
 0 below 1e-5 |g+| (g+ parallel to g), a reuse step with g_v = 0 plain, and
-g_v kept in the parameters' dtype.
+g_v kept in the parameters' dtype; of AE-SAM: mu_0 = sigma_0 = 0, the
+statistics fed on every step (warm-up and plain steps included) and not on
+a step whose |g| is not finite, |g|^2 capped at float32's largest finite
+value / 4 (so |g| = 1e20 keeps them finite), sigma updated as a hypot (no
+square of |g|^2 is formed), and c_t any schedule (the paper's is linear).
 
 Example:
 
@@ -59,6 +67,8 @@ References:
     arXiv 2605.02105.
   Liu, Mai, Chen, Hsieh & You, Towards Efficient and Scalable
     Sharpness-Aware Minimization, CVPR 2022. arXiv 2203.02714.
+  Jiang, Yang, Zhang & Kwok, An Adaptive Policy to Employ Sharpness-Aware
+    Minimization, ICLR 2023. arXiv 2304.14647.
 """
 
 from collections.abc import Callable
@@ -81,7 +91,7 @@ from geom.kernels import sam_perturb as fused_kernels
 __all__ = [
     'sam', 'SAMOptions', 'from_options', 'SAMState', 'hooks', 'is_sam_step',
     'diagnostics', 'find_state', 'perturbation', 'perturbed_params',
-    'TwoCallCache',
+    'TwoCallCache', 'SwitchState',
 ]
 
 Params = Any
@@ -116,6 +126,37 @@ class TwoCallCache(NamedTuple):
   grads: Updates
 
 
+class SwitchState(NamedTuple):
+  """AE-SAM's running statistics of |g|^2 and its decisions (`ae_margin`).
+
+  Attributes:
+    mean: mu, the running mean of |g|^2 (float32).
+    std: sigma, the running standard deviation of |g|^2 (float32).
+    sq_grad_norm: |g|^2 of the last step (float32, capped; see `sam`).
+    threshold: mu + c sigma the last step compared |g|^2 with (float32).
+    sam_steps: steps that computed g+ (int32): chosen by the switch and
+      not made plain by the warm-up, the window or a warm restart.
+
+  Example:
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from geom import sam
+    >>> loss = lambda w: jnp.sum((w - 1.0) ** 2)
+    >>> tx = sam.sam(optax.sgd(0.1), rho=0.05, ae_margin=0.0)
+    >>> w = jnp.zeros(2)
+    >>> updates, state = tx.update(jax.grad(loss)(w), tx.init(w), w,
+    ...                            grad_fn=jax.grad(loss))
+    >>> s = sam.find_state(state).switch   # mu = 0.1 |g|^2, |g|^2 = 8
+    >>> round(float(s.mean), 4), bool(sam.find_state(state).sam_active)
+    (0.8, True)
+  """
+  mean: jax.Array
+  std: jax.Array
+  sq_grad_norm: jax.Array
+  threshold: jax.Array
+  sam_steps: jax.Array
+
+
 class SAMState(NamedTuple):
   """State of `sam`.
 
@@ -132,6 +173,7 @@ class SAMState(NamedTuple):
     ascent_state: the `ascent` transformation's state, or None.
     orthogonal: `every` > 1 only, else None: g_v, the part of the last g+
       orthogonal to its g (the parameters' dtype; zeros after a plain step).
+    switch: `ae_margin` set only, else None: AE-SAM's `SwitchState`.
 
   Example:
 
@@ -157,6 +199,7 @@ class SAMState(NamedTuple):
   cache: TwoCallCache | None
   ascent_state: optax.OptState | None = None
   orthogonal: Updates | None = None
+  switch: SwitchState | None = None
 
 
 def _is_static(value: Any) -> bool:
@@ -205,6 +248,8 @@ class SAMOptions:
   reset_ascent: bool = True
   every: int = 1
   alpha: float = 0.7
+  ae_margin: float | optax.Schedule | None = None
+  ae_decay: float = 0.9
 
   def __post_init__(self):
     check = functools.partial(validation.check, _OWNER)
@@ -219,6 +264,10 @@ class SAMOptions:
     check('every', self.every, lambda v: v >= 1 and v == int(v),
           'an integer >= 1')
     check('alpha', self.alpha, lambda v: 0 <= v < math.inf, 'finite and >= 0')
+    check('ae_decay', self.ae_decay, lambda v: 0 < v < 1, 'in (0, 1)')
+    if self.ae_margin is not None and not callable(self.ae_margin):
+      check('ae_margin', self.ae_margin, math.isfinite,
+            'finite (or a schedule, or None for no switch)')
     # Checked where concrete (inject_hyperparams builds with a concrete
     # every at init); there, a traced every is not read.
     if validation.is_concrete(self.every) and int(self.every) != 1:
@@ -260,6 +309,20 @@ class SAMOptions:
         raise validation.ArgumentError(
             _OWNER, 'reset_ascent', 'must be True with m-sharpness (a kept '
             'ascent state would differ from device to device)', value=False)
+    if self.switches:
+      # Each of these is another rule for which steps compute g+.
+      every = (int(self.every) if validation.is_concrete(self.every)
+               else 1)
+      for name, clash, why in (
+          ('every', every != 1, "LookSAM's reuse (every > 1)"),
+          ('mode', self.mode != 'opaque', "mode='two_call'"),
+          ('batch_axis_name', self.batch_axis_name is not None,
+           'm-sharpness (each device would decide on its own |g|)')):
+        if clash:
+          raise validation.ArgumentError(
+              _OWNER, 'ae_margin', "AE-SAM's switch is not supported with "
+              f'{why}: drop {name} or set ae_margin=None',
+              value=self.ae_margin)
 
   @property
   def never_perturbs(self) -> bool:
@@ -267,18 +330,24 @@ class SAMOptions:
     return _is_static(self.rho) and float(self.rho) == 0.0
 
   @property
+  def switches(self) -> bool:
+    """Whether AE-SAM's switch chooses the SAM steps (`ae_margin` set)."""
+    return self.ae_margin is not None
+
+  @property
   def reuses(self) -> bool:
     """Whether some step may reuse g_v (`every` > 1, or traced; never in
-    two-call mode or with m-sharpness)."""
-    if self.mode == 'two_call' or self.batch_axis_name is not None:
+    two-call mode, with m-sharpness or with AE-SAM's switch)."""
+    if (self.mode == 'two_call' or self.batch_axis_name is not None
+        or self.switches):
       return False
     return not (_is_static(self.every) and int(self.every) == 1)
 
   @property
   def may_skip(self) -> bool:
     """Whether some step may skip g+ (on plain or reuse steps)."""
-    return not (not self.reuses and _is_static(self.rho)
-                and float(self.rho) > 0 and _is_static(self.warmup_steps)
+    return not (not self.reuses and not self.switches
+                and _is_static(self.rho) and float(self.rho) > 0 and _is_static(self.warmup_steps)
                 and int(self.warmup_steps) == 0
                 and self.window is None and self.response != 'warm_restart')
 
@@ -500,6 +569,32 @@ def _reused(options: SAMOptions, grads: Updates, g_v: Updates,
           jnp.float32)).astype(g.dtype), g), grads, g_v)
 
 
+# |g|^2 is capped here so that its running statistics stay finite for any
+# finite |g| (|g| = 1e20 squares to 1e40, past float32's 3.4e38).
+_SQ_NORM_CAP = 3.4e38 / 4
+
+
+def _switch(options: SAMOptions, switch: SwitchState, grads: Updates,
+            count: jax.Array) -> tuple[SwitchState, jax.Array]:
+  """AE-SAM's statistics after this step's |g|^2, and whether it asks SAM."""
+  norm = _tree_norm_f32(grads)
+  finite = jnp.isfinite(norm)
+  sq = jnp.where(finite, jnp.minimum(jnp.square(norm), _SQ_NORM_CAP), 0.0)
+  delta = jnp.asarray(options.ae_decay, jnp.float32)
+  mean = delta * switch.mean + (1 - delta) * sq
+  # sigma^2 = delta sigma^2 + (1 - delta) (sq - mean)^2, without squaring.
+  std = jnp.hypot(jnp.sqrt(delta) * switch.std,
+                  jnp.sqrt(1 - delta) * jnp.abs(sq - mean))
+  mean = jnp.where(finite, mean, switch.mean)
+  std = jnp.where(finite, std, switch.std)
+  margin = (options.ae_margin(count) if callable(options.ae_margin)
+            else options.ae_margin)
+  threshold = mean + jnp.asarray(margin, jnp.float32) * std
+  chosen = finite & (sq >= threshold)
+  return SwitchState(mean=mean, std=std, sq_grad_norm=sq,
+                     threshold=threshold, sam_steps=switch.sam_steps), chosen
+
+
 def _one_argument(grad_fn: GradFn) -> Callable[[Params], Updates]:
   """`grad_fn` as grad_fn(params): optax's grad_fn(params, i) gets i = 0."""
   try:
@@ -560,7 +655,10 @@ def _init(options: SAMOptions, base: optax.GradientTransformationExtraArgs,
       ascent_state=(None if options.ascent is None
                     else options.ascent.init(params)),
       orthogonal=(jax.tree.map(jnp.zeros_like, params) if options.reuses
-                  else None))
+                  else None),
+      switch=(SwitchState(*(jnp.zeros((), jnp.float32),) * 4,
+                          sam_steps=jnp.zeros((), jnp.int32))
+              if options.switches else None))
 
 
 def _check_call(params, grad_fn, needs_grad_fn: bool):
@@ -586,6 +684,15 @@ def _opaque_update(options: SAMOptions,
   rho = _effective_rho(options, state.count, state.cooldown, state.rho_scale)
   due = rho > 0  # SAM's steps: full (g+) or, with every > 1, reuse steps.
   active = due & _on_phase(options, state.count)  # Computes g+.
+  switch = state.switch
+  if options.switches:
+    if sam_step is not None:
+      raise validation.ArgumentError(
+          'geom.sam.sam', 'sam_step', "AE-SAM's switch (ae_margin) decides "
+          'on the device which steps are SAM steps; call update without '
+          'sam_step', value=sam_step)
+    switch, chosen = _switch(options, switch, grads, state.count)
+    active = active & chosen
   tracked = options.detector is not None and options.detector.track_cosine
   reuses = options.reuses
 
@@ -635,6 +742,9 @@ def _opaque_update(options: SAMOptions,
   if det is not None:  # Fed by steps with g+ only (not reuse steps).
     det = hallucination.update(det, options.detector, active, *stats)
   det, rho_scale, cooldown = _respond(options, state, det, active)
+  if switch is not None:
+    switch = switch._replace(
+        sam_steps=switch.sam_steps + active.astype(jnp.int32))
   return updates, SAMState(
       count=state.count + 1, base_state=base_state,
       rho=jnp.where(active, rho, 0.0).astype(jnp.float32),
@@ -642,7 +752,7 @@ def _opaque_update(options: SAMOptions,
       detector=det, cache=None,
       ascent_state=_next_ascent_state(options, params, ascent_state,
                                       state.ascent_state, active),
-      orthogonal=g_v)
+      orthogonal=g_v, switch=switch)
 
 
 def _two_call_update(options: SAMOptions,
@@ -747,6 +857,8 @@ def sam(
     reset_ascent: bool = True,
     every: int = 1,
     alpha: float = 0.7,
+    ae_margin: float | optax.Schedule | None = None,
+    ae_decay: float = 0.9,
 ) -> optax.GradientTransformationExtraArgs:
   """Sharpness-aware minimization around any optax optimizer.
 
@@ -778,6 +890,12 @@ def sam(
       alpha |g| / |g_v| g_v, g_v the part of the last g+ orthogonal to its g
       (opaque mode, no m-sharpness; docs/methods/sam.md). 1: SAM.
     alpha: LookSAM's weight of g_v on the reuse steps, >= 0.
+    ae_margin: AE-SAM's c (a float or a schedule of the step count): g+
+      only on steps with |g|^2 >= mu + c sigma, mu and sigma the running
+      mean and standard deviation of |g|^2; the others are base steps on g.
+      The decision is taken on the device (`diagnostics` logs it). None: no
+      switch. Not with `every` > 1, two-call mode or m-sharpness.
+    ae_decay: AE-SAM's delta, the statistics' decay, in (0, 1).
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; in opaque mode its update
@@ -805,7 +923,8 @@ def sam(
       window=window, batch_axis_name=batch_axis_name, detector=detector,
       response=response, restart_steps=restart_steps,
       shrink_factor=shrink_factor, mode=mode, fused=fused, ascent=ascent,
-      reset_ascent=reset_ascent, every=every, alpha=alpha))
+      reset_ascent=reset_ascent, every=every, alpha=alpha,
+      ae_margin=ae_margin, ae_decay=ae_decay))
 
 
 def find_state(opt_state: optax.OptState) -> SAMState | None:
@@ -843,7 +962,10 @@ def diagnostics(opt_state: optax.OptState) -> dict[str, jax.Array]:
     `hallucination` (flagged now), `hallucination_steps` (steps flagged so
     far), `sam_steps` (SAM steps so far) and `cooldown` (plain steps left
     of a warm restart). The cosines only when the detector tracks them.
-    Without a detector, only `sam_active`, `rho` and `cooldown`.
+    Without a detector, only `sam_active`, `rho` and `cooldown`. With
+    AE-SAM's switch also `ae_sq_grad_norm` |g|^2, `ae_mean`, `ae_std`,
+    `ae_threshold` (mu + c sigma, which |g|^2 was compared with) and
+    `ae_sam_steps` (steps that computed g+).
 
   Raises:
     ArgumentError: if `opt_state` contains no `sam` state.
@@ -871,6 +993,11 @@ def diagnostics(opt_state: optax.OptState) -> dict[str, jax.Array]:
         'the optimizer state contains no geom.sam.sam state')
   out = {'sam_active': state.sam_active, 'rho': state.rho,
          'cooldown': state.cooldown}
+  if state.switch is not None:
+    out.update(ae_sq_grad_norm=state.switch.sq_grad_norm,
+               ae_mean=state.switch.mean, ae_std=state.switch.std,
+               ae_threshold=state.switch.threshold,
+               ae_sam_steps=state.switch.sam_steps)
   det = state.detector
   if det is not None:
     ratio, _ = hallucination.step_statistics(
@@ -892,7 +1019,8 @@ def hooks(options: SAMOptions) -> method_hooks.MethodHooks:
   window, a schedule reaching 0, warm restarts), the loop may compile a
   SAM and a plain step (`sam_step=True/False`) and pick one per step with
   `is_sam_step` on the host, which reads the warm restart's cooldown from
-  the state only when `response='warm_restart'`. m-sharpness asks for a
+  the state only when `response='warm_restart'`. AE-SAM's switch decides
+  on the device, so the loop compiles one step. m-sharpness asks for a
   per-device update over `batch_axis_name`.
 
   Example:
@@ -906,8 +1034,10 @@ def hooks(options: SAMOptions) -> method_hooks.MethodHooks:
     [False, False, True, True]
   """
   variants = None
+  # AE-SAM's switch decides on the device, from this step's |g|: one
+  # compiled step, which skips g+ in a cond.
   if (options.mode == 'opaque' and options.may_skip
-      and not options.never_perturbs):
+      and not options.never_perturbs and not options.switches):
     reads_state = options.response == 'warm_restart'
 
     def choose(step: int, opt_state: optax.OptState) -> bool:
@@ -920,6 +1050,8 @@ def hooks(options: SAMOptions) -> method_hooks.MethodHooks:
                                          reads_state)
   console = (('grad_ratio_ema', 'hallucination_steps')
              if options.detector is not None else ())
+  if options.switches:
+    console += ('ae_sam_steps',)
   return method_hooks.MethodHooks(
       name='sam',
       update_arguments=('grad_fn',) if options.mode == 'opaque' else (),

@@ -9,6 +9,7 @@ import pytest
 
 from configs import sam_block
 from geom import method_hooks
+from geom import sam
 from train.training import optim
 from train.errors import ConfigError
 
@@ -262,6 +263,12 @@ def test_bad_optimizer_settings_name_the_field(field, value, match):
      r'^config.optimizer.sam.detector.patience=0: must be >= 1$'),
     ({'detector.enabled': False, 'response': 'warm_restart'},
      r"^config.optimizer.sam.response='warm_restart': needs a detector"),
+    ({'every': 0}, r'^config.optimizer.sam.every=0: must be an integer >= 1'),
+    ({'ae.enabled': True, 'ae.decay': 1.0},
+     r'^config.optimizer.sam.ae.decay=1.0: must be in \(0, 1\)'),
+    ({'ae.enabled': True, 'every': 2},
+     r'^config.optimizer.sam.ae.margin_start/margin_end=\(0.0, 0.0\): '
+     r"AE-SAM's switch is not supported with LookSAM"),
 ])
 def test_bad_sam_settings_name_their_config_field(changes, match):
   # geom's ArgumentError names its argument; the field is found from it.
@@ -286,3 +293,45 @@ def test_build_gives_the_methods_hooks():
   assert built.per_device_field == 'optimizer.sam.m_sharpness'
   assert [built.hooks.variants.choose(s, None) for s in range(5)] == [
       False, False, False, True, True]
+
+
+def test_efficient_sam_from_config_is_geoms_sam_with_those_options():
+  # every/alpha and the ae block reach geom.sam: the built chain's steps
+  # equal sam.sam's with the same options (c linear over the 10 steps).
+  cfg = _cfg(schedule='constant', warmup_steps=0, weight_decay=0.0,
+             momentum=0.0, name='sgd')
+  cfg.sam = sam_block.sam_block()
+  cfg.sam.enabled, cfg.sam.rho = True, 0.5
+  loss = _regression()
+  grad = jax.grad(loss)
+  cases = [
+      (dict(every=3, alpha=0.5), dict(every=3, alpha=0.5)),
+      ({'ae.enabled': True, 'ae.margin_start': -1.0, 'ae.margin_end': 1.0,
+        'ae.decay': 0.8},
+       dict(ae_margin=optax.linear_schedule(-1.0, 1.0, 10), ae_decay=0.8)),
+  ]
+  for changes, kwargs in cases:
+    block = sam_block.sam_block()
+    block.enabled, block.rho = True, 0.5
+    for key, value in changes.items():
+      sub, _, name = key.rpartition('.')
+      (block[sub] if sub else block)[name] = value
+    cfg.sam = block
+    built = optim.build(cfg, 10)
+    want_tx = sam.sam(optax.sgd(0.1), rho=0.5, **kwargs)
+    p, q = _params(), _params()
+    s, r = built.tx.init(p), want_tx.init(q)
+    active = []
+    for _ in range(6):
+      u, s = built.tx.update(grad(p), s, p, grad_fn=grad)
+      v, r = want_tx.update(grad(q), r, q, grad_fn=grad)
+      p, q = optax.apply_updates(p, u), optax.apply_updates(q, v)
+      active.append(bool(sam.diagnostics(s)['sam_active']))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+                 p, q)
+    assert 0 < sum(active) < 6, (changes, active)
+    if 'every' in changes:
+      assert built.hooks.variants is not None
+    else:  # The switch decides on the device: one compiled step.
+      assert built.hooks.variants is None
+      assert 'ae_sam_steps' in sam.diagnostics(s)

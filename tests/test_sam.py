@@ -846,3 +846,315 @@ def test_every_k_changed_under_inject_hyperparams_takes_effect():
   want, _ = sam.sam(optax.sgd(0.1), rho=0.2).update(
       grad(p), sam.find_state(state), p, grad_fn=grad)
   assert _max_diff(got, want) < 1e-6
+
+
+# AE-SAM's switch (`ae_margin`) against a hand-written loop in plain jnp.
+
+
+def _minibatches(batch, steps, size=16):
+  """A different slice of the batch each step, so that |g|^2 varies."""
+  n = batch['x'].shape[0] // size
+  return [jax.tree.map(lambda x, i=i: x[(i % n) * size:(i % n + 1) * size],
+                       batch) for i in range(steps)]
+
+
+def _ae_sam_reference(params, loss, batches, lr, rho, margin, decay):
+  """Jiang et al.'s AE-SAM with SGD on the flattened weights: the updates,
+  (mu, sigma) after each step and whether each step took g+."""
+  w, unravel = jax.flatten_util.ravel_pytree(params)
+  grad = jax.jit(lambda v, b: jax.flatten_util.ravel_pytree(
+      jax.grad(loss)(unravel(v), b))[0])
+  mu = sigma2 = 0.0
+  updates, stats, chose = [], [], []
+  for t, b in enumerate(batches):
+    g = grad(w, b)
+    sq = float(jnp.sum(g * g))
+    mu = decay * mu + (1 - decay) * sq
+    sigma2 = decay * sigma2 + (1 - decay) * (sq - mu) ** 2
+    c = margin(t) if callable(margin) else margin
+    sam_step = sq >= mu + c * np.sqrt(sigma2)
+    if sam_step:
+      g = grad(w + rho * g / (jnp.sqrt(jnp.sum(g * g)) + 1e-12), b)
+    updates.append(unravel(-lr * g))
+    stats.append((mu, np.sqrt(sigma2)))
+    chose.append(bool(sam_step))
+    w = w - lr * g
+  return updates, stats, chose
+
+
+def _switch_run(tx, params, loss, batches, jit=True, grad_fn_calls=None):
+  def update(p, s, b):
+    grad_fn = lambda q: jax.grad(loss)(q, b)
+    if grad_fn_calls is not None:
+      plain_grad_fn = grad_fn
+
+      def grad_fn(q):
+        jax.debug.callback(lambda: grad_fn_calls.append(1))
+        return plain_grad_fn(q)
+    return tx.update(jax.grad(loss)(p, b), s, p, grad_fn=grad_fn)
+
+  update = jax.jit(update) if jit else update
+  state, out, states = tx.init(params), [], []
+  for b in batches:
+    u, state = update(params, state, b)
+    params = optax.apply_updates(params, u)
+    out.append(u)
+    states.append(state)
+  return out, states
+
+
+@pytest.mark.parametrize('margin,jit', [
+    (0.0, True), (0.0, False), (0.5, True),
+    (optax.linear_schedule(-1.0, 1.0, 12), True)])
+def test_ae_switch_follows_a_hand_written_ae_sam_loop(margin, jit):
+  params, loss, batch = battery.problem()
+  batches = _minibatches(batch, 12)
+  tx = sam.sam(optax.sgd(0.1), rho=0.2, ae_margin=margin, ae_decay=0.8)
+  got, states = _switch_run(tx, params, loss, batches, jit=jit)
+  want, stats, chose = _ae_sam_reference(params, loss, batches, 0.1, 0.2,
+                                         margin, 0.8)
+  assert [bool(s.sam_active) for s in states] == chose
+  assert 0 < sum(chose) < len(chose)  # The switch chose both kinds.
+  for t in range(12):
+    assert _max_diff(got[t], want[t]) < 2e-6, t
+    np.testing.assert_allclose(
+        [float(states[t].switch.mean), float(states[t].switch.std)],
+        stats[t], rtol=1e-5)
+  d = sam.diagnostics(states[-1])
+  assert int(d['ae_sam_steps']) == sum(chose)
+  # The detector is fed by the steps that computed g+ only.
+  assert int(d['sam_steps']) == sum(chose)
+  mu, sigma = stats[-1]
+  c = margin(11) if callable(margin) else margin
+  np.testing.assert_allclose(float(d['ae_threshold']), mu + c * sigma,
+                             rtol=1e-5)
+
+
+def test_ae_switch_plain_steps_do_not_call_grad_fn():
+  params, loss, batch = battery.problem()
+  calls = []
+  tx = sam.sam(optax.sgd(0.1), rho=0.2, ae_margin=0.0, ae_decay=0.8)
+  _, states = _switch_run(tx, params, loss, _minibatches(batch, 12),
+                          grad_fn_calls=calls)
+  jax.effects_barrier()
+  took = sum(bool(s.sam_active) for s in states)
+  assert 0 < took < 12 and len(calls) == took
+
+
+def test_ae_switch_margin_sets_how_often_sam_runs():
+  params, loss, batch = battery.problem()
+  batches = _minibatches(batch, 12)
+  run = lambda c: [bool(s.sam_active) for s in _switch_run(
+      sam.sam(optax.sgd(0.1), rho=0.2, ae_margin=c), params, loss,
+      batches)[1]]
+  assert all(run(-1e6)) and not any(run(1e6))
+  # A stricter margin takes a subset of the steps.
+  loose, strict = run(-0.5), run(0.5)
+  assert sum(strict) < sum(loose)
+
+
+def test_ae_switch_under_inject_hyperparams_takes_the_new_margin():
+  params, loss, batch = battery.problem()
+  b = batch
+  tx = optax.inject_hyperparams(sam.sam)(optax.sgd(0.1), rho=0.2,
+                                         ae_margin=0.0)
+  step = jax.jit(lambda p, s: tx.update(jax.grad(loss)(p, b), s, p,
+                                        grad_fn=lambda q: jax.grad(loss)(
+                                            q, b)))
+  state = tx.init(params)
+  state.hyperparams['ae_margin'] = jnp.asarray(1e6)
+  _, plain = step(params, state)
+  assert not bool(sam.find_state(plain).sam_active)
+  state.hyperparams['ae_margin'] = jnp.asarray(-1e6)
+  got, chosen = step(params, state)
+  assert bool(sam.find_state(chosen).sam_active)
+  want, _ = sam.sam(optax.sgd(0.1), rho=0.2).update(
+      jax.grad(loss)(params, b), sam.sam(optax.sgd(0.1), rho=0.2).init(
+          params), params, grad_fn=lambda q: jax.grad(loss)(q, b))
+  assert _max_diff(got, want) < 1e-6
+
+
+def test_ae_switch_at_the_edges_keeps_finite_statistics():
+  params, _, _ = _mlp()
+  tx = sam.sam(optax.sgd(0.1), rho=0.05, ae_margin=0.0)
+  update = jax.jit(lambda g, s: tx.update(g, s, params,
+                                          grad_fn=lambda p: g))
+  state = tx.init(params)
+  huge = jax.tree.map(lambda x: jnp.full_like(x, 1e20), params)
+  _, state = update(huge, state)
+  assert bool(state.sam_active)  # The first step is above 0.1 |g|^2.
+  for _ in range(3):
+    _, state = update(huge, state)
+  d = sam.diagnostics(state)
+  assert all(bool(jnp.isfinite(d[k])) for k in (
+      'ae_sq_grad_norm', 'ae_mean', 'ae_std', 'ae_threshold'))
+  # A non-finite |g| is a plain step and leaves the statistics as they were.
+  nan = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), params)
+  _, after = update(nan, state)
+  assert not bool(after.sam_active)
+  assert float(after.switch.mean) == float(state.switch.mean)
+  assert float(after.switch.std) == float(state.switch.std)
+  # g = 0 after non-zero steps: below the mean, a plain step.
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  u, after = update(zeros, state)
+  assert not bool(after.sam_active)
+  assert all(bool(jnp.all(x == 0)) for x in jax.tree.leaves(u))
+
+
+def test_ae_switch_with_the_fused_kernel_and_bfloat16():
+  params, loss, batch = battery.problem()
+  batches = _minibatches(batch, 8)
+  run = lambda fused: _switch_run(sam.sam(
+      optax.sgd(0.1), rho=0.2, ae_margin=0.0, fused=fused), params, loss,
+                                  batches)
+  (a, sa), (b, sb) = run(True), run(False)
+  assert [bool(s.sam_active) for s in sa] == [bool(s.sam_active) for s in sb]
+  for x, y in zip(a, b):
+    assert _max_diff(x, y) < 1e-6
+  p16, loss16, batch16 = battery.problem(jnp.bfloat16)
+  got, states = _switch_run(sam.sam(optax.sgd(0.1), rho=0.2, ae_margin=0.0),
+                            p16, loss16, _minibatches(batch16, 8))
+  assert all(x.dtype == jnp.bfloat16 for u in got
+             for x in jax.tree.leaves(u))
+  assert states[-1].switch.mean.dtype == jnp.float32
+  took = [bool(s.sam_active) for s in states]
+  assert 0 < sum(took) < len(took)
+
+
+def test_ae_switch_compiles_one_step_and_refuses_sam_step():
+  options = sam.SAMOptions(rho=0.2, warmup_steps=2, ae_margin=0.0)
+  assert sam.hooks(options).variants is None
+  assert 'ae_sam_steps' in sam.hooks(options).console
+  params, loss, _ = _mlp()
+  tx = sam.from_options(optax.sgd(0.1), options)
+  with pytest.raises(ValueError, match=r'sam_step=True: .*ae_margin'):
+    tx.update(jax.grad(loss)(params), tx.init(params), params,
+              grad_fn=jax.grad(loss), sam_step=True)
+  # The warm-up's steps stay plain whatever the switch says.
+  _, states = _updates_of(tx, params, loss, 3)
+  assert [bool(s.sam_active) for s in states][:2] == [False, False]
+  assert int(states[1].switch.sam_steps) == 0
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(ae_margin=0.0, ae_decay=0.0), r'ae_decay=0.0: must be in \(0, 1\)'),
+    (dict(ae_margin=0.0, ae_decay=1.0), r'ae_decay=1.0: must be in \(0, 1\)'),
+    (dict(ae_margin=float('inf')), r'ae_margin=inf: must be finite'),
+    (dict(ae_margin=0.0, every=2), r"ae_margin=0.0: .*LookSAM.*every"),
+    (dict(ae_margin=0.0, mode='two_call'), r"ae_margin=0.0: .*two_call"),
+    (dict(ae_margin=0.0, batch_axis_name='batch'),
+     r'ae_margin=0.0: .*m-sharpness'),
+])
+def test_ae_switch_bad_arguments_are_named(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    sam.sam(optax.sgd(0.1), **kwargs)
+
+
+# Mixed precision: bfloat16 activations or parameters, float32 statistics.
+
+_VARIANTS = {
+    'sam': dict(),
+    'asam': dict(adaptive=True, rho=0.5),
+    'fused': dict(fused=True),
+    'every_3': dict(every=3),
+    'ae': dict(ae_margin=0.0),
+    'two_call': dict(mode='two_call'),
+}
+
+
+def _bf16_loss(p, b):
+  """The battery's loss with bfloat16 activations around float32 weights."""
+  cast = lambda t: jax.tree.map(lambda x: x.astype(jnp.bfloat16), t)
+  out = battery.forward(cast(p), cast(b)['x']).astype(jnp.float32)
+  return jnp.mean(jnp.square(out - b['y']))
+
+
+def _variant_run(name, params, loss, batches):
+  kwargs = dict(rho=0.2, detector=hallucination.DetectorConfig(
+      track_cosine=True))
+  kwargs.update(_VARIANTS[name])
+  tx = sam.sam(optax.sgd(0.1), **kwargs)
+  two_call = kwargs.get('mode') == 'two_call'
+
+  @jax.jit
+  def step(p, s, b):
+    g = jax.grad(loss)(p, b)
+    if two_call:  # The ascent call, then the call with g+.
+      u, s = tx.update(g, s, p)
+      u, s = tx.update(jax.grad(loss)(optax.apply_updates(p, u), b), s,
+                       optax.apply_updates(p, u))
+      return optax.apply_updates(optax.apply_updates(p, u), jax.tree.map(
+          jnp.zeros_like, u)), s
+    u, s = tx.update(g, s, p, grad_fn=lambda q: jax.grad(loss)(q, b))
+    return optax.apply_updates(p, u), s
+
+  state = tx.init(params)
+  for b in batches:
+    params, state = step(params, state, b)
+  return params, state
+
+
+@pytest.mark.parametrize('name', _VARIANTS)
+def test_bfloat16_activations_track_float32_with_float32_statistics(name):
+  params, loss, batch = battery.problem()
+  batches = _minibatches(batch, 6)
+  got, state = _variant_run(name, params, _bf16_loss, batches)
+  want, want_state = _variant_run(name, params, loss, batches)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(got))
+  moved = _max_diff(want, params)
+  # bfloat16 activations (8 bits of mantissa) move the result by a small
+  # part of how far training moved the weights.
+  assert _max_diff(got, want) < 0.05 * moved, (_max_diff(got, want), moved)
+  s = sam.find_state(state)
+  stats = [s.rho, *jax.tree.leaves(s.detector)]
+  if s.switch is not None:
+    stats += [s.switch.mean, s.switch.std, s.switch.threshold]
+  for x in stats:
+    assert x.dtype in (jnp.float32, jnp.int32, jnp.bool_), x.dtype
+    assert bool(jnp.all(jnp.isfinite(x.astype(jnp.float32))))
+  # The same steps took g+ (the detector counts them).
+  assert int(sam.diagnostics(state)['sam_steps']) == int(
+      sam.diagnostics(want_state)['sam_steps'])
+
+
+@pytest.mark.parametrize('name', _VARIANTS)
+def test_bfloat16_parameters_keep_float32_statistics(name):
+  params, loss, batch = battery.problem(jnp.bfloat16)
+  got, state = _variant_run(name, params, loss, _minibatches(batch, 4))
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(got))
+  d = sam.diagnostics(state)
+  for key in ('rho', 'grad_norm', 'perturbed_grad_norm', 'cosine',
+              'grad_norm_ema'):
+    assert d[key].dtype == jnp.float32 and bool(jnp.isfinite(d[key])), key
+  # |g| of the last step that took g+, from its bfloat16 gradient summed in
+  # float32 (a bfloat16 sum of squares would be off by up to 2^-8 per add).
+  assert float(d['grad_norm']) > 0
+
+
+@pytest.mark.parametrize('scale', [1e20, 1e-30])
+def test_bfloat16_gradients_at_extreme_norms_perturb_by_rho(scale):
+  params, _, _ = _mlp()
+  g = jax.tree.map(lambda x: (scale * jax.random.normal(
+      jax.random.key(x.size), x.shape)).astype(jnp.bfloat16), params)
+  w = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  for adaptive in (False, True):
+    e, norm = jax.jit(lambda g, w, a=adaptive: sam.perturbation(
+        g, w, 0.05, adaptive=a))(g, w)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(e))
+    assert bool(jnp.isfinite(norm)) and float(norm) > 0
+    if not adaptive:
+      length = np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64)))
+                           for x in jax.tree.leaves(e)))
+      # rho |g| / (|g| + eps): rho at 1e20, far below it at 1e-30 (eps =
+      # 1e-12 is what makes g -> 0 give e -> 0), never 0 or NaN.
+      g_norm = float(norm)
+      want_norm = np.sqrt(sum(np.sum(np.square(np.asarray(
+          x.astype(jnp.float32), np.float64))) for x in jax.tree.leaves(g)))
+      np.testing.assert_allclose(g_norm, want_norm, rtol=1e-5)
+      np.testing.assert_allclose(length, 0.05 * g_norm / (g_norm + 1e-12),
+                                 rtol=1e-3)
+      assert length > 0
+  fused, _ = sam.sam(optax.sgd(0.1), rho=0.05, fused=True), None
+  u, s = fused.update(g, fused.init(w), w, grad_fn=lambda p: g)
+  assert all(x.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(
+      x.astype(jnp.float32)))) for x in jax.tree.leaves(u))

@@ -89,6 +89,8 @@ CASES = [
     _sam_case('sam_fused', fused=True),
     # LookSAM's reuse: g+ on steps 0, 3, ...; g_v reused in between.
     _sam_case('sam_every_3', every=3, alpha=0.7),
+    # AE-SAM's switch: g+ only where |g|^2 >= its running mean.
+    _sam_case('sam_ae', ae_margin=0.0),
     _sam_case('sam_warm_restart', response='warm_restart',
               detector=hallucination.DetectorConfig(patience=1),
               restart_steps=2),

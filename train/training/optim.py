@@ -244,7 +244,7 @@ def build(cfg: ml_collections.ConfigDict, total_steps: int) -> Optimizer:
   all_hooks, per_device_field = [], None
   for name, method in METHODS.items():
     if name in cfg and cfg[name].enabled:
-      tx, hooks, field = method(tx, cfg[name])
+      tx, hooks, field = method(tx, cfg[name], total_steps)
       all_hooks.append(hooks)
       per_device_field = per_device_field or field
   hooks = method_hooks.combine(*all_hooks)
@@ -264,13 +264,19 @@ PER_DEVICE_AXIS = 'data'
 
 # SAM arguments whose config field has another name.
 _SAM_FIELDS = {'window': 'window_start/window_stop',
-               'batch_axis_name': 'm_sharpness'}
+               'batch_axis_name': 'm_sharpness',
+               'ae_margin': 'ae.margin_start/margin_end',
+               'ae_decay': 'ae.decay'}
 
 
 def _sam_config_error(e: ArgumentError, cfg: ml_collections.ConfigDict,
                       prefix: str) -> ConfigError:
   if e.argument == 'window':
     value = (cfg.window_start, cfg.window_stop)
+  elif e.argument == 'ae_margin':
+    value = (cfg.ae.margin_start, cfg.ae.margin_end)
+  elif e.argument == 'ae_decay':
+    value = cfg.ae.decay
   else:
     value = cfg.get(_SAM_FIELDS.get(e.argument, e.argument), e.value)
   return from_argument_error(
@@ -290,9 +296,21 @@ def _check_sam_window(cfg: ml_collections.ConfigDict, total_steps: int
                       'num_steps (-1 for no end)')
 
 
-def _sam(base: optax.GradientTransformation, cfg: ml_collections.ConfigDict
-         ) -> tuple[optax.GradientTransformationExtraArgs,
-                    method_hooks.MethodHooks, str]:
+def _ae_margin(cfg: ml_collections.ConfigDict, total_steps: int
+               ) -> float | optax.Schedule | None:
+  """AE-SAM's c: None when off, a float, or linear over the run."""
+  ae = cfg.get('ae')
+  if ae is None or not ae.enabled:
+    return None
+  if ae.margin_start == ae.margin_end:
+    return ae.margin_start
+  return optax.linear_schedule(ae.margin_start, ae.margin_end,
+                               max(total_steps, 1))
+
+
+def _sam(base: optax.GradientTransformation, cfg: ml_collections.ConfigDict,
+         total_steps: int) -> tuple[optax.GradientTransformationExtraArgs,
+                                    method_hooks.MethodHooks, str]:
   """SAM around `base` from `config.optimizer.sam`."""
   detector = None
   if cfg.detector.enabled:
@@ -314,7 +332,9 @@ def _sam(base: optax.GradientTransformation, cfg: ml_collections.ConfigDict
         batch_axis_name=PER_DEVICE_AXIS if cfg.m_sharpness else None,
         detector=detector, response=cfg.response,
         restart_steps=cfg.restart_steps, shrink_factor=cfg.shrink_factor,
-        fused=cfg.fused)
+        fused=cfg.fused, every=cfg.get('every', 1),
+        alpha=cfg.get('alpha', 0.7), ae_margin=_ae_margin(cfg, total_steps),
+        ae_decay=cfg.ae.decay if 'ae' in cfg else 0.9)
   except ArgumentError as e:
     raise _sam_config_error(e, cfg, 'optimizer.sam') from None
   return (sam_lib.from_options(base, options), sam_lib.hooks(options),
@@ -322,7 +342,8 @@ def _sam(base: optax.GradientTransformation, cfg: ml_collections.ConfigDict
 
 
 # Config block under `config.optimizer` -> builder of the method around the
-# chain: (tx, block) -> (tx, hooks, the field that sets a per-device axis).
+# chain: (tx, block, num_steps) -> (tx, hooks, the field that sets a
+# per-device axis).
 METHODS: dict[str, Callable[..., tuple[
     optax.GradientTransformationExtraArgs, method_hooks.MethodHooks, str]]] = {
         'sam': _sam,
