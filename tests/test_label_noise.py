@@ -98,12 +98,13 @@ def test_a_bad_rate_in_the_config_is_one_line_before_any_work(rate,
 def test_the_sam_study_runs_under_label_noise_and_reports_the_detector(
     tmp_path):
   """`studies.sam_recipes` as a user runs it (a subprocess: the studies'
-  flags share names), one tiny SAM and one ASAM run (on its own radius)
-  at 40% noise."""
+  flags share names), one tiny SAM, ASAM (on its own radius), LookSAM
+  (g+ every 5 steps) and AE-SAM run at 40% noise."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run(
       [sys.executable, '-m', 'studies.sam_recipes', f'--workdir={tmp_path}',
-       '--seeds=1', '--rhos=0.5', '--methods=sam,asam', '--asam_rhos=3.0',
+       '--seeds=1', '--rhos=0.5', '--methods=sam,asam,looksam5,aesam',
+       '--asam_rhos=3.0',
        '--config_arg=runlocal,label_noise=0.4'],
       cwd=root, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -114,5 +115,11 @@ def test_the_sam_study_runs_under_label_noise_and_reports_the_detector(
   sam_run = runs['sam/0.5'][0]
   assert sam_run['opt/sam_steps'] == 40 and isinstance(sam_run['stalled'],
                                                        bool)
-  assert sorted(runs) == ['asam/3.0', 'sam/0.5']
+  assert sorted(runs) == ['aesam/0.5', 'asam/3.0', 'looksam5/0.5', 'sam/0.5']
   assert runs['asam/3.0'][0]['opt/rho'] == pytest.approx(3.0)
+  # LookSAM took g+ on 8 of the 40 steps; AE-SAM where its switch chose.
+  assert runs['looksam5/0.5'][0]['opt/sam_steps'] == 8
+  assert '| looksam5 | 0.5 |' in table and '| 8 | 1.20 |' in table
+  ae = runs['aesam/0.5'][0]
+  assert 0 < ae['opt/sam_steps'] < 40
+  assert ae['opt/ae_sam_steps'] == ae['opt/sam_steps']

@@ -91,7 +91,7 @@ def test_every_readme_command_names_real_flags_and_configs():
     study = training_runs.Study(
         root=flags['workdir'], experiment=flags.get('experiment', 'digits'),
         config_arg=flags.get('config_arg', ''),
-        methods=tuple(flags.get('methods', ','.join(training_runs.METHODS))
+        methods=tuple(flags.get('methods', ','.join(training_runs.RECIPES))
                       .split(',')),
         rhos=tuple(map(float, flags.get('rhos', '1').split(','))),
         asam_rhos=(tuple(map(float, flags['asam_rhos'].split(',')))
@@ -102,3 +102,6 @@ def test_every_readme_command_names_real_flags_and_configs():
       for rho in study.radii(method):
         config = study.config(method, rho, 0)
         assert config.optimizer.sam.enabled == (method != 'sgd')
+        assert config.optimizer.sam.every == training_runs.LOOKSAM.get(
+            method, 1)
+        assert config.optimizer.sam.ae.enabled == (method == 'aesam')

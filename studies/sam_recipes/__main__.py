@@ -61,8 +61,10 @@ _ASAM_RHOS = flags.DEFINE_list(
     'asam_rhos', None, "ASAM's radii (default: --rhos). ASAM's perturbation "
     'is relative to |w| per parameter, so its useful radii are on another '
     'scale than SAM\'s.')
-_METHODS = flags.DEFINE_list('methods', list(training_runs.METHODS),
-                             'Methods.')
+_METHODS = flags.DEFINE_list(
+    'methods', list(training_runs.RECIPES),
+    f'Methods, of: {", ".join(training_runs.METHODS)} (looksamK: LookSAM, '
+    'g+ every K steps; aesam: AE-SAM\'s switch, c = 0).')
 _WARMSTART = flags.DEFINE_integer(
     'warmstart_steps', 100, 'Plain steps before SAM for sam_warmstart.')
 _DATASET = flags.DEFINE_string(

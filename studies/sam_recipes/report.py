@@ -14,6 +14,7 @@ def summarize(results: dict) -> str:
 
   head = ['method', 'rho', 'test accuracy % (mean +- std)', 'seeds',
           'val accuracy %', 'training loss, last fifth', 'SAM steps',
+          'gradients per step',
           'runs flagged', 'flagged steps (mean)',
           '\\|g+\\|/\\|g\\| EMA at end', 'runs whose loss stalled']
   rows = []
@@ -29,7 +30,9 @@ def summarize(results: dict) -> str:
         mean_std([r['test_accuracy'] for r in runs]), len(runs),
         mean_std([r['val_accuracy'] for r in runs]),
         f'{statistics.mean(r["late_train_loss"] for r in runs):.3f}',
-        f'{statistics.mean(sam_steps):.0f}', f'{n_flagged}/{len(runs)}',
+        f'{statistics.mean(sam_steps):.0f}',
+        f'{statistics.mean(1 + s / r["num_steps"] for s, r in zip(sam_steps, runs)):.2f}',
+        f'{n_flagged}/{len(runs)}',
         f'{statistics.mean(flagged):.1f}',
         f'{statistics.mean(ratio):.3f}' if ratio else '-',
         f'{n_stalled}/{len(runs)}'])

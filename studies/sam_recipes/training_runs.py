@@ -19,7 +19,12 @@ from train.run import metrics
 from train.jobs import trainers
 from train.vision import datasets
 
-METHODS = ('sgd', 'sam', 'sam_warmstart', 'asam')
+# The recipes the first studies compared (the default), then SAM's cheaper
+# variants: LookSAM's reuse with g+ every k steps, and AE-SAM's switch
+# (g+ when |g|^2 >= its running mean, c = 0).
+RECIPES = ('sgd', 'sam', 'sam_warmstart', 'asam')
+LOOKSAM = {'looksam2': 2, 'looksam5': 5, 'looksam10': 10}
+METHODS = RECIPES + tuple(LOOKSAM) + ('aesam',)
 EXPERIMENTS = ('digits', 'lm')
 
 
@@ -28,7 +33,7 @@ class Study:
   root: str
   experiment: str = 'digits'
   config_arg: str = ''
-  methods: tuple[str, ...] = METHODS
+  methods: tuple[str, ...] = RECIPES
   rhos: tuple[float, ...] = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
   asam_rhos: tuple[float, ...] | None = None  # None: `rhos`.
   seeds: int = 3
@@ -59,6 +64,8 @@ class Study:
       sam.adaptive = method == 'asam'
       if method == 'sam_warmstart':
         sam.warmup_steps = self.warmstart_steps
+      sam.every = LOOKSAM.get(method, 1)
+      sam.ae.enabled = method == 'aesam'
     return config
 
   def radii(self, method: str) -> tuple[float, ...]:
@@ -109,6 +116,7 @@ def train_all(study: Study) -> dict:
         record.update({k: v for k, v in records[-1].items()
                        if k.startswith('opt/')})
         record['late_train_loss'] = late_loss(records)
+        record['num_steps'] = config.num_steps
         record['stalled'] = stalled(records, num_classes(config))
         runs.append(record)
         logging.info('%s: test accuracy %.4f', name, final['test_accuracy'])
