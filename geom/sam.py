@@ -250,6 +250,7 @@ class SAMOptions:
   alpha: float = 0.7
   ae_margin: float | optax.Schedule | None = None
   ae_decay: float = 0.9
+  ae_select: bool | None = None
 
   def __post_init__(self):
     check = functools.partial(validation.check, _OWNER)
@@ -309,6 +310,10 @@ class SAMOptions:
         raise validation.ArgumentError(
             _OWNER, 'reset_ascent', 'must be True with m-sharpness (a kept '
             'ascent state would differ from device to device)', value=False)
+    if self.ae_select is not None and not self.switches:
+      raise validation.ArgumentError(
+          _OWNER, 'ae_select', "is an option of AE-SAM's switch: set "
+          'ae_margin too', value=self.ae_select)
     if self.switches:
       # Each of these is another rule for which steps compute g+.
       every = (int(self.every) if validation.is_concrete(self.every)
@@ -728,6 +733,17 @@ def _opaque_update(options: SAMOptions,
   elif sam_step:
     step_grads, stats, ascent_state, g_v = sam_grads(None)
     active = jnp.array(True)
+  elif options.switches:
+    # Skip g+ in a cond, or compute both and keep the switch's pick (no
+    # conditional: see `sam`'s ae_select); None picks by platform.
+    select = lambda: jax.tree.map(lambda a, b: jnp.where(active, a, b),
+                                  sam_grads(None), plain_grads(None))
+    skip = lambda: jax.lax.cond(active, sam_grads, plain_grads, None)
+    if options.ae_select is None:
+      picked = jax.lax.platform_dependent(cpu=select, default=skip)
+    else:
+      picked = select() if options.ae_select else skip()
+    step_grads, stats, ascent_state, g_v = picked
   elif not options.may_skip:
     # No step can be plain: straight-line code, which XLA schedules with
     # the memory of a hand-written SAM step (a cond's output would hold
@@ -859,6 +875,7 @@ def sam(
     alpha: float = 0.7,
     ae_margin: float | optax.Schedule | None = None,
     ae_decay: float = 0.9,
+    ae_select: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Sharpness-aware minimization around any optax optimizer.
 
@@ -896,6 +913,10 @@ def sam(
       The decision is taken on the device (`diagnostics` logs it). None: no
       switch. Not with `every` > 1, two-call mode or m-sharpness.
     ae_decay: AE-SAM's delta, the statistics' decay, in (0, 1).
+    ae_select: True: compute g+ on every step and keep it where the switch
+      says (the same updates, at SAM's cost); False: skip it in a
+      `lax.cond`; None: True on CPU, whose conditionals run convolution
+      gradients about 10x slower (docs/methods/sam.md), False elsewhere.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; in opaque mode its update
@@ -924,7 +945,7 @@ def sam(
       response=response, restart_steps=restart_steps,
       shrink_factor=shrink_factor, mode=mode, fused=fused, ascent=ascent,
       reset_ascent=reset_ascent, every=every, alpha=alpha,
-      ae_margin=ae_margin, ae_decay=ae_decay))
+      ae_margin=ae_margin, ae_decay=ae_decay, ae_select=ae_select))
 
 
 def find_state(opt_state: optax.OptState) -> SAMState | None:

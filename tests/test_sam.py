@@ -903,13 +903,15 @@ def _switch_run(tx, params, loss, batches, jit=True, grad_fn_calls=None):
   return out, states
 
 
-@pytest.mark.parametrize('margin,jit', [
-    (0.0, True), (0.0, False), (0.5, True),
-    (optax.linear_schedule(-1.0, 1.0, 12), True)])
-def test_ae_switch_follows_a_hand_written_ae_sam_loop(margin, jit):
+@pytest.mark.parametrize('margin,jit,select', [
+    (0.0, True, False), (0.0, False, False), (0.5, True, False),
+    (optax.linear_schedule(-1.0, 1.0, 12), True, False),
+    (0.0, True, True), (0.5, False, True), (0.0, True, None)])
+def test_ae_switch_follows_a_hand_written_ae_sam_loop(margin, jit, select):
   params, loss, batch = battery.problem()
   batches = _minibatches(batch, 12)
-  tx = sam.sam(optax.sgd(0.1), rho=0.2, ae_margin=margin, ae_decay=0.8)
+  tx = sam.sam(optax.sgd(0.1), rho=0.2, ae_margin=margin, ae_decay=0.8,
+               ae_select=select)
   got, states = _switch_run(tx, params, loss, batches, jit=jit)
   want, stats, chose = _ae_sam_reference(params, loss, batches, 0.1, 0.2,
                                          margin, 0.8)
@@ -933,12 +935,33 @@ def test_ae_switch_follows_a_hand_written_ae_sam_loop(margin, jit):
 def test_ae_switch_plain_steps_do_not_call_grad_fn():
   params, loss, batch = battery.problem()
   calls = []
-  tx = sam.sam(optax.sgd(0.1), rho=0.2, ae_margin=0.0, ae_decay=0.8)
+  tx = sam.sam(optax.sgd(0.1), rho=0.2, ae_margin=0.0, ae_decay=0.8,
+               ae_select=False)
   _, states = _switch_run(tx, params, loss, _minibatches(batch, 12),
                           grad_fn_calls=calls)
   jax.effects_barrier()
   took = sum(bool(s.sam_active) for s in states)
   assert 0 < took < 12 and len(calls) == took
+  # ae_select computes g+ on every step and keeps the switch's pick: the
+  # same updates (bit for bit) at SAM's cost.
+  calls.clear()
+  selected, picked = _switch_run(
+      sam.sam(optax.sgd(0.1), rho=0.2, ae_margin=0.0, ae_decay=0.8,
+              ae_select=True), params, loss, _minibatches(batch, 12),
+      grad_fn_calls=calls)
+  jax.effects_barrier()
+  assert len(calls) == 12
+  assert [bool(s.sam_active) for s in picked] == [
+      bool(s.sam_active) for s in states]
+  skipped, _ = _switch_run(tx, params, loss, _minibatches(batch, 12))
+  for a, b in zip(selected, skipped):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+  # None picks by platform: on this CPU, the selecting step.
+  calls.clear()
+  _switch_run(sam.sam(optax.sgd(0.1), rho=0.2, ae_margin=0.0, ae_decay=0.8),
+              params, loss, _minibatches(batch, 12), grad_fn_calls=calls)
+  jax.effects_barrier()
+  assert len(calls) == 12
 
 
 def test_ae_switch_margin_sets_how_often_sam_runs():
@@ -1044,6 +1067,8 @@ def test_ae_switch_compiles_one_step_and_refuses_sam_step():
     (dict(ae_margin=0.0, mode='two_call'), r"ae_margin=0.0: .*two_call"),
     (dict(ae_margin=0.0, batch_axis_name='batch'),
      r'ae_margin=0.0: .*m-sharpness'),
+    (dict(ae_select=True), r"ae_select=True: is an option of AE-SAM's"),
+    (dict(ae_select=False), r"ae_select=False: is an option of AE-SAM's"),
 ])
 def test_ae_switch_bad_arguments_are_named(kwargs, match):
   with pytest.raises(ValueError, match=match):
