@@ -29,7 +29,11 @@ import statistics
 import tempfile
 import time
 
-from absl import app
+# Everything runs on the CPU; the accelerator targets are compile-only
+# (their compilers, as in bench.sam.perturb_hbm, need JAX on the CPU).
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 import jax
 
