@@ -16,8 +16,8 @@ grads` on the same batch), or, in two-call mode, alternates as
 m-sharpness (`batch_axis_name`), LookSAM's reuse (`every=k`: g+ every k
 steps, its part orthogonal to g reused in between), AE-SAM's switch
 (`ae_margin`: g+ only when |g|^2 is above its running mean by `ae_margin`
-running standard deviations), and a hallucinated-minimizer detector (`geom.hallucination`) with a response
-(flag, warm restart, shrink rho).
+running standard deviations), and a hallucinated-minimizer detector
+(`geom.hallucination`) with a response (flag, warm restart, shrink rho).
 `hooks(options)` tells a loop which steps perturb, so that it compiles
 SAM and plain steps apart. Design notes (modes, which steps perturb,
 precision, m-sharpness, clipping): docs/methods/sam.md.
@@ -310,24 +310,7 @@ class SAMOptions:
         raise validation.ArgumentError(
             _OWNER, 'reset_ascent', 'must be True with m-sharpness (a kept '
             'ascent state would differ from device to device)', value=False)
-    if self.ae_select is not None and not self.switches:
-      raise validation.ArgumentError(
-          _OWNER, 'ae_select', "is an option of AE-SAM's switch: set "
-          'ae_margin too', value=self.ae_select)
-    if self.switches:
-      # Each of these is another rule for which steps compute g+.
-      every = (int(self.every) if validation.is_concrete(self.every)
-               else 1)
-      for name, clash, why in (
-          ('every', every != 1, "LookSAM's reuse (every > 1)"),
-          ('mode', self.mode != 'opaque', "mode='two_call'"),
-          ('batch_axis_name', self.batch_axis_name is not None,
-           'm-sharpness (each device would decide on its own |g|)')):
-        if clash:
-          raise validation.ArgumentError(
-              _OWNER, 'ae_margin', "AE-SAM's switch is not supported with "
-              f'{why}: drop {name} or set ae_margin=None',
-              value=self.ae_margin)
+    _check_switch(self)
 
   @property
   def never_perturbs(self) -> bool:
@@ -352,7 +335,8 @@ class SAMOptions:
   def may_skip(self) -> bool:
     """Whether some step may skip g+ (on plain or reuse steps)."""
     return not (not self.reuses and not self.switches
-                and _is_static(self.rho) and float(self.rho) > 0 and _is_static(self.warmup_steps)
+                and _is_static(self.rho) and float(self.rho) > 0
+                and _is_static(self.warmup_steps)
                 and int(self.warmup_steps) == 0
                 and self.window is None and self.response != 'warm_restart')
 
@@ -370,6 +354,29 @@ class SAMOptions:
     if isinstance(due, bool) and _is_static(rho):
       return float(rho) if due else 0.0
     return jnp.where(due, jnp.asarray(rho, jnp.float32), 0.0)
+
+
+def _check_switch(options: SAMOptions) -> None:
+  """AE-SAM's switch is one rule for which steps compute g+; it excludes
+  the others."""
+  if options.ae_select is not None and not options.switches:
+    raise validation.ArgumentError(
+        _OWNER, 'ae_select', "is an option of AE-SAM's switch: set "
+        'ae_margin too', value=options.ae_select)
+  if options.switches:
+    # Each of these is another rule for which steps compute g+.
+    every = (int(options.every) if validation.is_concrete(options.every)
+             else 1)
+    for name, clash, why in (
+        ('every', every != 1, "LookSAM's reuse (every > 1)"),
+        ('mode', options.mode != 'opaque', "mode='two_call'"),
+        ('batch_axis_name', options.batch_axis_name is not None,
+         'm-sharpness (each device would decide on its own |g|)')):
+      if clash:
+        raise validation.ArgumentError(
+            _OWNER, 'ae_margin', "AE-SAM's switch is not supported with "
+            f'{why}: drop {name} or set ae_margin=None',
+            value=options.ae_margin)
 
 
 def is_sam_step(options: SAMOptions, count: int | jax.Array,
@@ -678,6 +685,36 @@ def _check_call(params, grad_fn, needs_grad_fn: bool):
         "mode='two_call' for loops that cannot.")
 
 
+def _step_gradients(options: SAMOptions, sam_step, active, sam_grads,
+                    plain_grads):
+  """(the gradient the base steps with, the detector's statistics, the
+  ascent state, g_v, whether g+ was computed): from `sam_grads` or
+  `plain_grads` as `sam_step`, the options and `active` choose."""
+  if options.never_perturbs or sam_step is False:
+    # The base optimizer's own computation (or a reuse step), nothing else.
+    return (*plain_grads(None), jnp.array(False))
+  elif sam_step:
+    return (*sam_grads(None), jnp.array(True))
+  elif options.switches:
+    # Skip g+ in a cond, or compute both and keep the switch's pick (no
+    # conditional: see `sam`'s ae_select); None picks by platform.
+    select = lambda: jax.tree.map(lambda a, b: jnp.where(active, a, b),
+                                  sam_grads(None), plain_grads(None))
+    skip = lambda: jax.lax.cond(active, sam_grads, plain_grads, None)
+    if options.ae_select is None:
+      picked = jax.lax.platform_dependent(cpu=select, default=skip)
+    else:
+      picked = select() if options.ae_select else skip()
+    return (*picked, active)
+  elif not options.may_skip:
+    # No step can be plain: straight-line code, which XLA schedules with
+    # the memory of a hand-written SAM step (a cond's output would hold
+    # one more gradient-sized buffer).
+    return (*sam_grads(None), active)
+  else:
+    return (*jax.lax.cond(active, sam_grads, plain_grads, None), active)
+
+
 def _opaque_update(options: SAMOptions,
                    base: optax.GradientTransformationExtraArgs,
                    grads: Updates, state: SAMState, params: Params = None, *,
@@ -726,32 +763,8 @@ def _opaque_update(options: SAMOptions,
     return (step_grads, (zero, zero, zero if tracked else None),
             state.ascent_state, g_v)
 
-  if options.never_perturbs or sam_step is False:
-    # The base optimizer's own computation (or a reuse step), nothing else.
-    step_grads, stats, ascent_state, g_v = plain_grads(None)
-    active = jnp.array(False)
-  elif sam_step:
-    step_grads, stats, ascent_state, g_v = sam_grads(None)
-    active = jnp.array(True)
-  elif options.switches:
-    # Skip g+ in a cond, or compute both and keep the switch's pick (no
-    # conditional: see `sam`'s ae_select); None picks by platform.
-    select = lambda: jax.tree.map(lambda a, b: jnp.where(active, a, b),
-                                  sam_grads(None), plain_grads(None))
-    skip = lambda: jax.lax.cond(active, sam_grads, plain_grads, None)
-    if options.ae_select is None:
-      picked = jax.lax.platform_dependent(cpu=select, default=skip)
-    else:
-      picked = select() if options.ae_select else skip()
-    step_grads, stats, ascent_state, g_v = picked
-  elif not options.may_skip:
-    # No step can be plain: straight-line code, which XLA schedules with
-    # the memory of a hand-written SAM step (a cond's output would hold
-    # one more gradient-sized buffer).
-    step_grads, stats, ascent_state, g_v = sam_grads(None)
-  else:
-    step_grads, stats, ascent_state, g_v = jax.lax.cond(
-        active, sam_grads, plain_grads, None)
+  step_grads, stats, ascent_state, g_v, active = _step_gradients(
+      options, sam_step, active, sam_grads, plain_grads)
   updates, base_state = base.update(step_grads, state.base_state, params,
                                     **extra_args)
   det = state.detector
@@ -896,34 +909,25 @@ def sam(
     shrink_factor: rho's multiplier on each 'shrink_rho' response, in (0, 1).
     mode: 'opaque' (one call, needs `grad_fn`) or 'two_call' (alternating
       calls, no `grad_fn`; keeps a copy of w and g in the state).
-    fused: compute w + e with the Pallas kernels of
-      `geom.kernels.sam_perturb` (docs/methods/sam_perturb.md).
+    fused: w + e by `geom.kernels.sam_perturb`'s Pallas kernels.
     ascent: an optax transformation as `optax.contrib.sam`'s `adv_optimizer`
       (e = -rho * its update), not with `adaptive`/`fused`. None: rho g / |g|.
     reset_ascent: restart `ascent`'s state at every SAM step (optax's
       `reset_state`); False keeps it (e.g. Adam moments) between them.
-    every: LookSAM: g+ every k-th step from the warm-up's end (or window's
-      start) only; the steps between take one gradient and step with g +
-      alpha |g| / |g_v| g_v, g_v the part of the last g+ orthogonal to its g
-      (opaque mode, no m-sharpness; docs/methods/sam.md). 1: SAM.
-    alpha: LookSAM's weight of g_v on the reuse steps, >= 0.
-    ae_margin: AE-SAM's c (a float or a schedule of the step count): g+
-      only on steps with |g|^2 >= mu + c sigma, mu and sigma the running
-      mean and standard deviation of |g|^2; the others are base steps on g.
-      The decision is taken on the device (`diagnostics` logs it). None: no
-      switch. Not with `every` > 1, two-call mode or m-sharpness.
+    every: LookSAM: g+ on every k-th step only, g plus the stored part of
+      g+ orthogonal to its g in between (opaque mode). 1: SAM.
+    alpha: LookSAM's weight of that part on the reuse steps, >= 0.
+    ae_margin: AE-SAM's c (a float or a schedule): g+ only on steps with
+      |g|^2 >= mu + c sigma, their running mean and deviation; None: off.
     ae_decay: AE-SAM's delta, the statistics' decay, in (0, 1).
-    ae_select: True: compute g+ on every step and keep it where the switch
-      says (the same updates, at SAM's cost); False: skip it in a
-      `lax.cond`; None: True on CPU, whose conditionals run convolution
-      gradients about 10x slower (docs/methods/sam.md), False elsewhere.
+    ae_select: True: g+ on every step, the switch's pick kept; False: g+
+      skipped in a `lax.cond`; None: True on CPU only (docs/methods/sam.md).
 
   Returns:
-    An `optax.GradientTransformationExtraArgs`; in opaque mode its update
-    is `update(grads, state, params, *, grad_fn, sam_step=None, **extra)`:
-    `grad_fn(params)` (or optax's `grad_fn(params, i)`) is the gradient at
-    other weights, same batch; `sam_step` (a Python bool) fixes whether the
-    step computes g+ (`is_sam_step`) at trace time; the rest go to the base.
+    An `optax.GradientTransformationExtraArgs`; opaque mode's update is
+    `update(grads, state, params, *, grad_fn, sam_step=None, **extra)`:
+    `grad_fn(params)` (or `grad_fn(params, i)`) the gradient at other weights,
+    same batch; `sam_step` (bool) fixes at trace time whether g+ is computed.
 
   Raises:
     ArgumentError: (a ValueError) for an invalid argument, naming it.
@@ -939,13 +943,8 @@ def sam(
     >>> [round(float(u), 4) for u in updates]   # -0.1 g+, g+ at w + e
     [0.2071, 0.2071]
   """
-  return from_options(base_optimizer, SAMOptions(
-      rho=rho, adaptive=adaptive, eta=eta, eps=eps, warmup_steps=warmup_steps,
-      window=window, batch_axis_name=batch_axis_name, detector=detector,
-      response=response, restart_steps=restart_steps,
-      shrink_factor=shrink_factor, mode=mode, fused=fused, ascent=ascent,
-      reset_ascent=reset_ascent, every=every, alpha=alpha,
-      ae_margin=ae_margin, ae_decay=ae_decay, ae_select=ae_select))
+  fields = dict(locals())  # The arguments: SAMOptions' fields and the base.
+  return from_options(fields.pop('base_optimizer'), SAMOptions(**fields))
 
 
 def find_state(opt_state: optax.OptState) -> SAMState | None:
@@ -1026,7 +1025,8 @@ def diagnostics(opt_state: optax.OptState) -> dict[str, jax.Array]:
     out.update(
         grad_norm=det.grad_norm, perturbed_grad_norm=det.perturbed_grad_norm,
         grad_ratio=ratio, grad_norm_ema=det.grad_norm_ema,
-        grad_norm_scale=det.grad_norm_scale, grad_ratio_ema=det.ratio_ema, hallucination=det.flagged,
+        grad_norm_scale=det.grad_norm_scale, grad_ratio_ema=det.ratio_ema,
+        hallucination=det.flagged,
         hallucination_steps=det.flagged_steps, sam_steps=det.sam_steps)
     if det.cosine is not None:
       out.update(cosine=det.cosine, cosine_ema=det.cosine_ema)

@@ -42,6 +42,7 @@ field is named in the `ConfigError` raised here.
 
 from collections.abc import Callable
 import dataclasses
+import functools
 import math
 import re
 from typing import Any
@@ -244,7 +245,9 @@ def build(cfg: ml_collections.ConfigDict, total_steps: int) -> Optimizer:
   all_hooks, per_device_field = [], None
   for name, method in METHODS.items():
     if name in cfg and cfg[name].enabled:
-      tx, hooks, field = method(tx, cfg[name], total_steps)
+      if method is _sam:  # Its schedules (AE-SAM's margin) span the run.
+        method = functools.partial(_sam, total_steps=total_steps)
+      tx, hooks, field = method(tx, cfg[name])
       all_hooks.append(hooks)
       per_device_field = per_device_field or field
   hooks = method_hooks.combine(*all_hooks)
@@ -309,8 +312,8 @@ def _ae_margin(cfg: ml_collections.ConfigDict, total_steps: int
 
 
 def _sam(base: optax.GradientTransformation, cfg: ml_collections.ConfigDict,
-         total_steps: int) -> tuple[optax.GradientTransformationExtraArgs,
-                                    method_hooks.MethodHooks, str]:
+         total_steps: int = 1) -> tuple[optax.GradientTransformationExtraArgs,
+                                        method_hooks.MethodHooks, str]:
   """SAM around `base` from `config.optimizer.sam`."""
   detector = None
   if cfg.detector.enabled:
@@ -342,8 +345,7 @@ def _sam(base: optax.GradientTransformation, cfg: ml_collections.ConfigDict,
 
 
 # Config block under `config.optimizer` -> builder of the method around the
-# chain: (tx, block, num_steps) -> (tx, hooks, the field that sets a
-# per-device axis).
+# chain: (tx, block) -> (tx, hooks, the field that sets a per-device axis).
 METHODS: dict[str, Callable[..., tuple[
     optax.GradientTransformationExtraArgs, method_hooks.MethodHooks, str]]] = {
         'sam': _sam,
