@@ -84,3 +84,67 @@ def test_the_quantisation_error_falls_with_bits():
 def test_bad_arguments(bits, shape):
   with pytest.raises(ValueError, match='bits|dimensions'):
     quantization.quantize_array(jnp.ones(shape), bits)
+
+
+def _group_reference(w: np.ndarray, bits: int, group: int) -> np.ndarray:
+  """Loop over (group of `group` rows, channel) in float64, the rows being
+  every axis but the last flattened."""
+  top = 2 ** (bits - 1) - 1
+  rows = w.reshape(-1, w.shape[-1]).astype(np.float64)
+  out = np.empty_like(rows)
+  for start in range(0, rows.shape[0], group):
+    for c in range(rows.shape[1]):
+      col = rows[start:start + group, c]
+      s = np.abs(col).max() / top
+      out[start:start + group, c] = (
+          0.0 if s == 0 else np.clip(np.round(col / s), -top - 1, top) * s)
+  return out.reshape(w.shape)
+
+
+@pytest.mark.parametrize('bits', [3, 4, 8])
+@pytest.mark.parametrize('shape, group', [((64, 5), 32), ((70, 3), 32),
+                                          ((3, 10, 4), 4), ((5, 2), 1),
+                                          ((6, 2), 100)])
+def test_groups_match_the_per_group_loop(bits, shape, group):
+  # Ragged last groups (70 rows, 30 rows in groups of 4), a group of one
+  # (exact) and a group larger than the array (per channel).
+  rng = np.random.default_rng(bits + group)
+  w = (rng.standard_t(2, size=shape) * 3).astype(np.float32)
+  got = jax.jit(lambda a: quantization.fake_quantize_array(a, bits, group))(
+      jnp.asarray(w))
+  np.testing.assert_allclose(np.asarray(got), _group_reference(w, bits, group),
+                             rtol=1e-5, atol=1e-6)
+  if group == 1:
+    np.testing.assert_allclose(np.asarray(got), w, rtol=1e-6)
+  if group >= w.size // w.shape[-1]:
+    np.testing.assert_array_equal(
+        np.asarray(got), np.asarray(quantization.fake_quantize(w, bits)))
+
+
+def test_groups_confine_an_outlier():
+  # One huge weight coarsens its whole channel's grid per channel, only
+  # its own group's with groups: the rest keep a 4-bit error.
+  w = np.random.default_rng(0).normal(size=(256, 8)).astype(np.float32)
+  w[3, 2] = 1000.0
+  per_channel = np.asarray(quantization.fake_quantize(w, 4))
+  grouped = np.asarray(quantization.fake_quantize(w, 4, group_size=32))
+  rest = np.ones(w.shape, bool)
+  rest[:32, 2] = False
+  assert np.abs(grouped - w)[rest].max() < 0.3
+  assert np.abs(per_channel - w)[32:, 2].mean() > 0.5
+  assert np.abs(grouped - w)[32:, 2].mean() < 0.2
+
+
+def test_groups_keep_dtypes_and_skip_small_arrays():
+  params = {'k': jnp.ones((8, 2), jnp.bfloat16) * 0.3,
+            'b': jnp.asarray([0.3, 0.7]), 'i': jnp.ones((4, 4), jnp.int32)}
+  out = quantization.fake_quantize(params, 4, group_size=3)
+  assert out['k'].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(out['b'], params['b'])
+  np.testing.assert_array_equal(out['i'], params['i'])
+
+
+@pytest.mark.parametrize('group', [0, -2, 2.5, '32'])
+def test_bad_group_sizes(group):
+  with pytest.raises(ValueError, match='group_size'):
+    quantization.fake_quantize({'k': jnp.ones((4, 2))}, 4, group_size=group)

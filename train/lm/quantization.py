@@ -18,7 +18,14 @@ round-to-nearest baseline):
 - only arrays with at least 2 dimensions are quantised: norms' scales and
   biases are tiny and stay in float, as in common weight-only schemes;
 - a channel that is all zero keeps scale 0 and stays zero (no division by
-  zero).
+  zero);
+- `group_size=G` (round-to-nearest per group, as GGUF's Q4_0 with G = 32
+  and GPTQ/AWQ with G = 128): one scale per output channel and per G
+  consecutive weights along the input, i.e. along every axis but the last
+  flattened in row-major order (a kernel's input features; the
+  vocabulary of an embedding table); the last group of an axis not
+  divisible by G is shorter. Scales from a whole channel let one outlier
+  weight coarsen the grid of every other weight in it; groups confine it.
 
 qwix (Google's JAX quantisation library) would do this and more, but it
 is not in the pinned stack and a fake-quant is a few lines that the tests
@@ -30,7 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ['fake_quantize', 'quantize_array']
+__all__ = ['fake_quantize', 'fake_quantize_array', 'quantize_array']
 
 
 def quantize_array(w: jax.Array, bits: int = 4, channel_axis: int = -1
@@ -61,14 +68,51 @@ def quantize_array(w: jax.Array, bits: int = 4, channel_axis: int = -1
   return codes.astype(jnp.int8 if bits <= 8 else jnp.int16), scale
 
 
-def fake_quantize(params: Any, bits: int = 4) -> Any:
-  """`params` with every >= 2-D array replaced by its per-channel symmetric
-  `bits`-bit quantisation, dequantised to its own dtype."""
+def fake_quantize_array(w: jax.Array, bits: int = 4,
+                        group_size: int | None = None) -> jax.Array:
+  """`w` rounded to its symmetric `bits`-bit grid, per output channel (the
+  last axis) or per (group of `group_size` input weights, channel), and
+  dequantised to `w`'s dtype.
+
+  Raises:
+    ValueError: bits outside [2, 16], `w` under 2 dimensions, or a
+      group_size under 1.
+  """
+  if group_size is None:
+    codes, scale = quantize_array(w, bits)
+    return (codes.astype(jnp.float32) * scale).astype(w.dtype)
+  if not isinstance(group_size, int) or group_size < 1:
+    raise ValueError(f'group_size={group_size!r}: must be an int >= 1 '
+                     '(or None: one scale per channel)')
+  if w.ndim < 2:
+    raise ValueError(f'an array of shape {w.shape} has no channels to '
+                     'quantise per (need >= 2 dimensions)')
+  rows = w.reshape(-1, w.shape[-1])
+  groups = -(-rows.shape[0] // group_size)
+  # Zero rows pad the last group: they never raise its max |w|.
+  padded = jnp.pad(rows, ((0, groups * group_size - rows.shape[0]), (0, 0)))
+  codes, scale = quantize_array(
+      padded.reshape(groups, group_size, w.shape[-1]).transpose(1, 0, 2)
+      .reshape(group_size, groups * w.shape[-1]), bits)
+  out = (codes.astype(jnp.float32) * scale).reshape(
+      group_size, groups, w.shape[-1]).transpose(1, 0, 2)
+  return out.reshape(-1, w.shape[-1])[:rows.shape[0]].reshape(
+      w.shape).astype(w.dtype)
+
+
+def fake_quantize(params: Any, bits: int = 4,
+                  group_size: int | None = None) -> Any:
+  """`params` with every floating >= 2-D array replaced by its symmetric
+  `bits`-bit quantisation (per channel, or per group of `group_size`
+  input weights and channel), dequantised to its own dtype."""
 
   def one(w):
     if w.ndim < 2 or not jnp.issubdtype(w.dtype, jnp.floating):
       return w
-    codes, scale = quantize_array(w, bits)
-    return (codes.astype(jnp.float32) * scale).astype(w.dtype)
+    return fake_quantize_array(w, bits, group_size)
 
+  if group_size is not None and (not isinstance(group_size, int)
+                                 or group_size < 1):
+    raise ValueError(f'group_size={group_size!r}: must be an int >= 1 '
+                     '(or None: one scale per channel)')
   return jax.tree.map(one, params)
