@@ -82,6 +82,8 @@ def _training(args: dict[str, str]) -> ml_collections.ConfigDict:
     config.model = _model(shape, 128)
   else:
     config.task = 'rl_sft'
+    # An LM run to post-train (a Gemma continued on text): its parameters.
+    config.init_from = ml_collections.config_dict.placeholder(str)
     # Sums of 1 to 3 digits: Gemma 3 270M answers some already (its
     # pass@1 before fine-tuning is in RESULTS.md), so fine-tuning moves a
     # model that is partly competent, as the RL warm start needs.

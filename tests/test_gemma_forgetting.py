@@ -149,6 +149,9 @@ _LATER_DEFAULTS = {'every': 1, 'alpha': 0.7,
 
 
 def _without_later_defaults(config, stored):
+  # init_from (post-training another run) came later too, unset here.
+  if 'init_from' not in stored and config.get('init_from', 0) is None:
+    del config['init_from']
   sam, stored_sam = config['optimizer']['sam'], stored['optimizer']['sam']
   for key, default in _LATER_DEFAULTS.items():
     if key not in stored_sam and sam.get(key) == default:

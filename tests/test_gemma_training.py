@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from configs import gemma as gemma_config
+from configs import rl_sft
 from tests import launch_runs
 from tests import tiny_gemma
 from train.training import optim
@@ -244,3 +245,53 @@ def test_a_real_gemma_fine_tunes_and_serves_grpo(tmp_path):
   assert out.returncode == 0, out.stderr[-2000:]
   assert json.load(open(os.path.join(rl_dir, 'results.json')))[
       'versions'] == 2
+
+
+def _lm_run(tiny_file, workdir, seed):
+  config = tiny_gemma.gemma_config(tiny_file, 'finetune,frozen')
+  config.batch_size = config.eval_batch_size = 8
+  config.seed = seed
+  lm_trainer.train_and_evaluate(config, str(workdir))
+  return str(workdir)
+
+
+def test_sft_post_trains_an_lm_run_and_pins_it_by_content(tiny_file,
+                                                          tmp_path):
+  # A Gemma continued on text (its embedding frozen, block_0 trained),
+  # then post-trained with block_0 frozen: the policy's block_0 is the LM
+  # run's, bit for bit, not the file's.
+  lm_a = _lm_run(tiny_file, tmp_path / 'lm_a', 0)
+  lm_b = _lm_run(tiny_file, tmp_path / 'lm_b', 1)
+  source = str(tmp_path / 'source')
+  shutil.copytree(lm_a, source)
+  config = _sft_config(tiny_file, frozen='^(embedding|block_0/)')
+  config.init_from = source
+  workdir = str(tmp_path / 'sft')
+  sft.train_and_evaluate(config, workdir)
+  policy = _leaves(sft.load_policy(workdir).params)
+  mid = _leaves(lm_trainer.load_trained(lm_a).params)
+  file = _leaves(gemma_gguf.load(tiny_file).params)
+  block_0 = [p for p in policy if "['block_0']" in p]
+  assert block_0
+  for path in block_0:
+    assert np.array_equal(policy[path], mid[path]), path
+  assert any(not np.array_equal(mid[p], file[p]) for p in block_0)
+  # The source replaced by another run: a rerun is refused, naming it.
+  shutil.rmtree(source)
+  shutil.copytree(lm_b, source)
+  with pytest.raises(Exception, match='init_from'):
+    sft.train_and_evaluate(config, workdir)
+
+
+def test_sft_refuses_a_source_without_checkpoints_or_of_other_tokens(
+    tiny_file, tmp_path):
+  config = _sft_config(tiny_file)
+  config.init_from = str(tmp_path / 'nothing')
+  with pytest.raises(Exception, match='config.init_from.*no checkpoints'):
+    sft.train_and_evaluate(config, str(tmp_path / 'a'))
+  # A byte-level warm start from a Gemma run: other tokens, one line.
+  source = _lm_run(tiny_file, tmp_path / 'lm', 0)
+  byte_config = rl_sft.get_config('runlocal')
+  byte_config.init_from = source
+  with pytest.raises(ConfigError, match='init_from.*tokenizer'):
+    sft.train_and_evaluate(byte_config, str(tmp_path / 'b'))

@@ -16,6 +16,13 @@ At the end, pass@1 by greedy decoding on each difficulty's held-out set
 and added to the final metrics as `pass_at_1_<family>_d<k>`. The RL run
 starts from this checkpoint (`load_policy`: the model, its parameters and
 the codec of its tokens, `train.rl.tasks.Codec`).
+
+`config.init_from` (optional) names an LM run's workdir (`config.task =
+'lm'`, e.g. a Gemma continued on text): a new run starts from its latest
+verified parameters with a fresh optimizer state, post-training a
+mid-trained model. Its parameters are pinned by content (a resume from
+a source that trained on since is refused), and its tokenizer must be
+this run's.
 """
 
 from collections.abc import Sequence
@@ -33,6 +40,7 @@ import optax
 from train.training import experiment as experiment_lib
 from train import fileio
 from train.training import loop
+from train.run import checksums
 from train.run import resume_check
 from train.errors import ConfigError
 from train.lm import models
@@ -152,6 +160,10 @@ def build(config: ml_collections.ConfigDict, workdir: str, *,
   lm_tokenizer.check_config(config)
   if check_data:
     models.check_inputs(config)
+    if config.get('init_from'):
+      experiment_lib.require_checkpoints(
+          config.init_from, field='config.init_from',
+          hint='train the LM run to start from first')
   length = sequence_length(config.data)
   return experiment_lib.assemble(
       config, workdir, model=model,
@@ -213,12 +225,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   Returns the loop's final metrics plus `pass_at_1_<family>_d<k>`.
   """
   exp = build(config, workdir)
-  pretrained = functools.cache(lambda: models.pretrained(config))
+  inputs = dict(models.fingerprints(config))
+  if config.get('init_from'):
+    source = _source(config)
+    inputs['config.init_from'] = checksums.digest(source.params)
+    initial = lambda: {'params': source.params}
+  elif models.kind(config) == 'decoder':
+    initial = None
+  else:
+    pretrained = functools.cache(lambda: models.pretrained(config))
+    initial = lambda: {'params': pretrained().params}
   final = dict(loop.train_and_evaluate(
-      exp, functools.partial(load_data, config, exp.workdir),
-      None if models.kind(config) == 'decoder'
-      else lambda: {'params': pretrained().params},
-      inputs=models.fingerprints(config)))
+      exp, functools.partial(load_data, config, exp.workdir), initial,
+      inputs=inputs))
   path = fileio.join(exp.workdir, PASS_AT_1)
   if fileio.exists(path):
     scores = json.loads(fileio.read_text(path))
@@ -232,6 +251,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     logging.info('pass@1 %s: %.3f', name, value)
   final.update({f'pass_at_1_{k}': v for k, v in scores.items()})
   return final
+
+
+def _source(config: ml_collections.ConfigDict) -> lm_trainer.TrainedLM:
+  """The LM run `config.init_from`, its tokenizer checked against the
+  one this config reads (ConfigError naming init_from otherwise)."""
+  source = lm_trainer.load_trained(config.init_from)
+  own = (lm_tokenizer.ByteTokenizer() if models.kind(config) == 'decoder'
+         else models.tokenizer(config))
+  if source.tokenizer.fingerprint != own.fingerprint:
+    raise ConfigError('init_from', config.init_from,
+                      f'its tokenizer ({source.tokenizer.kind}) is not this '
+                      f"config's ({own.kind}): post-train a run of the "
+                      'same model file')
+  return source
 
 
 def _hint(sft_workdir: str) -> str:
