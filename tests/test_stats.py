@@ -2,6 +2,7 @@
 data, the closed-form variance of the two-level bootstrap, and edges."""
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -148,3 +149,12 @@ def test_a_seed_list_must_be_distinct_seeds_and_not_empty():
                        (['x'], 'not a number')):
     with pytest.raises(errors.UsageError, match=f'^--lm_seeds=.*: {problem}'):
       stats.check_seed_list('--lm_seeds', bad)
+
+
+def test_spearman_ranks_ties_and_constants():
+  assert stats.spearman([1, 2, 3], [10, 20, 30]) == 1.0
+  assert stats.spearman([1, 2, 3], [3, 2, 1]) == -1.0
+  assert np.isclose(stats.spearman([1, 2, 2, 3], [1, 2, 3, 4]),
+                    np.corrcoef([0, 1.5, 1.5, 3], [0, 1, 2, 3])[0, 1])
+  assert math.isnan(stats.spearman([1, 1, 1], [1, 2, 3]))
+  assert math.isnan(stats.spearman([1, float('nan')], [1, 2]))

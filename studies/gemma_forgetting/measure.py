@@ -18,7 +18,6 @@ model file, and refused (UsageError) where it was made with others.
 
 import json
 import os
-from typing import Any
 
 import jax
 import numpy as np
@@ -27,8 +26,7 @@ from geom import curvature
 from studies.gemma_forgetting.settings import REFERENCE
 from studies.gemma_forgetting.settings import Settings
 from studies.gemma_forgetting.settings import run_config
-from train import fileio
-from train.errors import UsageError
+from train.analysis import measure_cache
 from train.lm import data as lm_data
 from train.lm import heldout
 from train.lm import models
@@ -96,30 +94,10 @@ def measure_sharpness(settings: Settings, base, root: str, variant: str | None,
     policy = sft.load_policy(run_dir)
     return top_eigenvalue(config, policy.params, policy.codec, settings,
                           run_dir)
-  record = _cached(os.path.join(root, 'measures', f'sharpness_{name}.json'),
-                   identity, compute)
+  record = measure_cache.cached(
+      os.path.join(root, 'measures', f'sharpness_{name}.json'), identity,
+      compute)
   return {k: record[k] for k in ('lambda_max', 'power_iterations')}
-
-
-def _write_json(path: str, value: Any) -> None:
-  fileio.write_text_atomic(path, json.dumps(value, indent=1,
-                                            sort_keys=True) + '\n')
-
-
-def _cached(path: str, identity: dict, compute) -> dict:
-  """The record at `path` if it was made with `identity`, else computed
-  and written (atomically); a record of other settings is refused."""
-  if os.path.exists(path):
-    record = json.loads(fileio.read_text(path))
-    if record.get('identity') != identity:
-      raise UsageError('--workdir', os.path.dirname(os.path.dirname(path)),
-                       f'{os.path.basename(path)} was measured with other '
-                       'settings or another model file; use another workdir')
-    return record
-  record = dict(compute(), identity=identity)
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  _write_json(path, record)
-  return record
 
 
 def _identity(settings: Settings, config, gguf_sha: str) -> dict:
@@ -145,8 +123,8 @@ def measure_pretrained(settings: Settings, base, root: str) -> dict:
                                                  windows, _BATCH),
                 pass_at_1=sft.evaluate_pass_at_1(base, model, loaded.params,
                                                  codec))
-  return _cached(os.path.join(root, 'measures', 'pretrained.json'),
-                 identity, compute)
+  return measure_cache.cached(
+      os.path.join(root, 'measures', 'pretrained.json'), identity, compute)
 
 
 def measure_run(settings: Settings, base, root: str, variant: str,
@@ -173,5 +151,6 @@ def measure_run(settings: Settings, base, root: str, variant: str,
                    if k.startswith('pass_at_1_')},
         final_train_loss=logged[-1]['train_loss'],
         hallucination_steps=logged[-1].get('opt/hallucination_steps', 0))
-  return _cached(os.path.join(root, 'measures', f'{variant}_seed{seed}.json'),
-                 _identity(settings, config, sha), compute)
+  return measure_cache.cached(
+      os.path.join(root, 'measures', f'{variant}_seed{seed}.json'),
+      _identity(settings, config, sha), compute)

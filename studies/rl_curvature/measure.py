@@ -34,6 +34,7 @@ from train.rl import learner
 from train.rl import rollout
 from train.rl import sft
 from train.rl import tasks
+from train.analysis import stats
 
 
 def nll_loss(model: Any, batch: Any) -> Callable[[Any], jax.Array]:
@@ -85,25 +86,6 @@ def on_policy_batch(model: Any, params: Any, family: str, difficulty: int,
                        num_steps=tasks.max_answer_tokens(family, difficulty),
                        codec=codec)
   return learner.assemble(out, samples, length), out
-
-
-def spearman(a: Any, b: Any) -> float:
-  """Spearman's rank correlation (ties take their mean rank; NaN when
-  either side is constant or has fewer than two finite pairs)."""
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  ok = np.isfinite(a) & np.isfinite(b)
-  a, b = a[ok], b[ok]
-
-  def ranks(x):
-    r = np.empty(len(x))
-    r[np.argsort(x, kind='stable')] = np.arange(len(x), dtype=np.float64)
-    for v in np.unique(x):
-      r[x == v] = r[x == v].mean()
-    return r
-
-  if len(a) < 2 or np.ptp(a) == 0 or np.ptp(b) == 0:
-    return float('nan')
-  return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
 
 
 def _timed(fn, *args) -> tuple[float, float]:
@@ -159,7 +141,7 @@ def measure(sft_workdirs: list[str], difficulties: list[int], *, family: str,
     if check_iters:
       fits['alpha_check'] = gas.fit_alpha(
           difficulties, np.log([abs(r['check_signed']) for r in rows]))
-    fits['spearman'] = spearman([r['power'] for r in rows],
+    fits['spearman'] = stats.spearman([r['power'] for r in rows],
                                 [r['rayleigh'] for r in rows])
     runs.append({'sft_workdir': workdir, 'rows': rows, **fits})
   return {

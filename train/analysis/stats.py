@@ -71,6 +71,26 @@ def mean_std(values: Sequence[float], scale: float = 1.0,
           f'{statistics.stdev(values):.{digits}f}')
 
 
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+  """Spearman's rank correlation (ties take their mean rank; NaN when
+  either side is constant or has fewer than two finite pairs)."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  ok = np.isfinite(a) & np.isfinite(b)
+  a, b = a[ok], b[ok]
+
+  def ranks(x):
+    r = np.empty(len(x))
+    r[np.argsort(x, kind='stable')] = np.arange(len(x), dtype=np.float64)
+    for v in np.unique(x):
+      r[x == v] = r[x == v].mean()
+    return r
+
+  if len(a) < 2 or np.ptp(a) == 0 or np.ptp(b) == 0:
+    return float('nan')
+  return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
+
+
+
 def check_seed_count(flag: str, value: Any) -> int:
   """The seed count of a study's `--seeds=N` (seeds 0 to N-1).
 
