@@ -498,3 +498,81 @@ def test_hutchinson_stderr_is_the_sample_standard_error(n):
     np.testing.assert_allclose(float(est.mean), values.mean(), atol=1e-6)
     np.testing.assert_allclose(float(est.stderr),
                                values.std(ddof=1) / np.sqrt(n), atol=1e-5)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _lanczos(loss, params, data, key, num_steps):
+  return curvature.lanczos(lambda p: loss(p, data), params, key, num_steps)
+
+
+@pytest.mark.parametrize('seed', SEEDS)
+@pytest.mark.parametrize('jit', [False, True])
+def test_lanczos_ends_match_dense_eigh_on_the_mlp(seed, jit):
+  # 51 parameters, 30 steps: both ends of an indefinite spectrum.
+  params, loss, data = _mlp(seed)
+  eigenvalues = np.linalg.eigvalsh(np.asarray(_dense(_mlp_loss, params, data),
+                                              np.float64))
+  key = jax.random.key(200 + seed)
+  spec = (_lanczos(_mlp_loss, params, data, key, 30) if jit
+          else curvature.lanczos(loss, params, key, 30))
+  scale = np.abs(eigenvalues).max()
+  assert float(spec.top) == pytest.approx(eigenvalues[-1], abs=1e-3 * scale)
+  assert float(spec.bottom) == pytest.approx(eigenvalues[0],
+                                             abs=1e-3 * scale)
+  # Ritz values lie inside the spectrum (interlacing).
+  ritz = np.asarray(spec.ritz_values)
+  assert np.all(np.diff(ritz) >= 0)
+  assert ritz[0] >= eigenvalues[0] - 1e-3 * scale
+  assert ritz[-1] <= eigenvalues[-1] + 1e-3 * scale
+
+
+@pytest.mark.parametrize('eigenvalues', [
+    (-9.0, 2.0, 1.0, 0.5, -0.5, 0.1),    # Power iteration finds -9.
+    (4.0, -3.0, 1.0, 0.5, 0.25, 0.1),
+])
+def test_lanczos_finds_the_largest_positive_eigenvalue(eigenvalues):
+  a, _, _, x0 = _quadratic(eigenvalues)
+  spec = _lanczos(_quadratic_loss, x0, a, jax.random.key(4), 6)
+  np.testing.assert_allclose(float(spec.top), max(eigenvalues), rtol=1e-4)
+  np.testing.assert_allclose(float(spec.bottom), min(eigenvalues), rtol=1e-4)
+  np.testing.assert_allclose(np.asarray(spec.ritz_values),
+                             np.sort(eigenvalues), rtol=1e-3, atol=1e-4)
+  top = _power(_quadratic_loss, x0, a, jax.random.key(4), 200)
+  assert float(top.eigenvalue) == pytest.approx(max(eigenvalues, key=abs),
+                                                rel=1e-4)
+
+
+def test_lanczos_stops_when_the_krylov_space_is_exhausted():
+  # Three distinct eigenvalues: the space ends after 3 steps; the 7 steps
+  # left add no spurious value outside the spectrum (no 0 here).
+  a, _, _, x0 = _quadratic((3.0, 3.0, 2.0, 2.0, 5.0, 5.0))
+  spec = _lanczos(_quadratic_loss, x0, a, jax.random.key(0), 10)
+  assert int(spec.steps) == 3
+  np.testing.assert_allclose(float(spec.top), 5.0, rtol=1e-4)
+  np.testing.assert_allclose(float(spec.bottom), 2.0, rtol=1e-4)
+  assert np.all(np.asarray(spec.ritz_values) >= 2.0 - 1e-4)
+
+
+def test_lanczos_at_the_edges():
+  zero = lambda w, data: jnp.sum(3.0 * w['a']) + 2.0
+  spec = _lanczos(zero, {'a': np.ones((3, 2), np.float32)}, None,
+                  jax.random.key(0), 5)
+  assert np.all(np.asarray(spec.ritz_values) == 0.0)
+  a, _, _, x0 = _quadratic((4.0, -1.0, 0.5, 0.25, 0.1, 0.05))
+  big = lambda x, a: 1e20 * _quadratic_loss(x, a)
+  spec = _lanczos(big, x0, a, jax.random.key(0), 6)
+  np.testing.assert_allclose(float(spec.top), 4e20, rtol=1e-4)
+  np.testing.assert_allclose(float(spec.bottom), -1e20, rtol=1e-4)
+  assert float(curvature.lanczos(lambda w: jnp.zeros(()), {},
+                                 jax.random.key(0), 3).top) == 0.0
+  # bfloat16 parameters: the vectors keep the dtype, the ends are close.
+  params, _, data = _mlp(0)
+  half = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), params)
+  eigenvalues = np.linalg.eigvalsh(np.asarray(_dense(_mlp_loss, params, data),
+                                              np.float64))
+  spec = _lanczos(_mlp_loss, half, data, jax.random.key(1), 30)
+  assert spec.ritz_values.dtype == jnp.float32
+  assert float(spec.top) == pytest.approx(eigenvalues[-1], rel=0.1)
+  with pytest.raises(validation.ArgumentError, match='num_steps'):
+    curvature.lanczos(lambda w: jnp.sum(w ** 2), jnp.ones(3),
+                      jax.random.key(0), 0)
