@@ -1,0 +1,287 @@
+"""studies.gemma_midtraining: the README's command at smoke size on a small
+Gemma 3 file (tests/tiny_gemma.py), its measures against plain references
+(a log-softmax over the windows, each probe scored alone, the dense
+Hessian of the mid-training loss), the chain of runs (post-training
+starts from the mid-trained model), its report, and its refusals."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.flatten_util
+import numpy as np
+import pytest
+
+from studies.gemma_midtraining import config as study_config
+from studies.gemma_midtraining import probes
+from studies.gemma_midtraining import report
+from studies.gemma_midtraining import settings as study_settings
+from studies.gemma_midtraining import study
+from tests import launch_runs
+from tests import tiny_gemma
+from train.errors import UsageError
+from train.lm import data as lm_data
+from train.lm import gemma_gguf
+from train.lm import models
+from train.lm import quantization
+from train.lm import trainer as lm_trainer
+from train.rl import sft
+
+# Mid-training trains one matrix (2,048 parameters): its dense Hessian is
+# the exact reference of the sharpness; post-training keeps it frozen, so
+# the post-trained model shows where it started.
+MATRIX = 'block_1/mlp/down'
+MID_FROZEN = f'^(?!{MATRIX}$)'
+POST_FROZEN = f'^(embedding|{MATRIX})$'
+SETTINGS = study_settings.Settings(
+    seeds=1, rhos=(0.05,), windows=4, window_len=16, lanczos_steps=60,
+    trace_probes=64, sharpness_windows=2)
+
+
+@pytest.fixture(scope='module')
+def tiny_file(tmp_path_factory):
+  return tiny_gemma.model_file(tmp_path_factory.mktemp('tiny') / 'g.gguf')
+
+
+def _base(path):
+  base = study_config.get_config('runlocal')
+  for field, frozen in (('midtrain', MID_FROZEN), ('posttrain', POST_FROZEN)):
+    base[field].model.gguf = str(path)
+    base[field].model.shape = 'gguf'
+    base[field].batch_size = base[field].eval_batch_size = 8
+    base[field].optimizer.frozen = frozen
+  return base
+
+
+def _flags(path):
+  out = []
+  for field, frozen in (('midtrain', MID_FROZEN), ('posttrain', POST_FROZEN)):
+    out += [f'--config.{field}.model.gguf={path}',
+            f'--config.{field}.model.shape=gguf',
+            f'--config.{field}.batch_size=8',
+            f'--config.{field}.eval_batch_size=8',
+            f'--config.{field}.optimizer.frozen={frozen}']
+  return out
+
+
+@pytest.fixture(scope='module')
+def smoke(tiny_file, tmp_path_factory):
+  """The README's command at smoke size: (workdir, stdout)."""
+  root = str(tmp_path_factory.mktemp('study') / 'study')
+  out = launch_runs.run_module(
+      'studies.gemma_midtraining',
+      '--config=studies/gemma_midtraining/config.py:runlocal',
+      *_flags(tiny_file), '--seeds=1', '--rhos=0.05', '--windows=4',
+      '--window_len=16', '--lanczos_steps=60', '--trace_probes=64',
+      '--sharpness_windows=2', f'--workdir={root}', timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return root, out.stdout
+
+
+def _measure(root, name):
+  with open(os.path.join(root, 'measures', f'{name}.json')) as f:
+    return json.load(f)
+
+
+def _ce(model, params, windows):
+  logits, _ = model.clone(max_len=windows.shape[1]).apply(
+      {'params': params}, windows[:, :-1])
+  logp = jax.nn.log_softmax(np.asarray(logits, np.float64))
+  return float(-np.take_along_axis(logp, windows[:, 1:, None], -1).mean())
+
+
+def test_the_text_measures_against_plain_references(smoke, tiny_file):
+  root, stdout = smoke
+  assert open(os.path.join(root, report.REPORT)).read() in stdout
+  base = _base(tiny_file)
+  checkpoint = _measure(root, 'mid_checkpoint')
+  loaded = gemma_gguf.load(tiny_file)
+  model = models.create(base.midtrain)
+  windows = lm_data.heldout_windows(loaded.tokenizer, 4, 16)
+  assert checkpoint['heldout_ce'] == pytest.approx(
+      _ce(model, loaded.params, windows), abs=1e-4)
+  # 4 bits in groups of 32: the quantised model's CE, not the per-channel
+  # one's (the setting reaches the quantisation).
+  grouped = quantization.fake_quantize(loaded.params, 4, 32)
+  assert checkpoint['quant_ce'] == pytest.approx(
+      _ce(model, grouped, windows), abs=1e-4)
+  per_channel = _ce(model, quantization.fake_quantize(loaded.params, 4),
+                    windows)
+  assert abs(checkpoint['quant_ce'] - per_channel) > 1e-3
+  # Each probe scored alone, unpadded.
+  logps, known = [], []
+  for prompt, answer in probes.FACTS:
+    head = [loaded.tokenizer.bos_id] + list(loaded.tokenizer.encode(prompt))
+    tail = list(loaded.tokenizer.encode(answer))
+    tokens = np.asarray([head + tail], np.int32)
+    logits, _ = model.clone(max_len=tokens.shape[1]).apply(
+        {'params': loaded.params}, tokens[:, :-1])
+    logp = jax.nn.log_softmax(np.asarray(logits[0], np.float64))
+    at = np.arange(len(head) - 1, tokens.shape[1] - 1)
+    logps.append(logp[at, tokens[0, at + 1]].mean())
+    known.append(bool(np.all(logp[at].argmax(-1) == tokens[0, at + 1])))
+  assert checkpoint['probes']['logprob'] == pytest.approx(np.mean(logps),
+                                                          abs=1e-4)
+  assert checkpoint['probes']['known'] == np.mean(known)
+
+
+def test_the_sharpness_against_the_dense_hessian(smoke, tiny_file, tmp_path):
+  root, _ = smoke
+  base = _base(tiny_file)
+  config = study_settings.mid_config(base, 'adamw', 0)
+  mid = _measure(root, 'sharpness_adamw_seed0')
+  trained = lm_trainer.load_trained(study_settings.mid_dir(root, 'adamw', 0))
+  exp = lm_trainer.build(config, str(tmp_path / 'h'), check_data=False)
+  batch = {'tokens': np.asarray(lm_data.load_windows(
+      config.data, 'train', 12345, tokenizer=trained.tokenizer).tokens[:2])}
+  params = jax.tree.map(np.asarray, trained.params)
+  block, layer, name = MATRIX.split('/')
+  flat, unflat = jax.flatten_util.ravel_pytree(params[block][layer][name])
+
+  def sub_loss(x):
+    inner = dict(params[block][layer], **{name: unflat(x)})
+    p = dict(params, **{block: dict(params[block], **{layer: inner})})
+    return exp.per_example(exp.model, {'params': p, 'batch_stats': {}},
+                           batch, False)[0].mean()
+  hessian = np.asarray(jax.jit(jax.hessian(sub_loss))(flat), np.float64)
+  eigenvalues = np.linalg.eigvalsh(hessian)
+  scale = np.abs(eigenvalues).max()
+  # The ends of the spectrum, the largest positive one included.
+  assert mid['lambda_max'] == pytest.approx(eigenvalues[-1], abs=0.02 * scale)
+  assert mid['lambda_min'] == pytest.approx(eigenvalues[0], abs=0.02 * scale)
+  assert abs(mid['trace'] - np.trace(hessian)) <= 4 * mid['trace_stderr']
+  assert mid['trace_stderr'] < 0.5 * abs(np.trace(hessian)) + 1e-6
+
+
+def test_post_training_starts_from_each_mid_trained_model(smoke, tiny_file):
+  root, _ = smoke
+  leaf = lambda tree: np.asarray(tree['block_1']['mlp']['down']['kernel']
+                                 if isinstance(tree['block_1']['mlp']['down'],
+                                               dict)
+                                 else tree['block_1']['mlp']['down'])
+  file = leaf(gemma_gguf.load(tiny_file).params)
+  for variant in ('adamw', 'sam_rho0.05'):
+    mid = leaf(lm_trainer.load_trained(
+        study_settings.mid_dir(root, variant, 0)).params)
+    post = sft.load_policy(study_settings.post_dir(root, variant, 0))
+    assert not np.array_equal(mid, file)
+    np.testing.assert_array_equal(leaf(post.params), mid)
+    assert post.config.init_from == study_settings.mid_dir(root, variant, 0)
+  checkpoint = sft.load_policy(study_settings.post_dir(root, 'checkpoint', 0))
+  np.testing.assert_array_equal(leaf(checkpoint.params), file)
+  sam = lm_trainer.load_trained(study_settings.mid_dir(root, 'sam_rho0.05', 0))
+  assert sam.config.optimizer.sam.enabled
+  assert sam.config.optimizer.sam.rho == 0.05
+  records = json.load(open(os.path.join(root, report.RECORDS)))
+  assert set(records['post']) == {'checkpoint', 'adamw', 'sam_rho0.05'}
+  post = records['post']['adamw']['0']
+  mid = records['mid']['adamw']['0']
+  assert set(post['pass_at_1']) == {'add_d1', 'add_d2'}
+  assert post['heldout_ce'] != mid['heldout_ce']
+
+
+def test_a_rerun_reuses_and_other_settings_are_refused(smoke, tiny_file,
+                                                       tmp_path):
+  root, stdout = smoke
+  base = _base(tiny_file)
+  path = os.path.join(root, 'measures', 'post_sam_rho0.05_seed0.json')
+  mtime = os.path.getmtime(path)
+  assert study.run(SETTINGS, base, root) in stdout
+  assert os.path.getmtime(path) == mtime
+  with pytest.raises(UsageError, match='other settings'):
+    study.run(dataclasses.replace(SETTINGS, group_size=8), base, root)
+  assert os.path.getmtime(path) == mtime
+
+
+def _bad(base, field, value):
+  node = base
+  *parents, leaf = field.split('.')
+  for p in parents:
+    node = node[p]
+  node[leaf] = value
+  return base
+
+
+@pytest.mark.parametrize('field, value, match', [
+    ('midtrain.optimizer.sam.enabled', True, 'midtrain.optimizer.sam'),
+    ('posttrain.optimizer.sam.enabled', True, 'posttrain.optimizer.sam'),
+    ('posttrain.model.gguf', '/elsewhere.gguf', 'posttrain.model.gguf'),
+    ('posttrain.init_from', '/some/run', 'posttrain.init_from'),
+    ('midtrain.task', 'rl_sft', 'midtrain.task'),
+])
+def test_a_bad_config_is_refused_before_anything(tiny_file, tmp_path, field,
+                                                 value, match):
+  root = tmp_path / 'study'
+  with pytest.raises(UsageError, match=match):
+    study.run(SETTINGS, _bad(_base(tiny_file), field, value), str(root))
+  assert not root.exists()
+
+
+@pytest.mark.parametrize('change, flag', [
+    (dict(rhos=()), '--rhos'), (dict(rhos=(0.1, 0.1)), '--rhos'),
+    (dict(bits=9), '--bits'), (dict(group_size=-1), '--group_size'),
+    (dict(trace_probes=-1), '--trace_probes'),
+    (dict(lanczos_steps=-1), '--lanczos_steps'),
+    (dict(sharpness_windows=0), '--sharpness_windows')])
+def test_bad_settings_name_their_flag(tiny_file, tmp_path, change, flag):
+  root = tmp_path / 'study'
+  with pytest.raises(UsageError, match=flag):
+    study.run(dataclasses.replace(SETTINGS, **change), _base(tiny_file),
+              str(root))
+  assert not root.exists()
+
+
+def _mid(variant, seed, ce, quant, lam, probe=-2.0):
+  return dict(variant=variant, seed=seed, heldout_ce=ce, quant_ce=quant,
+              probes=dict(logprob=probe, known=0.5),
+              quant_probes=dict(logprob=probe - 0.1, known=0.4),
+              lambda_max=lam, trace=10 * lam, final_train_loss=1.0)
+
+
+def _post(variant, seed, ce):
+  return dict(variant=variant, seed=seed, heldout_ce=ce,
+              probes=dict(logprob=-2.5, known=0.25), answer_ce=0.2,
+              pass_at_1={'add_d1': 1.0})
+
+
+def test_the_report_pairs_seeds_against_adamw_and_the_checkpoint():
+  checkpoint = dict(_mid('checkpoint', None, 3.0, 3.5, 30.0),
+                    pass_at_1={'add_d1': 0.25})
+  del checkpoint['final_train_loss']  # Not trained.
+  mids = {'checkpoint': {0: checkpoint, 1: checkpoint},
+          'adamw': {0: _mid('adamw', 0, 2.9, 3.3, 20.0),
+                    1: _mid('adamw', 1, 2.8, 3.2, 25.0)},
+          'sam_rho0.1': {0: _mid('sam_rho0.1', 0, 2.9, 3.1, 10.0),
+                         1: _mid('sam_rho0.1', 1, 2.8, 3.2, 12.0)}}
+  posts = {'checkpoint': {0: _post('checkpoint', 0, 3.6),
+                          1: _post('checkpoint', 1, 3.5)},
+           'adamw': {0: _post('adamw', 0, 3.3), 1: _post('adamw', 1, 3.2)},
+           'sam_rho0.1': {0: _post('sam_rho0.1', 0, 3.1),
+                          1: _post('sam_rho0.1', 1, 3.3)}}
+  # Post: adamw forgets 0.4 / 0.4, SAM 0.2 / 0.5: reductions 50% and
+  # -25%; 4-bit: adamw 0.4 / 0.4, SAM 0.2 / 0.4: 50% and 0%.
+  assert report.reductions(mids, posts, 'sam_rho0.1', 'adamw', 'post') == (
+      pytest.approx([0.5, -0.25]))
+  assert report.reductions(mids, posts, 'sam_rho0.1', 'adamw', 'quant') == (
+      pytest.approx([0.5, 0.0]))
+  # Against the checkpoint (forgot 0.6 / 0.5 and 0.5 / 0.5).
+  assert report.reductions(mids, posts, 'adamw', 'checkpoint', 'post') == (
+      pytest.approx([1 / 3, 0.2]))
+  text = report.summarize(mids, posts)
+  assert ('- sam_rho0.1, post-training: reduction against adamw 1'
+          ) in text  # 12.5 ± 53%, rounded either way.
+  assert ('± 53% (per seed: +50%, -25%; seeds where adamw forgot: 2); '
+          'paper 31%.') in text
+  assert ('- sam_rho0.1, 4-bit quantisation: reduction against adamw '
+          '25 ± 35% (per seed: +50%, +0%; seeds where adamw forgot: 2); '
+          'paper 40%.') in text
+  assert '| adamw | 0.4000 ± 0.0000 | - | 27 ± 9% |' in text
+  assert ('| checkpoint | 3.0000 | -2.000 | 50.0 | 30.0 | - | 300.0 | - | - |'
+          in text)
+  assert '| checkpoint, before post-training | - | 25.0 |' in text
+  assert 'Spearman' in text and 'over 6 models' in text
+  # A reference that did not forget gives no reduction, not a division.
+  posts['adamw'][1] = _post('adamw', 1, 2.7)
+  assert len(report.reductions(mids, posts, 'sam_rho0.1', 'adamw',
+                               'post')) == 1
