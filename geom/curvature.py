@@ -158,13 +158,14 @@ class Spectrum(NamedTuple):
 
   @property
   def top(self) -> jax.Array:
-    """The largest Ritz value: the largest algebraic eigenvalue's estimate
-    (from below)."""
+    """Largest Ritz value, an estimate of the largest algebraic eigenvalue
+    from below."""
     return self.ritz_values[-1]
 
   @property
   def bottom(self) -> jax.Array:
-    """The smallest Ritz value (an estimate from above)."""
+    """Smallest Ritz value, an estimate of the smallest eigenvalue from
+    above."""
     return self.ritz_values[0]
 
 

@@ -58,6 +58,10 @@ _WORKLOADS = flags.DEFINE_list('workloads', ['digits', 'lm'],
 _TARGETS = flags.DEFINE_list('targets', ['v5e:2x2', 'h100:1x1x2'],
                              'Compile-only targets (empty: none).')
 _WRITE = flags.DEFINE_bool('write', True, 'Update BENCHMARKS.md.')
+_CPU_DEVICES = flags.DEFINE_integer(
+    'cpu_devices', None, 'Simulated CPU devices (default: the runlocal '
+    "configs' 8, on a (4, 2) mesh; 1: one device, the per-chip cost "
+    'without the simulated mesh\'s synchronisation; its own section).')
 
 SECTION = 'sam_efficient'
 RHO = 0.05
@@ -82,6 +86,10 @@ def config_for(workload: str, variant: str):
   block.enabled, block.rho, block.every = enabled, RHO, every
   block.ae.enabled = ae
   config.eval_every = 10**9
+  if _CPU_DEVICES.value is not None and _CPU_DEVICES.value != (
+      config.cpu_devices):
+    config.cpu_devices = _CPU_DEVICES.value
+    config.mesh.shape = (-1, 1)
   return config
 
 
@@ -165,8 +173,9 @@ def target_rows(target: str, fractions: dict[str, float]) -> list[list[str]]:
 
 def main(argv):
   del argv
-  host_devices.configure_cpu_devices(digits.get_config('runlocal')
-                                     .cpu_devices)
+  default = digits.get_config('runlocal').cpu_devices
+  devices = _CPU_DEVICES.value or default
+  host_devices.configure_cpu_devices(devices)
   steps, repeats = _STEPS.value, _REPEATS.value
   rows, fractions = [], {}
   for workload in _WORKLOADS.value:
@@ -178,7 +187,8 @@ def main(argv):
   for target in _TARGETS.value if fractions else ():
     chip_rows += target_rows(target, fractions)
   lines = [
-      "## SAM's cheaper variants: step time",
+      "## SAM's cheaper variants: step time" + (
+          '' if devices == default else f' on {devices} CPU device(s)'),
       '',
       'Step time of each variant over the base optimizer\'s, the '
       "trainer's compiled steps run bare over pre-placed batches, all "
@@ -211,10 +221,13 @@ def main(argv):
              'per step / base'], chip_rows, '-' * 5),
         '',
     ]
-  lines.append(
-      'Reproduce: `.venv/bin/python -m bench.sam.efficient '
-      f'--steps={steps} --repeats={repeats}`.')
-  report.publish(SECTION, lines, _WRITE.value)
+  flags_used = (f'--steps={steps} --repeats={repeats}' + (
+      '' if devices == default else
+      f' --cpu_devices={devices} --targets={",".join(_TARGETS.value)}'))
+  lines.append('Reproduce: `.venv/bin/python -m bench.sam.efficient '
+               f'{flags_used}`.')
+  report.publish(SECTION if devices == default
+                 else f'{SECTION}_{devices}dev', lines, _WRITE.value)
 
 
 if __name__ == '__main__':

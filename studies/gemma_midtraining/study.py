@@ -1,6 +1,7 @@
-"""The whole study into one workdir, seed by seed (every model of seed 0
-first, so an interrupted study has whole seeds), then the report from the
-stored measures."""
+"""The whole study into one workdir: the models seed by seed (every model
+of seed 0 first, so an interrupted study has whole seeds), then their
+sharpness (the costliest measure, last), then the report from the stored
+measures."""
 
 import os
 
@@ -29,12 +30,14 @@ def run(settings: Settings, base: ml_collections.ConfigDict,
   os.makedirs(root, exist_ok=True)
   with open_job(root):
     measure.measure_mid(settings, base, root, CHECKPOINT, 0)
-    measure.measure_sharpness(settings, base, root, CHECKPOINT, 0)
     for s in range(settings.seeds):
       for v in settings.variants:
         if v != CHECKPOINT:
           measure.measure_mid(settings, base, root, v, s)
-          measure.measure_sharpness(settings, base, root, v, s)
         measure.measure_post(settings, base, root, v, s)
+    measure.measure_sharpness(settings, base, root, CHECKPOINT, 0)
+    for s in range(settings.seeds):
+      for v in settings.midtrained:
+        measure.measure_sharpness(settings, base, root, v, s)
     mids, posts = report.records(os.path.join(root, 'measures'), settings)
     return report.write(root, mids, posts)
