@@ -104,4 +104,9 @@ def test_every_readme_command_names_real_flags_and_configs():
         assert config.optimizer.sam.enabled == (method != 'sgd')
         assert config.optimizer.sam.every == training_runs.LOOKSAM.get(
             method, 1)
-        assert config.optimizer.sam.ae.enabled == (method == 'aesam')
+        ae = config.optimizer.sam.ae
+        assert ae.enabled == (method in ('aesam', 'aesam_linear'))
+        if method == 'aesam_linear':  # The paper's c, -1 to 1.
+          assert (ae.margin_start, ae.margin_end) == (-1.0, 1.0)
+        elif method == 'aesam':
+          assert (ae.margin_start, ae.margin_end) == (0.0, 0.0)

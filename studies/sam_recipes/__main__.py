@@ -64,7 +64,8 @@ _ASAM_RHOS = flags.DEFINE_list(
 _METHODS = flags.DEFINE_list(
     'methods', list(training_runs.RECIPES),
     f'Methods, of: {", ".join(training_runs.METHODS)} (looksamK: LookSAM, '
-    'g+ every K steps; aesam: AE-SAM\'s switch, c = 0).')
+    'g+ every K steps; aesam: AE-SAM\'s switch, c = 0; aesam_linear: c '
+    'from -1 to 1 over the run, the paper\'s).')
 _WARMSTART = flags.DEFINE_integer(
     'warmstart_steps', 100, 'Plain steps before SAM for sam_warmstart.')
 _DATASET = flags.DEFINE_string(

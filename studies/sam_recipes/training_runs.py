@@ -21,10 +21,12 @@ from train.vision import datasets
 
 # The recipes the first studies compared (the default), then SAM's cheaper
 # variants: LookSAM's reuse with g+ every k steps, and AE-SAM's switch
-# (g+ when |g|^2 >= its running mean, c = 0).
+# (g+ when |g|^2 >= its running mean + c std: c = 0, or the paper's c
+# rising linearly from -1 to 1 over the run).
 RECIPES = ('sgd', 'sam', 'sam_warmstart', 'asam')
 LOOKSAM = {'looksam2': 2, 'looksam5': 5, 'looksam10': 10}
-METHODS = RECIPES + tuple(LOOKSAM) + ('aesam',)
+AESAM = {'aesam': (0.0, 0.0), 'aesam_linear': (-1.0, 1.0)}
+METHODS = RECIPES + tuple(LOOKSAM) + tuple(AESAM)
 EXPERIMENTS = ('digits', 'lm')
 
 
@@ -65,7 +67,9 @@ class Study:
       if method == 'sam_warmstart':
         sam.warmup_steps = self.warmstart_steps
       sam.every = LOOKSAM.get(method, 1)
-      sam.ae.enabled = method == 'aesam'
+      sam.ae.enabled = method in AESAM
+      if method in AESAM:
+        sam.ae.margin_start, sam.ae.margin_end = AESAM[method]
     return config
 
   def radii(self, method: str) -> tuple[float, ...]:
