@@ -247,21 +247,27 @@ def test_a_real_gemma_fine_tunes_and_serves_grpo(tmp_path):
       'versions'] == 2
 
 
-def _lm_run(tiny_file, workdir, seed):
-  config = tiny_gemma.gemma_config(tiny_file, 'finetune,frozen')
-  config.batch_size = config.eval_batch_size = 8
-  config.seed = seed
-  lm_trainer.train_and_evaluate(config, str(workdir))
-  return str(workdir)
+@pytest.fixture(scope='module')
+def lm_runs(tiny_file, tmp_path_factory):
+  """Two finished LM runs of the small file (seeds 0 and 1), its
+  embedding frozen: Gemmas continued on text."""
+  out = []
+  for seed in (0, 1):
+    config = tiny_gemma.gemma_config(tiny_file, 'finetune,frozen')
+    config.batch_size = config.eval_batch_size = 8
+    config.seed = seed
+    workdir = str(tmp_path_factory.mktemp(f'lm{seed}'))
+    lm_trainer.train_and_evaluate(config, workdir)
+    out.append(workdir)
+  return out
 
 
-def test_sft_post_trains_an_lm_run_and_pins_it_by_content(tiny_file,
+def test_sft_post_trains_an_lm_run_and_pins_it_by_content(tiny_file, lm_runs,
                                                           tmp_path):
-  # A Gemma continued on text (its embedding frozen, block_0 trained),
-  # then post-trained with block_0 frozen: the policy's block_0 is the LM
-  # run's, bit for bit, not the file's.
-  lm_a = _lm_run(tiny_file, tmp_path / 'lm_a', 0)
-  lm_b = _lm_run(tiny_file, tmp_path / 'lm_b', 1)
+  # A Gemma continued on text (block_0 trained), then post-trained with
+  # block_0 frozen: the policy's block_0 is the LM run's, bit for bit, not
+  # the file's.
+  lm_a, lm_b = lm_runs
   source = str(tmp_path / 'source')
   shutil.copytree(lm_a, source)
   config = _sft_config(tiny_file, frozen='^(embedding|block_0/)')
@@ -284,14 +290,13 @@ def test_sft_post_trains_an_lm_run_and_pins_it_by_content(tiny_file,
 
 
 def test_sft_refuses_a_source_without_checkpoints_or_of_other_tokens(
-    tiny_file, tmp_path):
+    tiny_file, lm_runs, tmp_path):
   config = _sft_config(tiny_file)
   config.init_from = str(tmp_path / 'nothing')
   with pytest.raises(Exception, match='config.init_from.*no checkpoints'):
     sft.train_and_evaluate(config, str(tmp_path / 'a'))
   # A byte-level warm start from a Gemma run: other tokens, one line.
-  source = _lm_run(tiny_file, tmp_path / 'lm', 0)
   byte_config = rl_sft.get_config('runlocal')
-  byte_config.init_from = source
+  byte_config.init_from = lm_runs[0]
   with pytest.raises(ConfigError, match='init_from.*tokenizer'):
     sft.train_and_evaluate(byte_config, str(tmp_path / 'b'))
