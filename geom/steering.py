@@ -25,6 +25,13 @@ gate (`gate=True`): x' = x + t * coefficient * mu with t from the gate, so
 that the gate and the geometry can be ablated separately (gate on/off x
 rotation/addition). By default the rotation is gated and addition is not.
 
+Centring (`center=m`, ours): the gate's cosine and the rotation act on
+x - m, x' = m + slerp_rotate(x - m, mu, t), for a residual stream whose
+tokens all share a component with the direction (on Gemma 3 270M every
+token's cosine to it is 0.33-0.72, so the uncentred gate never fires).
+`layer_mean` gives m, `cosines` the gate's per-token cosine, and
+`calibrate_gate` sets kappa and beta from the contrastive set's cosines.
+
 Computed in float32 and cast back to the input dtype; tokens outside `mask`
 and tokens the gate leaves alone come back bit for bit. How the rotation
 stays exact from theta = 0 to theta = pi: docs/methods/steering.md.
@@ -33,8 +40,8 @@ Which parts are the reference's: the rotation, the vMF gate with kappa,
 alpha, beta. Ours: the gate on addition (for the ablation), the
 theta-near-pi plane, the rotation of tokens within
 1e-4 of the target (the reference leaves them as they are), the exact
-pass-through of ungated tokens, the uncentred PCA (below) and the trigger
-statistics.
+pass-through of ungated tokens, the uncentred PCA (below), the centring,
+the gate's calibration and the trigger statistics.
 
 Example:
 
@@ -67,17 +74,27 @@ import numpy as np
 
 from geom import validation
 
-__all__ = ['DIRECTION_METHODS', 'METHODS', 'SteerStats', 'Steering',
-           'check_direction', 'extract_direction', 'gate', 'mean_difference',
+__all__ = ['DELTA_BINS', 'DELTA_EDGES', 'DIRECTION_METHODS',
+           'GateCalibration', 'METHODS', 'SteerStats', 'Steering',
+           'calibrate_gate', 'check_direction', 'cosines',
+           'extract_direction', 'gate', 'layer_mean', 'mean_difference',
            'pca_direction', 'slerp_rotate', 'unit']
 
 _STEERING = 'geom.steering.Steering'
 _EXTRACT = 'geom.steering.extract_direction'
+_CALIBRATE = 'geom.steering.calibrate_gate'
 
 #: The methods of `Steering`.
 METHODS = ('none', 'addition', 'spherical')
 #: The methods of `extract_direction`.
 DIRECTION_METHODS = ('mean_diff', 'pca')
+#: Bins of `SteerStats.delta_hist`: DELTA_BINS equal bins of the gate value
+#: delta over [-1, 1], bin i holding DELTA_EDGES[i] <= delta <
+#: DELTA_EDGES[i + 1] (the last bin also holds delta = 1). Edges at
+#: multiples of 0.1, so the trigger rate at beta = -0.9, ..., 0.9 reads off.
+DELTA_BINS = 20
+#: The DELTA_BINS + 1 bin edges of `SteerStats.delta_hist` (float64).
+DELTA_EDGES = np.linspace(-1.0, 1.0, DELTA_BINS + 1)
 
 # Floor for the norms divided by in the gate and in addition's rescaling.
 _MIN_NORM = 1e-12
@@ -85,6 +102,10 @@ _MIN_NORM = 1e-12
 # (for x = -|x| mu it measures under 0.6 eps): slerp_rotate then uses a fixed
 # plane. Above it the measured plane is used, orthogonal to mu however noisy.
 _PLANE_NOISE = 4
+# beta = -tanh(kappa c*) from calibrate_gate stays this far inside (-1, 1).
+_BETA_MARGIN = 1e-6
+# Cosines handed to calibrate_gate may exceed 1 by float32 rounding.
+_COS_SLACK = 1e-5
 
 
 def check_direction(direction, name: str = 'direction',
@@ -222,6 +243,250 @@ def gate(cos: jax.Array, *, alpha, kappa, beta) -> tuple[jax.Array, jax.Array]:
   return delta, jnp.where(delta > beta, t, 0.0)
 
 
+def _check_center(center, dim: int | None, owner: str) -> None:
+  """Raises ArgumentError naming 'center' unless a concrete center is a
+  finite (dim,) vector; traced centers pass (checked where concrete)."""
+  if center is None or not validation.is_concrete(center):
+    return
+  shape = np.shape(center)
+  if len(shape) != 1 or (dim is not None and shape[0] != dim):
+    want = f'({dim},)' if dim is not None else '(dim,)'
+    raise validation.ArgumentError(
+        owner, 'center', f'must be a vector of shape {want}, the '
+        f"direction's, got shape {shape}")
+  if not np.all(np.isfinite(np.asarray(center, np.float32))):
+    raise validation.ArgumentError(owner, 'center', 'has non-finite entries; '
+                                   'must be finite')
+
+
+def _gate_cosine(rel: jax.Array, mu: jax.Array) -> jax.Array:
+  """The gate's cosine of float32 (..., dim) `rel` with unit mu (0 at 0)."""
+  norm = jnp.linalg.norm(rel, axis=-1)
+  return jnp.sum(rel * mu, -1) / jnp.maximum(norm, _MIN_NORM)
+
+
+def cosines(x, direction, center=None) -> jax.Array:
+  """Per token, the cosine that `Steering(direction=.., center=..)`'s gate sees.
+
+  cos(x - center, direction) in float32 with the operator's own arithmetic
+  (0 where x - center = 0), so that `calibrate_gate` is fed exactly what
+  the gate will compare. Works under jit (values are then not checked).
+
+  Args:
+    x: (..., dim) activations, any float dtype (bfloat16 included).
+    direction: (dim,) steering direction (normalised here).
+    center: optional (dim,) vector subtracted from x first (`layer_mean`).
+
+  Returns:
+    float32 array of shape x.shape[:-1], in [-1, 1] up to rounding.
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom import steering
+    >>> x = jnp.array([[3.0, 1.0], [1.0, 1.0]])
+    >>> [round(float(c), 4) for c in steering.cosines(x, jnp.array([1.0, 0.0]))]
+    [0.9487, 0.7071]
+    >>> steering.cosines(x, jnp.array([1.0, 0.0]), center=jnp.array([2.0, 1.0])
+    ...                  ).tolist()   # x - center: [1, 0] and [-1, 0].
+    [1.0, -1.0]
+  """
+  owner = 'geom.steering.cosines'
+  if validation.is_concrete(direction):
+    check_direction(direction, owner=owner)
+  dim = np.shape(direction)[-1]
+  if np.ndim(x) < 1 or np.shape(x)[-1] != dim:
+    raise validation.ArgumentError(
+        owner, 'x', f"last dimension must be the direction's {dim}, got "
+        f'shape {np.shape(x)}')
+  _check_center(center, dim, owner)
+  rel = jnp.asarray(x).astype(jnp.float32)
+  if center is not None:
+    rel = rel - jnp.asarray(center, jnp.float32)
+  return _gate_cosine(rel, unit(direction))
+
+
+def layer_mean(activations, mask=None) -> jax.Array:
+  """The (dim,) float32 mean of activations over all leading axes: a center.
+
+  Typically over the contrastive set's activations at the steered layer,
+  both sides together, so that the centred cosines of the two sides fall
+  on either side of 0 (docs/methods/steering.md).
+
+  Args:
+    activations: (..., dim) activations with at least one leading axis,
+      any float dtype; accumulated in float32.
+    mask: optional bool array of shape activations.shape[:-1]: only the
+      tokens where it is set are averaged.
+
+  Returns:
+    The float32 mean, shape (dim,). Under jit, where an empty mask cannot
+    be refused, an empty mask gives NaN.
+
+  Raises:
+    ArgumentError: no leading axis or no token ('activations'), a mask of
+      another shape or one selecting no token ('mask').
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom import steering
+    >>> h = jnp.array([[[1.0, 2.0], [3.0, 4.0]], [[5.0, 6.0], [0.0, 0.0]]])
+    >>> steering.layer_mean(h).tolist()
+    [2.25, 3.0]
+    >>> steering.layer_mean(h, jnp.array([[True, True], [True, False]])
+    ...                     ).tolist()
+    [3.0, 4.0]
+  """
+  owner = 'geom.steering.layer_mean'
+  shape = np.shape(activations)
+  if len(shape) < 2 or 0 in shape:
+    raise validation.ArgumentError(
+        owner, 'activations', 'must be a non-empty (..., dim) array with at '
+        f'least one token axis, got shape {shape}')
+  x = jnp.asarray(activations).astype(jnp.float32)
+  if mask is None:
+    return jnp.mean(x.reshape(-1, shape[-1]), axis=0)
+  if np.shape(mask) != shape[:-1]:
+    raise validation.ArgumentError(
+        owner, 'mask', f"must have the activations' leading shape "
+        f'{shape[:-1]}, got {np.shape(mask)}')
+  if validation.is_concrete(mask) and not np.any(np.asarray(mask, bool)):
+    raise validation.ArgumentError(owner, 'mask', 'selects no token; must '
+                                   'select at least one')
+  mask = jnp.asarray(mask, bool)
+  total = jnp.sum(jnp.where(mask[..., None], x, 0.0).reshape(-1, shape[-1]),
+                  axis=0)
+  return total / jnp.sum(mask, dtype=jnp.float32)
+
+
+class GateCalibration(NamedTuple):
+  """The gate's kappa and beta from `calibrate_gate`, and what set them.
+
+  Attributes:
+    kappa: the gate's concentration, width / spread (lower where `capped`).
+    beta: -tanh(kappa * threshold): delta > beta exactly when
+      cos < threshold.
+    threshold: c*, the cosine at which the gate switches: the midpoint of
+      the two medians.
+    spread: the pooled within-set standard deviation of the cosines.
+    positive_median: median cosine of the target side.
+    negative_median: median cosine of the other side.
+    capped: whether kappa was lowered to atanh(1 - 1e-6) / |threshold| to
+      keep |beta| <= 1 - 1e-6.
+
+  Example:
+
+    >>> from geom import steering
+    >>> cal = steering.calibrate_gate([0.3, 0.5, 0.4], [-0.2, 0.0, -0.1])
+    >>> round(cal.threshold, 4), round(cal.spread, 4), round(cal.kappa, 4)
+    (0.15, 0.1, 10.0)
+  """
+  kappa: float
+  beta: float
+  threshold: float
+  spread: float
+  positive_median: float
+  negative_median: float
+  capped: bool
+
+
+def _calibration_cosines(values, name: str) -> np.ndarray:
+  """`values` flattened to float64 after checking they are usable cosines."""
+  v = np.asarray(values).astype(np.float64).ravel()
+  problem = None
+  if v.size == 0:
+    problem = 'is empty; needs at least one cosine'
+  elif not np.all(np.isfinite(v)):
+    problem = 'has non-finite entries; cosines must be finite'
+  elif np.max(np.abs(v)) > 1.0 + _COS_SLACK:
+    problem = (f'holds {float(v[np.argmax(np.abs(v))])}; cosines must be in '
+               f'[-1, 1] (to {_COS_SLACK} for rounding)')
+  if problem:
+    raise validation.ArgumentError(_CALIBRATE, name, problem)
+  return v
+
+
+def calibrate_gate(positive_cos, negative_cos, *,
+                   width: float = 1.0) -> GateCalibration:
+  """kappa and beta of the vMF gate from the layer's contrastive cosines.
+
+  The gate is the paper's: delta = -tanh(kappa cos), a token is steered
+  when delta > beta. The calibration is ours. The gate switches at the
+  threshold c* = (median(positive_cos) + median(negative_cos)) / 2, so
+  beta = -tanh(kappa c*) and delta > beta exactly when cos < c* (tanh is
+  increasing). The midpoint of the medians rather than the best-separating
+  cut: one token cannot move it far and it is defined however much the
+  sets overlap, where the best cut is the argmax of a step function, not
+  unique when the sets are apart and jumpy when they overlap. kappa =
+  width / s, s the pooled within-set standard deviation of the cosines,
+  so that delta's transition (tanh's unit scale) spans `1 / width` of the
+  layer's spread: with c* near 0, a token one s below c* gets about
+  tanh(width) alpha. beta must stay inside (-1, 1): where
+  kappa |c*| > atanh(1 - 1e-6), kappa is lowered to that bound
+  (`capped`), which keeps the switch at c*, and beta is then clipped to
+  [-1 + 1e-6, 1 - 1e-6] against rounding. Near that bound float32 tanh is
+  flat and the switch is blurred by about 1e-7 / (kappa (1 - beta^2)) in
+  cos.
+
+  Host-side (numpy float64; any float input, bfloat16 included); feed it
+  `cosines(x, direction, center)` with the center the steering will use.
+
+  Args:
+    positive_cos: cosines of the target side's activations (any shape).
+    negative_cos: cosines of the other side's activations.
+    width: kappa times the spread, > 0 (larger: a sharper switch).
+
+  Returns:
+    A `GateCalibration` of Python numbers: pass kappa and beta to `Steering`.
+
+  Raises:
+    ArgumentError: width not > 0; an empty set or one with non-finite or
+      out-of-range cosines (naming it); no positive gap between the medians
+      or no spread ('positive_cos, negative_cos').
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom import steering
+    >>> cal = steering.calibrate_gate([0.3, 0.5, 0.4], [-0.2, 0.0, -0.1])
+    >>> round(cal.threshold, 4), round(cal.beta, 4)
+    (0.15, -0.9051)
+    >>> _, t = steering.gate(jnp.array([0.14, 0.16]), alpha=1.0,
+    ...                      kappa=cal.kappa, beta=cal.beta)
+    >>> [bool(v > 0) for v in t]   # Steered below the threshold only.
+    [True, False]
+  """
+  validation.check(_CALIBRATE, 'width', width,
+                   lambda w: 0 < w < float('inf'), '> 0 and finite')
+  pos = _calibration_cosines(positive_cos, 'positive_cos')
+  neg = _calibration_cosines(negative_cos, 'negative_cos')
+  both = 'positive_cos, negative_cos'
+  pos_med, neg_med = float(np.median(pos)), float(np.median(neg))
+  if not pos_med > neg_med:
+    raise validation.ArgumentError(
+        _CALIBRATE, both, f'median {pos_med:.6g} of the target side is not '
+        f'above the other side\'s {neg_med:.6g}: no threshold separates them '
+        '(identical sets, or a direction of the wrong sign?)')
+  dof = pos.size + neg.size - 2
+  squares = np.sum((pos - pos.mean()) ** 2) + np.sum((neg - neg.mean()) ** 2)
+  spread = float(np.sqrt(squares / dof)) if dof > 0 else 0.0
+  if not spread > 0:
+    raise validation.ArgumentError(
+        _CALIBRATE, both, 'have no spread within the sets (pooled std 0); '
+        'kappa = width / spread needs a spread > 0')
+  threshold = 0.5 * (pos_med + neg_med)
+  kappa = width / spread
+  bound = float(np.arctanh(1.0 - _BETA_MARGIN))
+  capped = kappa * abs(threshold) > bound
+  if capped:
+    kappa = bound / abs(threshold)
+  beta = float(np.clip(-np.tanh(kappa * threshold), -1.0 + _BETA_MARGIN,
+                       1.0 - _BETA_MARGIN))
+  return GateCalibration(float(kappa), beta, threshold, spread, pos_med,
+                         neg_med, bool(capped))
+
+
 def _orthogonal_unit(mu: jax.Array) -> jax.Array:
   """A fixed unit vector orthogonal to mu (Gram-Schmidt of mu's smallest axis)."""
   e = jax.nn.one_hot(jnp.argmin(jnp.abs(mu)), mu.shape[-1], dtype=mu.dtype)
@@ -298,8 +563,16 @@ def slerp_rotate(x: jax.Array, mu: jax.Array, t: jax.Array) -> jax.Array:
   return norm * (jnp.cos(new_theta) * mu + jnp.sin(new_theta) * u)
 
 
+# The default histogram of a SteerStats built from the three sums alone
+# (read-only: a NamedTuple default is shared by every instance).
+_NO_HISTOGRAM = np.zeros(DELTA_BINS, np.float32)
+_NO_HISTOGRAM.setflags(write=False)
+
+
 class SteerStats(NamedTuple):
   """Sums over the steered tokens of one call; add them across calls.
+
+  Every field is a sum, so `jax.tree.map(jnp.add, a, b)` adds two calls.
 
   Attributes:
     tokens: tokens in the mask.
@@ -307,6 +580,11 @@ class SteerStats(NamedTuple):
       masked token when alpha > 0).
     t_sum: sum of the strength t applied (the rotation fraction, or the
       multiplier of the addition; alpha everywhere without the gate).
+    delta_hist: (DELTA_BINS,) float32 counts of the masked tokens by the
+      gate value delta = -tanh(kappa cos) (bins `DELTA_EDGES`), for every
+      method, gated or not and 'none' included (what the gate would say);
+      it sums to `tokens`. Zeros where built from the first three alone
+      (`SteerStats(tokens, triggered, t_sum)` still works).
 
   Example:
 
@@ -317,10 +595,13 @@ class SteerStats(NamedTuple):
     >>> _, stats = s(x)
     >>> float(stats.tokens), float(stats.triggered), float(stats.trigger_rate)
     (2.0, 1.0, 0.5)
+    >>> [int(i) for i in jnp.flatnonzero(stats.delta_hist)]   # delta = +-1.
+    [0, 19]
   """
   tokens: jax.Array
   triggered: jax.Array
   t_sum: jax.Array
+  delta_hist: jax.Array = _NO_HISTOGRAM
 
   @property
   def trigger_rate(self) -> jax.Array:
@@ -328,14 +609,58 @@ class SteerStats(NamedTuple):
     return self.triggered / jnp.maximum(self.tokens, 1)
 
 
+def _delta_histogram(delta: jax.Array, mask: jax.Array) -> jax.Array:
+  """(DELTA_BINS,) float32 counts of delta (in [-1, 1]) over masked tokens."""
+  index = jnp.clip(jnp.floor((delta + 1.0) * (DELTA_BINS / 2.0)), 0,
+                   DELTA_BINS - 1).astype(jnp.int32)
+  hits = jax.nn.one_hot(index, DELTA_BINS, dtype=jnp.float32)
+  return jnp.sum(jnp.where(mask[..., None], hits, 0.0),
+                 axis=tuple(range(mask.ndim)))
+
+
+def _steer(op: 'Steering', x: jax.Array,
+           mask: jax.Array) -> tuple[jax.Array, SteerStats]:
+  """Steering.__call__ after its checks: x' and the statistics."""
+  tokens = jnp.sum(mask, dtype=jnp.float32)
+  mu = unit(op.direction)
+  xf = x.astype(jnp.float32)
+  center = None if op.center is None else jnp.asarray(op.center, jnp.float32)
+  rel = xf if center is None else xf - center   # What the gate and slerp see.
+  alpha = jnp.asarray(op.alpha, jnp.float32)
+  delta, t = gate(_gate_cosine(rel, mu), alpha=alpha, kappa=op.kappa,
+                  beta=op.beta)
+  hist = _delta_histogram(delta, mask)
+  if op.method == 'none':
+    zero = jnp.zeros((), jnp.float32)
+    return x, SteerStats(tokens, zero, zero, hist)
+  if not op.gate:
+    t = jnp.broadcast_to(alpha, mask.shape)
+  if op.method == 'addition':
+    new = xf + (t * op.coefficient)[..., None] * mu
+    if op.renormalize:   # |x' - m| = |x - m|; m = 0 without a center.
+      new_rel = new if center is None else new - center
+      new = new_rel * (
+          jnp.linalg.norm(rel, axis=-1, keepdims=True)
+          / jnp.maximum(jnp.linalg.norm(new_rel, axis=-1, keepdims=True),
+                        _MIN_NORM))
+      new = new if center is None else center + new
+  else:
+    new = slerp_rotate(rel, mu, t)
+    new = new if center is None else center + new
+  changed = mask & (t > 0)
+  out = jnp.where(changed[..., None], new.astype(x.dtype), x)
+  return out, SteerStats(tokens, jnp.sum(changed, dtype=jnp.float32),
+                         jnp.sum(jnp.where(changed, t, 0.0)), hist)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Steering:
   """One steering operator, applied as `steering(x, mask) -> (x', SteerStats)`.
 
-  A pytree whose numbers (direction, alpha, kappa, beta, coefficient) are
-  leaves, so a jitted function taking it as an argument sweeps alpha
-  without recompiling; `method`, `gate` and `renormalize` are static.
+  A pytree whose numbers (direction, alpha, kappa, beta, coefficient,
+  center) are leaves, so a jitted function taking it as an argument sweeps
+  alpha without recompiling; `method`, `gate` and `renormalize` are static.
 
   Attributes:
     method: 'spherical', 'addition' or 'none'.
@@ -348,7 +673,12 @@ class Steering:
     gate: gate the rotation or the addition by the vMF gate (else t =
       alpha everywhere); None (the default): gated for 'spherical', not for
       'addition', as in the reference and the addition literature.
-    renormalize: addition only: rescale x' to |x|.
+    renormalize: addition only: rescale x' to |x| (with a center, so that
+      |x' - center| = |x - center|).
+    center: optional finite (dim,) vector m (`layer_mean`): the gate's
+      cosine is taken on x - m, 'spherical' gives m + slerp(x - m, mu, t)
+      (|x' - m| = |x - m|), 'addition' still adds t coefficient mu. None
+      (the default): m = 0, the reference's arithmetic bit for bit.
 
   Example:
 
@@ -366,6 +696,12 @@ class Steering:
     >>> # A pytree: a jitted function sweeps alpha without recompiling.
     >>> f = jax.jit(lambda s, x: s(x)[0])
     >>> y = f(steering.Steering('spherical', mu, alpha=0.2, gate=False), x)
+    >>> # Centred: rotates about m = (0, 1, 0), keeping |x' - m|.
+    >>> m = jnp.array([0.0, 1.0, 0.0])
+    >>> centred = steering.Steering('spherical', mu, alpha=1.0, gate=False,
+    ...                             center=m)
+    >>> [round(float(v), 4) for v in centred(x)[0][0]]
+    [1.0, 1.0, 0.0]
   """
   method: str = dataclasses.field(metadata=dict(static=True))
   direction: jax.Array
@@ -377,6 +713,7 @@ class Steering:
                                         metadata=dict(static=True))
   renormalize: bool = dataclasses.field(default=False,
                                         metadata=dict(static=True))
+  center: jax.Array | None = None
 
   def __post_init__(self):
     validation.check_choice(_STEERING, 'method', self.method, METHODS,
@@ -386,6 +723,8 @@ class Steering:
     # Checked when concrete; inside jit the values were checked on entry.
     if validation.is_concrete(self.direction):
       check_direction(self.direction)
+    shape = getattr(self.direction, 'shape', None)
+    _check_center(self.center, shape[-1] if shape else None, _STEERING)
     check = functools.partial(validation.check, _STEERING)
     check('alpha', self.alpha, lambda v: 0.0 <= v <= 1.0, 'in [0, 1]')
     check('beta', self.beta, lambda v: -1.0 <= v < 1.0, 'in [-1, 1)')
@@ -410,30 +749,4 @@ class Steering:
           f'match the activations\' {x.shape[-1]} (shape {x.shape})')
     mask = (jnp.ones(x.shape[:-1], bool) if mask is None
             else jnp.broadcast_to(jnp.asarray(mask, bool), x.shape[:-1]))
-    tokens = jnp.sum(mask, dtype=jnp.float32)
-    if self.method == 'none':
-      zero = jnp.zeros((), jnp.float32)
-      return x, SteerStats(tokens, zero, zero)
-    mu = unit(self.direction)
-    xf = x.astype(jnp.float32)
-    alpha = jnp.asarray(self.alpha, jnp.float32)
-    if self.gate:
-      norm = jnp.linalg.norm(xf, axis=-1)
-      cos = jnp.sum(xf * mu, -1) / jnp.maximum(norm, _MIN_NORM)
-      _, t = gate(cos, alpha=alpha, kappa=self.kappa, beta=self.beta)
-    else:
-      t = jnp.broadcast_to(alpha, mask.shape)
-    if self.method == 'addition':
-      new = xf + (t * self.coefficient)[..., None] * mu
-      if self.renormalize:
-        scale = (jnp.linalg.norm(xf, axis=-1, keepdims=True)
-                 / jnp.maximum(jnp.linalg.norm(new, axis=-1, keepdims=True),
-                               _MIN_NORM))
-        new = new * scale
-    else:
-      new = slerp_rotate(xf, mu, t)
-    changed = mask & (t > 0)
-    out = jnp.where(changed[..., None], new.astype(x.dtype), x)
-    return out, SteerStats(tokens, jnp.sum(changed, dtype=jnp.float32),
-                           jnp.sum(jnp.where(changed, t, 0.0)))
-
+    return _steer(self, x, mask)
