@@ -407,6 +407,27 @@ def _calibration_cosines(values, name: str) -> np.ndarray:
   return v
 
 
+def _medians_and_spread(pos: np.ndarray,
+                        neg: np.ndarray) -> tuple[float, float, float]:
+  """The two medians and the pooled within-set standard deviation, after
+  checking that the target side's median is above and the spread > 0."""
+  both = 'positive_cos, negative_cos'
+  pos_med, neg_med = float(np.median(pos)), float(np.median(neg))
+  if not pos_med > neg_med:
+    raise validation.ArgumentError(
+        _CALIBRATE, both, f'median {pos_med:.6g} of the target side is not '
+        f'above the other side\'s {neg_med:.6g}: no threshold separates them '
+        '(identical sets, or a direction of the wrong sign?)')
+  dof = pos.size + neg.size - 2
+  squares = np.sum((pos - pos.mean()) ** 2) + np.sum((neg - neg.mean()) ** 2)
+  spread = float(np.sqrt(squares / dof)) if dof > 0 else 0.0
+  if not spread > 0:
+    raise validation.ArgumentError(
+        _CALIBRATE, both, 'have no spread within the sets (pooled std 0); '
+        'kappa = width / spread needs a spread > 0')
+  return pos_med, neg_med, spread
+
+
 def calibrate_gate(positive_cos, negative_cos, *,
                    width: float = 1.0) -> GateCalibration:
   """kappa and beta of the vMF gate from the layer's contrastive cosines.
@@ -427,7 +448,8 @@ def calibrate_gate(positive_cos, negative_cos, *,
   (`capped`), which keeps the switch at c*, and beta is then clipped to
   [-1 + 1e-6, 1 - 1e-6] against rounding. Near that bound float32 tanh is
   flat and the switch is blurred by about 1e-7 / (kappa (1 - beta^2)) in
-  cos.
+  cos, and every delta is close to -beta's sign so t stays tiny: a capped
+  calibration says the cosines sit far from 0, centre them first.
 
   Host-side (numpy float64; any float input, bfloat16 included); feed it
   `cosines(x, direction, center)` with the center the steering will use.
@@ -459,22 +481,9 @@ def calibrate_gate(positive_cos, negative_cos, *,
   """
   validation.check(_CALIBRATE, 'width', width,
                    lambda w: 0 < w < float('inf'), '> 0 and finite')
-  pos = _calibration_cosines(positive_cos, 'positive_cos')
-  neg = _calibration_cosines(negative_cos, 'negative_cos')
-  both = 'positive_cos, negative_cos'
-  pos_med, neg_med = float(np.median(pos)), float(np.median(neg))
-  if not pos_med > neg_med:
-    raise validation.ArgumentError(
-        _CALIBRATE, both, f'median {pos_med:.6g} of the target side is not '
-        f'above the other side\'s {neg_med:.6g}: no threshold separates them '
-        '(identical sets, or a direction of the wrong sign?)')
-  dof = pos.size + neg.size - 2
-  squares = np.sum((pos - pos.mean()) ** 2) + np.sum((neg - neg.mean()) ** 2)
-  spread = float(np.sqrt(squares / dof)) if dof > 0 else 0.0
-  if not spread > 0:
-    raise validation.ArgumentError(
-        _CALIBRATE, both, 'have no spread within the sets (pooled std 0); '
-        'kappa = width / spread needs a spread > 0')
+  pos_med, neg_med, spread = _medians_and_spread(
+      _calibration_cosines(positive_cos, 'positive_cos'),
+      _calibration_cosines(negative_cos, 'negative_cos'))
   threshold = 0.5 * (pos_med + neg_med)
   kappa = width / spread
   bound = float(np.arctanh(1.0 - _BETA_MARGIN))

@@ -618,6 +618,17 @@ def test_a_shared_component_closes_the_reference_gate_centring_opens_it(jit):
   # positive-side ones (0.25%).
   assert float(neg_stats.trigger_rate) >= 0.98
   assert float(pos_stats.trigger_rate) <= 0.01
+  # And by a graded strength: measured mean t 0.75 at alpha 0.8.
+  assert float(neg_stats.t_sum / neg_stats.triggered) >= 0.7
+  # Calibrated without centring, the gate splits the sides only at the cap
+  # (beta = -1 + 1e-6) and moves what it lets through by almost nothing
+  # (measured mean t 5e-6).
+  raw_cal = st.calibrate_gate(st.cosines(pos, mu), st.cosines(neg, mu))
+  assert raw_cal.capped and raw_cal.beta == pytest.approx(-1 + 1e-6)
+  _, raw_stats = apply(st.Steering('spherical', mu, alpha=0.8,
+                                   kappa=raw_cal.kappa, beta=raw_cal.beta),
+                       neg)
+  assert float(raw_stats.t_sum / raw_stats.triggered) < 1e-3
 
 
 def test_calibrate_gate_switches_at_the_threshold_on_a_grid():
