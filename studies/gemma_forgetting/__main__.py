@@ -57,13 +57,9 @@ def main(argv):
     from studies.gemma_forgetting import settings as study_settings
     from studies.gemma_forgetting import study
     from train.analysis import stats
-    from train.errors import UsageError
+    from train.jobs import sam_flags
     stats.check_seed_count('--seeds', _SEEDS.value)
-    try:
-      rhos = tuple(float(r) for r in _RHOS.value)
-    except ValueError:
-      raise UsageError('--rhos', ','.join(_RHOS.value),
-                       'not a list of numbers') from None
+    rhos = sam_flags.radii('--rhos', _RHOS.value)
     settings = study_settings.Settings(
         seeds=_SEEDS.value, rhos=rhos,
         windows=_WINDOWS.value, window_len=_WINDOW_LEN.value,

@@ -21,6 +21,7 @@ import os
 import ml_collections
 
 from train.errors import UsageError
+from train.jobs import sam_flags
 from train.lm import models
 from train.lm import trainer as lm_trainer
 from train.rl import sft
@@ -54,10 +55,7 @@ class Settings:
 
   def check(self) -> None:
     """UsageError naming the flag, before anything is loaded or trained."""
-    if not self.rhos or len(set(self.rhos)) != len(self.rhos) or not all(
-        isinstance(r, (int, float)) and 0 < r < 10 for r in self.rhos):
-      raise UsageError('--rhos', ','.join(map(str, self.rhos)),
-                       'needs distinct SAM radii in (0, 10)')
+    sam_flags.radii('--rhos', self.rhos)
     for flag, ok, what in (
         ('--seeds', 1 <= self.seeds <= 100, 'in [1, 100]'),
         ('--windows', 2 <= self.windows <= 4096, 'in [2, 4096]'),
