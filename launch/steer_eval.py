@@ -8,6 +8,19 @@ r"""Evaluate steering methods on a trained LM, or on Gemma 3.
 One evaluation (`train.steering.evaluation`) for both: the config names
 the LM, a trained LM's workdir or a Gemma 3 GGUF file.
 
+On Gemma, `--export_gguf=PATH` also writes the evaluation's addition (its
+direction at `config.layer`, its coefficient) as a llama.cpp control
+vector at strength `--export_alpha` (default: the largest of
+`config.alphas`), which llama.cpp adds after the same block
+(`train.steering.gguf_export`: the format, the layer numbers, the
+strength):
+
+  python -m launch.steer_eval --config=configs/gemma.py \
+    --workdir=workdirs/gemma_steer --export_gguf=workdirs/gemma_steer.gguf \
+    --export_alpha=0.1
+  llama-cli -m ~/.cache/geom/gemma3-270m/gemma-3-270m-q4_k_m.gguf \
+    --control-vector workdirs/gemma_steer.gguf
+
 A mistake in the config or flags ends the run before any compute with one
 line naming the setting and the valid choices (exit status 2); a workdir
 held by another evaluation is one line and exit status 75; an LM with no
@@ -25,6 +38,12 @@ _CONFIG = config_flags.DEFINE_config_file(
     lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None,
                                'Directory for the table, plot and vector.')
+_EXPORT = flags.DEFINE_string(
+    'export_gguf', None, 'Also write the addition direction here as a '
+    'llama.cpp control vector (GGUF; Gemma configs only).')
+_EXPORT_ALPHA = flags.DEFINE_float(
+    'export_alpha', None, 'Addition strength of the exported vector, in '
+    '(0, 1] (default: the largest of config.alphas).')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
@@ -35,11 +54,24 @@ def main(argv):
 
   def job():
     entry.configure_devices(config)
-    from train.steering import evaluation as steering_eval  # pylint: disable=g-import-not-at-top
-    return steering_eval.evaluate(config, _WORKDIR.value)
+    # pylint: disable=g-import-not-at-top
+    from train.steering import evaluation as steering_eval
+    from train.steering import gguf_export
+    # pylint: enable=g-import-not-at-top
+    alpha = gguf_export.check_export_flags(config, _EXPORT.value,
+                                           _EXPORT_ALPHA.value)
+    rows = steering_eval.evaluate(config, _WORKDIR.value)
+    if alpha is None:
+      return rows, None
+    return rows, gguf_export.export_evaluation(_WORKDIR.value, _EXPORT.value,
+                                               alpha)
 
-  rows = entry.run_job(job)
+  rows, exported = entry.run_job(job)
   print(f'{len(rows)} settings evaluated; table: {_WORKDIR.value}/results.md')
+  if exported is not None:
+    print(f'control vector: {_EXPORT.value} (direction.'
+          f'{", direction.".join(map(str, exported.vectors))}); llama.cpp: '
+          f'--control-vector {_EXPORT.value}')
 
 
 if __name__ == '__main__':
