@@ -22,6 +22,35 @@ What it records (texts.py holds the inputs):
   arithmetic from the weights' decoding;
 - `greedy_<i>`: 24 greedy tokens after BOS + PROMPTS[i], decoded one at a
   time with llama.cpp's KV cache, on the F32 file.
+
+Optionally (`--control_vector`), llama.cpp steered by a control vector
+that `launch.steer_eval --export_gguf` wrote (train.steering.gguf_export),
+to check that llama.cpp adds what geom's addition adds, at the same block:
+
+  python -m launch.steer_eval --config=configs/gemma.py:runlocal \
+      --workdir=/tmp/gemma_cvec_eval \
+      --export_gguf=/tmp/gemma-3-270m-cvec.gguf --export_alpha=0.1
+  python -m tests.gemma_reference.record_llama_cpp \
+      [--control_vector=/tmp/gemma-3-270m-cvec.gguf] [--control_vector_only]
+
+(runlocal: the direction from 8 review pairs at block 6, its coefficient
+the mean activation norm there, about 5,200; alpha 0.1 moves the logits
+well past the unsteered tolerance.) `--control_vector_only` adds the keys
+below to the existing `--out` file and leaves every other array as it is;
+without it the whole file is recorded again. The vector goes in through
+llama-cpp-python's binding of `llama_set_adapter_cvec`
+(`llama_apply_adapter_cvec` in releases before 0.3.17), with the buffer
+that llama.cpp's `common_control_vector_load` (common/, which
+llama-cpp-python does not bind) builds from the file at strength 1, over
+llama.cpp's default layer range, 1 to n_layer, on a fresh context of the
+F32 file. New keys:
+- `cvec_layers`, `cvec_vectors`: the file's N of each `direction.N`
+  (llama.cpp adds it after 0-based block N, the block geom steers) and
+  its values (n_embd float32 each), as llama.cpp was given them;
+- `cvec_f_top_ids`, `cvec_f_top_logits`, `cvec_f_random_logits`,
+  `cvec_f_lse`: as `f_*`, on `passage_ids` with the vector applied (the
+  next-token log-probabilities are the logits less `lse`);
+- `cvec_llama_cpp_version`.
 """
 
 import argparse
@@ -79,19 +108,85 @@ def _logit_summary(llm, ids, random_ids):
               random_logits=scores[:, random_ids], lse=lse)
 
 
-def main():
+def _control_vector_buffer(path: str, n_embd: int):
+  """(layers, vectors, buffer): the N and values of the file's
+  `direction.N` tensors, and the buffer of n_embd floats per layer from
+  layer 1 that common_control_vector_load_one fills from them at strength
+  1 (direction.N at offset n_embd * (N - 1); N >= 1, float32, 1-D)."""
+  import gguf
+  layers, vectors = [], []
+  for t in gguf.GGUFReader(path).tensors:
+    prefix, _, index = t.name.partition('.')
+    if prefix != 'direction' or not index.isdigit() or int(index) < 1:
+      raise ValueError(f'{path}: tensor {t.name}: not direction.<N>, N >= 1')
+    if (t.tensor_type != gguf.GGMLQuantizationType.F32
+        or [int(n) for n in t.shape] != [n_embd]):
+      raise ValueError(f'{path}: tensor {t.name}: not {n_embd} float32s')
+    layers.append(int(index))
+    vectors.append(np.array(t.data, np.float32))
+  if not layers:
+    raise ValueError(f'{path}: no direction tensors')
+  buffer = np.zeros(n_embd * max(layers), np.float32)
+  for n, v in zip(layers, vectors):
+    buffer[n_embd * (n - 1):n_embd * n] += v
+  return np.asarray(layers, np.int32), np.stack(vectors), buffer
+
+
+def _steered(f32_path: str, vector_path: str, ids, random_ids) -> dict:
+  """The `cvec_*` keys: llama.cpp on the F32 file with the control vector
+  at `vector_path` applied, as `--control-vector` applies it."""
+  import ctypes
+  import llama_cpp
+  llm = _llama(f32_path, 1024)  # A fresh context: no graph from before.
+  n_embd = llm.n_embd()
+  n_layer = llama_cpp.llama_model_n_layer(llm.model)
+  layers, vectors, buffer = _control_vector_buffer(vector_path, n_embd)
+  apply = (getattr(llama_cpp, 'llama_set_adapter_cvec', None)
+           or llama_cpp.llama_apply_adapter_cvec)
+  # common_init_from_params's defaults: layer_start 1, layer_end n_layer.
+  if apply(llm.ctx, buffer.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+           buffer.size, n_embd, 1, n_layer):
+    raise RuntimeError(f'llama.cpp refused the control vector {vector_path}')
+  out = dict(cvec_layers=layers, cvec_vectors=vectors,
+             cvec_llama_cpp_version=np.array(llama_cpp.__version__))
+  for k, v in _logit_summary(llm, ids, random_ids).items():
+    out['cvec_f_' + k] = v
+  return out
+
+
+def _arguments():
   parser = argparse.ArgumentParser()
   parser.add_argument('--gguf', default=None,
                       help='the Q4_K_M file (default: the registry\'s)')
   parser.add_argument('--f32_gguf', default='/tmp/gemma-3-270m-f32.gguf')
   parser.add_argument('--out', default=os.path.join(
       os.path.dirname(__file__), 'llama_cpp.npz'))
+  parser.add_argument('--control_vector', default=None,
+                      help='also record llama.cpp steered by this control '
+                      'vector (launch.steer_eval --export_gguf)')
+  parser.add_argument('--control_vector_only', action='store_true',
+                      help='add only the control vector\'s keys to --out')
   args = parser.parse_args()
+  if args.control_vector_only and not args.control_vector:
+    parser.error('--control_vector_only needs --control_vector')
+  return args
+
+
+def main():
+  args = _arguments()
   from train.lm import gemma_gguf
   import llama_cpp
   path = args.gguf or gemma_gguf.registry_file()
   if not os.path.exists(args.f32_gguf):
     _write_f32(path, args.f32_gguf)
+  if args.control_vector_only:
+    with np.load(args.out) as f:
+      out = dict(f)
+    out.update(_steered(args.f32_gguf, args.control_vector,
+                        out['passage_ids'], out['random_ids']))
+    np.savez_compressed(args.out, **out)
+    print(f'added {args.control_vector} to {args.out}')
+    return
   out = dict(llama_cpp_version=np.array(llama_cpp.__version__))
   q = _llama(path, 1024)
   for i, text in enumerate(texts.CORPUS):
@@ -121,6 +216,9 @@ def main():
       f.eval([nxt])
     out[f'prompt_ids_{i}'] = np.asarray(tokens, np.int32)
     out[f'greedy_{i}'] = np.asarray(generated, np.int32)
+  del f
+  if args.control_vector:
+    out.update(_steered(args.f32_gguf, args.control_vector, ids, random_ids))
   np.savez_compressed(args.out, **out)
   print(f'wrote {args.out}: {len(ids)} passage tokens')
 
