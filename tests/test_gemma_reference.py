@@ -14,6 +14,9 @@ record_llama_cpp.py says how and what). Checked here:
   file as shipped (its own dequantization, 8-bit activations) within
   QUANT_TOL;
 - greedy generation: 24 tokens after each of 20 prompts, identical;
+- a control vector exported by `launch.steer_eval --export_gguf`, applied
+  by llama.cpp, gives geom's addition steering's logits at the same block
+  and strength within LOGIT_TOL;
 - planted bugs (a wrong RoPE base, the norms' 1 + w offset dropped, local
   layers made global) each fail the logit check by far.
 """
@@ -303,6 +306,55 @@ def test_steering_hooks_run_unchanged_on_gemma(request, tmp_path,
           loaded.params, tokens, valid, steer)
   assert g.tokens.shape == (1, 8)
   assert float(g.stats.tokens) == 8  # The last prompt token, then 7 steps.
+
+
+def _steered_summary(loaded, ids, reference, layer, vector):
+  """`_summary` of the uncached forward with `vector` added to block
+  `layer`'s output at every token (BOS included, as llama.cpp's control
+  vectors are): geom's ungated addition at alpha 1, coefficient |v|."""
+  from geom import steering as steering_lib  # pylint: disable=g-import-not-at-top
+  from train.lm import hooks  # pylint: disable=g-import-not-at-top
+  model = gemma.Gemma3(loaded.shape, max_len=len(ids))
+  steer = steering_lib.Steering(
+      'addition', jnp.asarray(vector), alpha=1.0,
+      coefficient=float(np.linalg.norm(vector)), gate=False)
+  path = hooks.resolve_layer(loaded.params, int(layer))
+
+  @jax.jit
+  def run(p, t):
+    with hooks.steered(steer, path):
+      logits, _ = model.apply({'params': p}, t)
+    return _summary(logits[0], reference, slice(0, len(ids)))
+  return jax.tree.map(np.asarray, run(loaded.params, ids[None]))
+
+
+def test_llama_cpp_steered_by_an_exported_vector_is_geoms_addition(
+    loaded, reference):
+  """launch.steer_eval --export_gguf's control vector, applied by llama.cpp
+  (`llama_set_adapter_cvec`, recorded by record_llama_cpp.py
+  --control_vector), gives the logits of geom's addition at the same block
+  and strength, within the unsteered comparison's tolerance; the vector
+  moves them by far more, and a flipped sign or a block off fails."""
+  (layer,), (vector,) = reference['cvec_layers'], reference['cvec_vectors']
+  n = 128
+  ids = reference['passage_ids'][:n]
+  steered = dict(reference, **{'f_' + k[len('cvec_f_'):]: v
+                               for k, v in reference.items()
+                               if k.startswith('cvec_f_')})
+  f = _compare(_steered_summary(loaded, ids, steered, layer, vector),
+               steered, 'f_', slice(0, n))
+  assert f['top'] < LOGIT_TOL and f['random'] < LOGIT_TOL, f
+  assert f['lse'] < LOGIT_TOL and f['argmax_agree'] == 1.0, f
+  print('steered, against llama.cpp:', f)
+  plain = _compare(_prefix_summary(gemma.Gemma3(loaded.shape, max_len=n),
+                                   loaded.params, ids, steered),
+                   steered, 'f_', slice(0, n))
+  assert plain['top'] > 20 * LOGIT_TOL, plain
+  print('unsteered, against llama.cpp steered:', plain)
+  for bug_layer, bug_vector in ((layer, -vector), (layer + 1, vector)):
+    bad = _compare(_steered_summary(loaded, ids, steered, bug_layer,
+                                    bug_vector), steered, 'f_', slice(0, n))
+    assert bad['top'] > 20 * LOGIT_TOL, (bug_layer, bad)
 
 
 def test_the_tasks_read_gemmas_tokens_one_per_character(gemma_file, loaded):
