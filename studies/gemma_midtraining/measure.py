@@ -70,13 +70,17 @@ def _identity(settings: Settings, config, root: str,
               config=as_json)
 
 
-def _text_measures(settings: Settings, model, params, tokenizer) -> dict:
+def _text_measures(settings: Settings, model, tokenizer,
+                   *param_sets) -> list[dict]:
+  """Held-out CE and probes of each parameter set of `model`, the text
+  tokenized once for all of them."""
   windows = lm_data.heldout_windows(tokenizer, settings.windows,
                                     settings.window_len)
   tokens, mask = probes.encode(tokenizer, lm_tokenizer.bos_id(tokenizer))
-  return dict(heldout_ce=heldout.cross_entropy(model, params, windows,
-                                               _BATCH),
-              probes=probes.score(model, params, tokens, mask))
+  return [dict(heldout_ce=heldout.cross_entropy(model, params, windows,
+                                                _BATCH),
+               probes=probes.score(model, params, tokens, mask))
+          for params in param_sets]
 
 
 def _trainable(config, params) -> tuple[list, Any]:
@@ -184,8 +188,8 @@ def measure_mid(settings: Settings, base, root: str, variant: str,
                                   trained.tokenizer)
       extra = _logged(run_dir)
     quantised = _quantize(params, settings.bits, settings.group_size or None)
-    text = _text_measures(settings, model, params, tokenizer)
-    quant = _text_measures(settings, model, quantised, tokenizer)
+    text, quant = _text_measures(settings, model, tokenizer, params,
+                                 quantised)
     return dict(variant=variant, seed=None if checkpoint else seed,
                 heldout_ce=text['heldout_ce'], probes=text['probes'],
                 quant_ce=quant['heldout_ce'], quant_probes=quant['probes'],
@@ -207,7 +211,7 @@ def measure_post(settings: Settings, base, root: str, variant: str,
     policy = sft.load_policy(run_dir)
     tokenizer = lm_tokenizer.for_trained(policy.config, run_dir,
                                          policy.codec.name)
-    text = _text_measures(settings, policy.model, policy.params, tokenizer)
+    text, = _text_measures(settings, policy.model, tokenizer, policy.params)
     return dict(
         variant=variant, seed=seed, **text, answer_ce=final['val_loss'],
         pass_at_1={k[len('pass_at_1_'):]: v for k, v in final.items()
