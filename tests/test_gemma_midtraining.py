@@ -7,6 +7,7 @@ starts from the mid-trained model), its report, and its refusals."""
 import dataclasses
 import json
 import os
+import shutil
 
 import jax
 import jax.flatten_util
@@ -202,6 +203,35 @@ def test_a_rerun_reuses_and_other_settings_are_refused(smoke, tiny_file,
   with pytest.raises(UsageError, match='other settings'):
     study.run(dataclasses.replace(SETTINGS, group_size=8), base, root)
   assert os.path.getmtime(path) == mtime
+
+
+def test_a_fresh_workdir_resumes_from_the_records_alone(smoke, tiny_file,
+                                                        tmp_path):
+  # A workdir that kept `measures/` and lost `runs/`: the records of one
+  # model are reused, its missing ones need the mid-trained run again.
+  root, stdout = smoke
+  fresh = str(tmp_path / 'study')
+  shutil.copytree(os.path.join(root, 'measures'),
+                  os.path.join(fresh, 'measures'))
+  redo = ('post_sam_rho0.05_seed0', 'sharpness_adamw_seed0')
+  for name in redo:
+    os.remove(os.path.join(fresh, 'measures', f'{name}.json'))
+  kept = {name: os.path.getmtime(os.path.join(fresh, 'measures', name))
+          for name in os.listdir(os.path.join(fresh, 'measures'))}
+  assert study.run(SETTINGS, _base(tiny_file), fresh) in stdout
+  assert sorted(os.listdir(os.path.join(fresh, 'runs'))) == [
+      'mid_adamw_seed0', 'mid_sam_rho0.05_seed0', 'post_sam_rho0.05_seed0']
+  for name, mtime in kept.items():
+    assert os.path.getmtime(os.path.join(fresh, 'measures', name)) == mtime
+  for name in redo:
+    # The retrained run is the first one (to float32 rounding: the first
+    # ran in another process, compiled alone).
+    again, first = _measure(fresh, name), _measure(root, name)
+    assert again['identity'] == first['identity']
+    assert jax.tree.structure(again) == jax.tree.structure(first)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(first)):
+      assert a == (pytest.approx(b, rel=1e-5, abs=1e-6)
+                   if isinstance(b, float) else b)
 
 
 def _bad(base, field, value):

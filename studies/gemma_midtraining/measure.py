@@ -47,6 +47,8 @@ from train.lm import quantization
 from train.lm import tokenizer as lm_tokenizer
 from train.lm import trainer as lm_trainer
 from train.rl import sft
+from train.run import checkpointing
+from train.run import disk_space
 from train.rl import tasks
 from train.training import optim
 
@@ -147,7 +149,7 @@ def measure_sharpness(settings: Settings, base, root: str, variant: str,
     if checkpoint:
       return sharpness(settings, config, models.pretrained(config).params,
                        models.tokenizer(config), root)
-    run_dir = settings_lib.mid_dir(root, variant, seed)
+    run_dir = _midtrained(base, root, variant, seed)
     trained = lm_trainer.load_trained(run_dir)
     return sharpness(settings, config, trained.params, trained.tokenizer,
                      run_dir)
@@ -155,6 +157,18 @@ def measure_sharpness(settings: Settings, base, root: str, variant: str,
       os.path.join(root, 'measures', f'sharpness_{name}.json'),
       _identity(settings, config, root, _SHARPNESS), compute)
   return {k: v for k, v in record.items() if k != 'identity'}
+
+
+def _midtrained(base, root: str, variant: str, seed: int) -> str:
+  """The run directory of the mid-trained (variant, seed), trained (or
+  resumed) unless it holds its last step's checkpoint (a workdir may hold
+  the records of a run and not the run)."""
+  run_dir = settings_lib.mid_dir(root, variant, seed)
+  config = settings_lib.mid_config(base, variant, seed)
+  if config.num_steps not in disk_space.completed_steps(
+      os.path.join(run_dir, checkpointing.CHECKPOINTS)):
+    lm_trainer.train_and_evaluate(config, run_dir)
+  return run_dir
 
 
 def _logged(run_dir: str) -> dict:
@@ -207,6 +221,8 @@ def measure_post(settings: Settings, base, root: str, variant: str,
   run_dir = settings_lib.post_dir(root, variant, seed)
 
   def compute():
+    if variant != CHECKPOINT:
+      _midtrained(base, root, variant, seed)
     final = sft.train_and_evaluate(config, run_dir)
     policy = sft.load_policy(run_dir)
     tokenizer = lm_tokenizer.for_trained(policy.config, run_dir,

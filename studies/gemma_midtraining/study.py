@@ -1,7 +1,10 @@
-"""The whole study into one workdir: the models seed by seed (every model
-of seed 0 first, so an interrupted study has whole seeds), then their
-sharpness (the costliest measure, last), then the report from the stored
-measures."""
+"""The whole study into one workdir, seed by seed (every model of seed 0
+first, so an interrupted study has whole seeds) and model by model: each
+mid-trained model is measured, its sharpness taken and its post-training
+run before the next is trained, so that the records of `measures/`
+alone, without the runs, let a fresh workdir resume (a record whose run
+is gone is not redone; a run a missing record needs is retrained); then
+the report from the stored measures."""
 
 import os
 
@@ -34,10 +37,9 @@ def run(settings: Settings, base: ml_collections.ConfigDict,
       for v in settings.variants:
         if v != CHECKPOINT:
           measure.measure_mid(settings, base, root, v, s)
+          measure.measure_sharpness(settings, base, root, v, s)
         measure.measure_post(settings, base, root, v, s)
-    measure.measure_sharpness(settings, base, root, CHECKPOINT, 0)
-    for s in range(settings.seeds):
-      for v in settings.midtrained:
-        measure.measure_sharpness(settings, base, root, v, s)
+      if s == 0:
+        measure.measure_sharpness(settings, base, root, CHECKPOINT, 0)
     mids, posts = report.records(os.path.join(root, 'measures'), settings)
     return report.write(root, mids, posts)
