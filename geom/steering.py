@@ -41,7 +41,10 @@ alpha, beta. Ours: the gate on addition (for the ablation), the
 theta-near-pi plane, the rotation of tokens within
 1e-4 of the target (the reference leaves them as they are), the exact
 pass-through of ungated tokens, the uncentred PCA (below), the centring,
-the gate's calibration and the trigger statistics.
+the gate's calibration and the trigger statistics. Of the direction
+methods, 'mean_diff' is ActAdd's and CAA's, 'pca_center' repeng's and
+'logistic' steering-vectors' (with our feature scale and solver); the
+sign rule shared by all of them is ours.
 
 Example:
 
@@ -62,6 +65,7 @@ References:
   Rimsky et al., Steering Llama 2 via Contrastive Activation Addition
     (CAA), arXiv 2312.06681.
   Vogel, repeng (representation engineering), github.com/vgel/repeng.
+  Chanin, steering-vectors, github.com/steering-vectors/steering-vectors.
 """
 
 import dataclasses
@@ -75,10 +79,11 @@ import numpy as np
 from geom import validation
 
 __all__ = ['DELTA_BINS', 'DELTA_EDGES', 'DIRECTION_METHODS',
-           'GateCalibration', 'METHODS', 'SteerStats', 'Steering',
-           'calibrate_gate', 'check_direction', 'cosines',
-           'extract_direction', 'gate', 'layer_mean', 'mean_difference',
-           'pca_direction', 'slerp_rotate', 'unit']
+           'GateCalibration', 'LOGISTIC_C', 'LOGISTIC_ITERATIONS', 'METHODS',
+           'SteerStats', 'Steering', 'calibrate_gate', 'check_direction',
+           'cosines', 'extract_direction', 'gate', 'layer_mean',
+           'logistic_direction', 'logistic_weights', 'mean_difference',
+           'pca_center_direction', 'pca_direction', 'slerp_rotate', 'unit']
 
 _STEERING = 'geom.steering.Steering'
 _EXTRACT = 'geom.steering.extract_direction'
@@ -87,7 +92,12 @@ _CALIBRATE = 'geom.steering.calibrate_gate'
 #: The methods of `Steering`.
 METHODS = ('none', 'addition', 'spherical')
 #: The methods of `extract_direction`.
-DIRECTION_METHODS = ('mean_diff', 'pca')
+DIRECTION_METHODS = ('mean_diff', 'pca', 'pca_center', 'logistic')
+#: `logistic_weights`' inverse regularisation strength: scikit-learn's
+#: default C, which steering-vectors' logistic aggregator keeps.
+LOGISTIC_C = 1.0
+#: Newton steps of `logistic_weights` (converged to float32 well before).
+LOGISTIC_ITERATIONS = 30
 #: Bins of `SteerStats.delta_hist`: DELTA_BINS equal bins of the gate value
 #: delta over [-1, 1], bin i holding DELTA_EDGES[i] <= delta <
 #: DELTA_EDGES[i + 1] (the last bin also holds delta = 1). Edges at
@@ -151,6 +161,31 @@ def unit(direction) -> jax.Array:
   return d / jnp.linalg.norm(d)
 
 
+def _paired(positive, negative, method: str) -> tuple[jax.Array, jax.Array]:
+  """Float32 paired (n, dim) activations (any float input, bfloat16
+  included) after checking their shapes."""
+  positive = jnp.asarray(positive, jnp.float32)
+  negative = jnp.asarray(negative, jnp.float32)
+  if (positive.shape != negative.shape or positive.ndim != 2
+      or positive.shape[0] == 0):
+    raise validation.ArgumentError(
+        _EXTRACT, 'positive, negative', f'shapes {positive.shape} and '
+        f'{negative.shape}: {method} needs paired (n, dim) arrays, n >= 1')
+  return positive, negative
+
+
+def _check_concept(mean_diff: jax.Array, name: str) -> None:
+  """Raises ArgumentError naming `name` when a concrete mean difference
+  is zero or non-finite (identical sides); traced values pass (jit)."""
+  if validation.is_concrete(mean_diff):
+    check_direction(mean_diff, name, _EXTRACT)
+
+
+def _signed_unit(v: jax.Array, mean_diff: jax.Array) -> jax.Array:
+  """unit(v), flipped where the mean difference projects negatively."""
+  return unit(jnp.where(jnp.dot(v, mean_diff) < 0, -v, v))
+
+
 def mean_difference(positive, negative) -> jax.Array:
   """normalize(mean(positive) - mean(negative)); inputs are (n, dim) activations.
 
@@ -170,7 +205,7 @@ def mean_difference(positive, negative) -> jax.Array:
         _EXTRACT, 'positive, negative', f'shapes {positive.shape} and '
         f'{negative.shape}: need (n, dim) arrays of one dim')
   diff = positive.mean(0) - negative.mean(0)
-  check_direction(diff, 'mean difference of positive and negative', _EXTRACT)
+  _check_concept(diff, 'mean difference of positive and negative')
   return unit(diff)
 
 
@@ -191,21 +226,162 @@ def pca_direction(positive, negative) -> jax.Array:
     >>> [round(float(v), 4) for v in steering.pca_direction(positive, negative)]
     [1.0, 0.0]
   """
-  positive = jnp.asarray(positive, jnp.float32)
-  negative = jnp.asarray(negative, jnp.float32)
-  if positive.shape != negative.shape or positive.ndim != 2:
-    raise validation.ArgumentError(
-        _EXTRACT, 'positive, negative', f'shapes {positive.shape} and '
-        f'{negative.shape}: pca needs paired (n, dim) arrays')
+  positive, negative = _paired(positive, negative, 'pca')
   diffs = positive - negative
-  check_direction(diffs.mean(0), 'mean of the paired differences', _EXTRACT)
+  _check_concept(diffs.mean(0), 'mean of the paired differences')
   _, _, vt = jnp.linalg.svd(diffs, full_matrices=False)
-  top = vt[0]
-  return unit(jnp.where(jnp.dot(top, diffs.mean(0)) < 0, -top, top))
+  return _signed_unit(vt[0], diffs.mean(0))
+
+
+def pca_center_direction(positive, negative) -> jax.Array:
+  """repeng's `pca_center`: PCA of each pair's activations about its midpoint.
+
+  For pair i, c_i = (positive[i] + negative[i]) / 2; the rows
+  positive[i] - c_i and negative[i] - c_i of all pairs are stacked into a
+  (2n, dim) matrix and its top right-singular vector is the direction
+  (repeng's `read_representations(method='pca_center')`; the PCA
+  repeng calls also subtracts the rows' mean, zero here up to rounding as
+  the rows come in +-pairs, so it is left out). The sign is ours, as for
+  every method here: the mean difference projects positively (repeng
+  flips by a majority vote of the pairs).
+
+  The rows are +-(positive[i] - negative[i]) / 2, whose Gram matrix is
+  half the differences', so the direction is `pca_direction`'s up to
+  rounding: repeng's centring per pair is the uncentred PCA of the
+  differences (tests/test_steering.py checks both against numpy).
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom import steering
+    >>> positive = jnp.array([[2.0, 1.0], [3.0, -1.0]])
+    >>> negative = jnp.array([[0.0, 1.0], [0.0, -1.0]])
+    >>> [round(float(v), 4)
+    ...  for v in steering.pca_center_direction(positive, negative)]
+    [1.0, 0.0]
+  """
+  positive, negative = _paired(positive, negative, 'pca_center')
+  mean_diff = (positive - negative).mean(0)
+  _check_concept(mean_diff, 'mean of the paired differences')
+  center = 0.5 * (positive + negative)
+  rows = jnp.concatenate([positive - center, negative - center])
+  _, _, vt = jnp.linalg.svd(rows, full_matrices=False)
+  return _signed_unit(vt[0], mean_diff)
+
+
+def _logistic_rows(positive, negative) -> jax.Array:
+  """z_i = (positive[i] - negative[i]) / (2 s), s the RMS row norm."""
+  half = 0.5 * (positive - negative)
+  scale = jnp.sqrt(jnp.mean(jnp.sum(half * half, -1)))
+  return half / jnp.where(scale > 0, scale, 1.0)
+
+
+def logistic_weights(positive, negative, *, c: float = LOGISTIC_C,
+                     iterations: int = LOGISTIC_ITERATIONS) -> jax.Array:
+  """The weights of an L2-regularised logistic regression, positive vs negative.
+
+  steering-vectors' logistic aggregator: each pair is centred on its
+  midpoint, so the rows are +-(positive[i] - negative[i]) / 2 with labels
+  +-1, and a logistic regression without intercept is fitted with
+  scikit-learn's objective (C = 1); both rows of a pair add the same
+  term, so the objective is
+
+      J(w) = |w|^2 / 2 + 2 C sum_i softplus(-<w, z_i>),
+      z_i = (positive[i] - negative[i]) / (2 s),
+
+  with s the root-mean-square norm of the (positive[i] - negative[i]) / 2.
+  Ours: the scale s (a scalar, so that C weighs the data the same at any
+  layer's activation scale; steering-vectors fits the raw activations,
+  where C's meaning changes with the norm) and the solver: J is strongly
+  convex (its Hessian is >= I), and `iterations` Newton steps from w = 0,
+  each solved through the n x n Woodbury form and taken at the largest of
+  the step sizes 1, 1/2, ..., 1/2048, 0 that does not raise J (beyond
+  float32 rounding), reach its minimiser deterministically, in jnp,
+  under jit too.
+
+  Args:
+    positive, negative: paired (n, dim) activations, any float dtype.
+    c: the inverse regularisation strength C, > 0.
+    iterations: Newton steps (static under jit).
+
+  Returns:
+    The float32 minimiser w of J, in the scaled coordinates z (unnormalised;
+    `logistic_direction` is its unit vector).
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom import steering
+    >>> positive = jnp.array([[2.0, 1.0], [2.0, -1.0]])
+    >>> negative = jnp.array([[0.0, 1.0], [0.0, -1.0]])
+    >>> w = steering.logistic_weights(positive, negative)
+    >>> # z_i = (1, 0) for both pairs: w_0 solves w_0 = 4 C sigmoid(-w_0).
+    >>> round(float(w[0]), 4), round(float(w[1]), 4)
+    (1.0426, 0.0)
+  """
+  positive, negative = _paired(positive, negative, 'logistic')
+  validation.check(_EXTRACT, 'c', c, lambda v: 0 < v < float('inf'),
+                   '> 0 and finite')
+  _check_concept((positive - negative).mean(0),
+                 'mean of the paired differences')
+  z = _logistic_rows(positive, negative)
+  gram = z @ z.T
+  eye = jnp.eye(z.shape[0], dtype=jnp.float32)
+  steps = jnp.concatenate([2.0 ** -jnp.arange(12.0), jnp.zeros(1)])
+
+  def objective(w):  # (..., dim) -> (...)
+    return (0.5 * jnp.sum(w * w, -1)
+            + 2 * c * jnp.sum(jax.nn.softplus(-(w @ z.T)), -1))
+
+  def newton(_, w):
+    margin = z @ w
+    grad = w - 2 * c * (jax.nn.sigmoid(-margin) @ z)
+    # H = I + Z^T D Z; H^-1 = I - Z^T R (I + R Z Z^T R)^-1 R Z, R = D^1/2.
+    root = jnp.sqrt(2 * c * jax.nn.sigmoid(margin) * jax.nn.sigmoid(-margin))
+    inner = jnp.linalg.solve(eye + root[:, None] * gram * root[None, :],
+                             root * (z @ grad))
+    move = grad - (root * inner) @ z
+    trials = w[None] - steps[:, None] * move[None]
+    # The largest step that does not raise J beyond float32 rounding: near
+    # the minimum J is flat to rounding and comparing values would stall.
+    value = objective(w)
+    tolerance = 8 * jnp.finfo(jnp.float32).eps * jnp.abs(value)
+    return trials[jnp.argmax(objective(trials) <= value + tolerance)]
+
+  return jax.lax.fori_loop(0, iterations, newton,
+                           jnp.zeros(z.shape[1], jnp.float32))
+
+
+def logistic_direction(positive, negative) -> jax.Array:
+  """The unit vector of `logistic_weights` (steering-vectors' logistic
+  aggregator, with our scale and solver), signed so that the mean
+  difference projects positively.
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from geom import steering
+    >>> positive = jnp.array([[2.0, 1.0], [2.0, -1.0]])
+    >>> negative = jnp.array([[0.0, 1.0], [0.0, -1.0]])
+    >>> [round(float(v), 4)
+    ...  for v in steering.logistic_direction(positive, negative)]
+    [1.0, 0.0]
+  """
+  w = logistic_weights(positive, negative)
+  mean_diff = (jnp.asarray(positive, jnp.float32)
+               - jnp.asarray(negative, jnp.float32)).mean(0)
+  return _signed_unit(w, mean_diff)
 
 
 def extract_direction(positive, negative, method: str = 'mean_diff') -> jax.Array:
-  """A unit direction from contrastive activations: 'mean_diff' or 'pca'.
+  """A unit direction from contrastive activations, by `method`.
+
+  'mean_diff' (`mean_difference`; pairing not needed), 'pca'
+  (`pca_direction`), 'pca_center' (`pca_center_direction`, repeng's) or
+  'logistic' (`logistic_direction`, steering-vectors'); the last three
+  take paired (n, dim) arrays. Every method is signed so that the mean
+  difference projects positively, and works under jit (where inputs with
+  no difference give NaN instead of the error).
 
   Example:
 
@@ -218,9 +394,9 @@ def extract_direction(positive, negative, method: str = 'mean_diff') -> jax.Arra
   """
   validation.check_choice(_EXTRACT, 'method', method, DIRECTION_METHODS,
                           'unknown direction method')
-  if method == 'mean_diff':
-    return mean_difference(positive, negative)
-  return pca_direction(positive, negative)
+  return {'mean_diff': mean_difference, 'pca': pca_direction,
+          'pca_center': pca_center_direction,
+          'logistic': logistic_direction}[method](positive, negative)
 
 
 def gate(cos: jax.Array, *, alpha, kappa, beta) -> tuple[jax.Array, jax.Array]:
