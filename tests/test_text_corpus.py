@@ -73,7 +73,7 @@ def test_contrastive_pairs_differ_only_in_sentiment():
       assert (p == n and p in NEUTRAL) or (p in POS and n in NEG), (p, n)
 
 
-@pytest.mark.parametrize('name', tc.MC_TASKS)
+@pytest.mark.parametrize('name', ('copa', 'cloze'))  # The template tasks.
 def test_mc_items_balanced_and_differ_in_sentiment(name):
   items = tc.mc_task(name, 200, seed=1)
   assert items == tc.mc_task(name, 200, seed=1)

@@ -3,7 +3,10 @@
 Steering needs a concept with known ground truth, so most of the data is a
 template corpus of reviews whose every sentence agrees with a binary
 sentiment label; multiple-choice tasks (built like COPA and StoryCloze) and
-contrastive pairs for direction extraction come from the same grammar. Real
+contrastive pairs for direction extraction come from the same grammar, and
+one more task ('pydoc_polarity') from real sentences of Python's
+documentation (`train.lm.polarity_sentences`), so that a steering result
+does not rest on our templates alone. Real
 English (Debian fortunes, Python's own docs, or the user's .txt files) keeps
 the LM from being a pure template model. Everything is plain Python/numpy,
 needs no network, and is a fixed function of the seed.
@@ -12,7 +15,8 @@ Splits are disjoint by construction: a document (or, for a multiple-choice
 item, its full negative text, the one that could coincide with a corpus
 document) belongs to the split picked by a stable hash of its text, and
 generators only keep what hashes into the requested split. Identical texts
-therefore always land in the same split.
+therefore always land in the same split. A 'pydoc_polarity' item belongs
+to the split of its documentation sentence.
 """
 
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +34,7 @@ import unicodedata
 import numpy as np
 
 from train.errors import UsageError
+from train.lm import polarity_sentences
 
 VOCAB_SIZE = 256
 PAD = 0
@@ -256,21 +261,30 @@ class MCItem:
 _COPA_PHRASES = [
     k for k, (p, q) in enumerate(zip(POSITIVE_PHRASES, NEGATIVE_PHRASES,
                                      strict=True)) if abs(len(p) - len(q)) <= 3]
-MC_TASKS = ('copa', 'cloze')
+MC_TASKS = ('copa', 'cloze', 'pydoc_polarity')
+# The real-text task's split shares (`split_of`'s fractions): no train
+# share, as nothing trains on it; 40% validation, 60% test.
+POLARITY_FRACTIONS = (0.0, 0.4)
+# (original word positive, label) of a polarity item, cycled: any even
+# count of items is balanced in both.
+_POLARITY_CELLS = ((True, 0), (False, 1), (True, 1), (False, 0))
 
 
 def mc_task(name: str, n: int, seed: int, split: str = 'test'
             ) -> list[MCItem]:
-  """`n` items of task `name` ('copa' or 'cloze'), positive slot balanced.
+  """`n` items of task `name` (`MC_TASKS`), positive slot balanced.
 
   copa: neutral premise; one positive and one negative one-sentence
   alternative from the same skeleton. cloze: three negative sentences, then
   a positive and a negative closing from a paired template, so context
-  pulls an unsteered model toward the negative ending.
+  pulls an unsteered model toward the negative ending. pydoc_polarity:
+  real sentences (`mc_item_sets`).
   """
   if name not in MC_TASKS:
     raise UsageError('name', name, 'unknown multiple-choice task', MC_TASKS)
   _check_split(split)
+  if name == 'pydoc_polarity':
+    return _polarity_sets(n, (seed,), split)[0]
   rng = random.Random(seed)
   items = []
   for label in _balanced_labels(n, rng):
@@ -290,6 +304,103 @@ def mc_task(name: str, n: int, seed: int, split: str = 'test'
         items.append(item)
         break
   return items
+
+
+def mc_item_sets(name: str, n: int, seeds: Sequence[int],
+                 split: str = 'test') -> list[list[MCItem]]:
+  """One item set of `n` items per seed: what an evaluation scores.
+
+  Template tasks: `mc_task(name, n, seed, split)` per seed. pydoc_polarity
+  (real text, `train.lm.polarity_sentences`): the sets are disjoint, drawn
+  together without replacement from the split's pool, so the set of a
+  seed depends on the seeds before it. Each item is one documentation
+  sentence cut at a polarity word: context = the sentence up to the word,
+  choices = the rest of the sentence with the word as written and with
+  its antonym, label = the choice with the positive word. Each set holds
+  as many items whose original word is positive as negative (an
+  unsteered model that prefers the text as written is right on half),
+  and as many with the positive choice first as second (both exact for
+  an even n). Splits are by `split_of(sentence, POLARITY_FRACTIONS)`, so
+  validation and test never share a sentence.
+
+  Raises:
+    UsageError: naming `n`, when the sets need more items of either
+      polarity than the split's pool holds (`mc_capacity`).
+  """
+  if name not in MC_TASKS:
+    raise UsageError('name', name, 'unknown multiple-choice task', MC_TASKS)
+  _check_split(split)
+  if name == 'pydoc_polarity':
+    return _polarity_sets(n, tuple(seeds), split)
+  return [mc_task(name, n, seed, split) for seed in seeds]
+
+
+@functools.lru_cache(maxsize=4)
+def _polarity_pool(split: str) -> tuple[
+    tuple[polarity_sentences.Occurrence, ...],
+    tuple[polarity_sentences.Occurrence, ...]]:
+  """The split's occurrences whose word is positive, and negative."""
+  pool = [o for o in polarity_sentences.occurrences()
+          if split_of(o.sentence, POLARITY_FRACTIONS) == split]
+  return (tuple(o for o in pool if o.positive),
+          tuple(o for o in pool if not o.positive))
+
+
+def mc_capacity(name: str, split: str, sets: int = 1) -> int | None:
+  """The largest n for which `sets` item sets of task `name` fit in
+  `split` (None: the template tasks are unbounded)."""
+  _check_split(split)
+  if name != 'pydoc_polarity':
+    return None
+  positive, negative = (len(p) // max(sets, 1) for p in _polarity_pool(split))
+  # A set of n takes ceil(n / 2) positive originals and floor(n / 2)
+  # negative ones (`_POLARITY_CELLS`).
+  return min(2 * positive, 2 * negative + 1)
+
+
+def _polarity_sets(n: int, seeds: tuple[int, ...], split: str
+                   ) -> list[list[MCItem]]:
+  positive, negative = _polarity_pool(split)
+  capacity = mc_capacity('pydoc_polarity', split, len(seeds))
+  if not 0 <= n <= capacity:
+    raise UsageError(
+        'n', n, f'pydoc_polarity\'s {split} split holds '
+        f'{len(positive) + len(negative)} items ({len(positive)} whose word '
+        f'is positive, {len(negative)} negative): {len(seeds)} disjoint '
+        f'set(s) of n items fit for n <= {capacity}')
+  order = random.Random(f'pydoc_polarity/{split}/{seeds}')
+  pools = {True: order.sample(positive, len(positive)),
+           False: order.sample(negative, len(negative))}
+  sets = []
+  for seed in seeds:
+    cells = [_POLARITY_CELLS[i % 4] for i in range(n)]
+    random.Random(seed).shuffle(cells)
+    items = []
+    for original_positive, label in cells:
+      o = pools[original_positive].pop()
+      pos, neg = ((o.original(), o.swapped()) if original_positive
+                  else (o.swapped(), o.original()))
+      items.append(MCItem(o.context, (pos, neg) if label == 0 else (neg, pos),
+                          label))
+    sets.append(items)
+  return sets
+
+
+def item_split(name: str, item: MCItem) -> str:
+  """The split an item of task `name` belongs to: of its negative text
+  (template tasks), of its documentation sentence (pydoc_polarity)."""
+  if name != 'pydoc_polarity':
+    return split_of(item.texts()[1 - item.label])
+  known = _polarity_sentences()
+  for text in item.texts():
+    if text in known:
+      return split_of(text, POLARITY_FRACTIONS)
+  raise ValueError(f'{item!r}: neither text is a pydoc_polarity sentence')
+
+
+@functools.lru_cache(maxsize=1)
+def _polarity_sentences() -> frozenset[str]:
+  return frozenset(o.sentence for o in polarity_sentences.occurrences())
 
 
 # --- Bytes.
