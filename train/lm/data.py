@@ -109,20 +109,21 @@ def load_windows(data: ml_collections.ConfigDict, split: str, seed: int,
   return TokenWindows(tokens)
 
 
-def heldout_windows(tokenizer, count: int, length: int) -> np.ndarray:
+def heldout_windows(tokenizer, count: int, length: int,
+                    split: str = 'test') -> np.ndarray:
   """(count, length + 1) token windows, half from Python's documentation
-  (test split; real English) and half from template reviews (test split;
-  the steered attribute's own domain): BOS, then `length` consecutive
-  tokens of the source's documents joined by blank lines."""
-  reviews, _ = text_corpus.attribute_documents(4 * count, 11, 'test')
-  sources = {'pydoc': text_corpus.english_documents('pydoc', 'test'),
+  (`split`; real English) and half from template reviews (`split`; the
+  steered attribute's own domain): BOS, then `length` consecutive tokens
+  of the source's documents joined by blank lines."""
+  reviews, _ = text_corpus.attribute_documents(4 * count, 11, split)
+  sources = {'pydoc': text_corpus.english_documents('pydoc', split),
              'reviews': reviews}
   windows = []
   for k, (name, docs) in enumerate(sources.items()):
     want = count // 2 + (count % 2 if k == 0 else 0)
     stream = tokenizer.encode('\n\n'.join(docs))
     if len(stream) < want * length:
-      raise ConfigError('heldout_windows', count, f'the {name} test text '
+      raise ConfigError('heldout_windows', count, f'the {name} {split} text '
                         f'holds {len(stream)} tokens, fewer than {want} '
                         f'windows of {length}')
     bos = lm_tokenizer.bos_id(tokenizer)

@@ -10,8 +10,9 @@ For each method and strength alpha, with the direction extracted at one
 layer from contrastive pairs (positive vs negative reviews that differ
 only in sentiment words; or, in-project, read from `vector_file`):
 
-- multiple choice (`text_corpus.mc_task`: 'copa' and 'cloze'): accuracy
-  of choosing the positive continuation, scoring each choice by its
+- multiple choice (`text_corpus.mc_item_sets`: the templates 'copa' and
+  'cloze', and 'pydoc_polarity', sentences of Python's documentation):
+  accuracy of choosing the positive continuation, scoring each choice by its
   summed and by its mean (length-normalised) log-probability; steering
   covers the last context token through the choice tokens, as in the
   reference's evaluation (`scoring.MCScorer`: the contexts run once into a
@@ -38,12 +39,17 @@ the layer), 'addition_renorm' (the same, rescaled to |x|),
 the gate x geometry ablation), 'spherical' (rotation by alpha, no gate)
 and 'spherical_gate' (the vMF gate with kappa and beta).
 
+A config with a `selection` block runs through `train.steering.selection`
+instead: the layer, direction method and alphas of each method chosen on
+validation items, then this machinery on the test items.
+
 Item sets: `mc_seeds` draws one item set per seed for each task; rows
 hold the accuracy over all of them and each item's correctness per set
 (`{task}_correct_sum` / `_correct_mean`: one 0/1 list per set), what
 the steering studies' bootstrap resamples.
 """
 
+from collections.abc import Callable
 import functools
 import json
 import os
@@ -148,6 +154,18 @@ def extract(model: interface.LanguageModel, params, layer_path: str,
   `position`: 'last' takes each text's last token (the reference's choice);
   'mean' averages over its tokens after BOS.
   """
+  pos, neg, coefficient = pair_activations(model, params, layer_path, pairs,
+                                           position, tokenizer)
+  direction = steering_lib.extract_direction(pos, neg, method)
+  return np.asarray(direction), coefficient
+
+
+def pair_activations(model: interface.LanguageModel, params, layer_path: str,
+                     pairs: list[tuple[str, str]], position: str = 'last',
+                     tokenizer: lm_tokenizer.Tokenizer | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, float]:
+  """`extract`'s activations (positive, negative: (pairs, dim), one row per
+  text at `position`) and the coefficient, for any direction method."""
   tokenizer = tokenizer or lm_tokenizer.ByteTokenizer()
   pos, neg = ([lm_tokenizer.encode_document(tokenizer, p[i]) for p in pairs]
               for i in (0, 1))
@@ -165,8 +183,7 @@ def extract(model: interface.LanguageModel, params, layer_path: str,
                                                                  keepdims=True)
     acts.append(picked)
     norms.append(np.linalg.norm(hidden, axis=-1)[valid])
-  direction = steering_lib.extract_direction(acts[0], acts[1], method)
-  return np.asarray(direction), float(np.concatenate(norms).mean())
+  return acts[0], acts[1], float(np.concatenate(norms).mean())
 
 
 # Items per task and item set: one batch holds every set of a task.
@@ -217,6 +234,7 @@ def check_config(config, require_lm: bool = True) -> None:
     if not isinstance(n, int) or not 0 < n <= MAX_ITEMS:
       raise ConfigError(f'tasks.{task}', n, f'must be an integer in '
                         f'[1, {MAX_ITEMS}] (items per item set)')
+    check_capacity(f'tasks.{task}', task, n, 'test', len(seeds))
   if config.generation.mode not in lm_generate.MODES:
     raise ConfigError('generation.mode', config.generation.mode,
                       'unknown generation mode', lm_generate.MODES)
@@ -231,6 +249,16 @@ def check_config(config, require_lm: bool = True) -> None:
       raise ConfigError(field, value, f'must be at most {MAX_ITEMS}')
   if lm_kind(config) == 'gemma':
     _check_gemma(config)
+
+
+def check_capacity(field: str, task: str, n: int, split: str,
+                   sets: int) -> None:
+  """ConfigError naming `field` when `sets` disjoint sets of `n` items of
+  `task` do not fit in `split` (the real-text task's pool is finite)."""
+  capacity = text_corpus.mc_capacity(task, split, sets)
+  if capacity is not None and n > capacity:
+    raise ConfigError(field, n, f'{sets} {split} item set(s) of {task} hold '
+                      f'at most {capacity} items each')
 
 
 def _check_gemma(config) -> None:
@@ -282,25 +310,35 @@ class Subject(NamedTuple):
     heldout: held-out windows (N, len + 1) by source name; one set named
       None gives unprefixed columns.
     prompts: the generations' prompts (tokens, valid), left-padded.
+    windows: held-out windows of another split, as `heldout` is of
+      'test' (`train.steering.selection` reads 'validation').
   """
   lm: interface.Loaded
   meta: dict[str, Any]
   heldout: dict[str | None, np.ndarray]
   prompts: tuple[np.ndarray, np.ndarray]
+  windows: Callable[[str], dict[str | None, np.ndarray]]
+
+
+def load_subject(config) -> Subject:
+  """The LM the config names, loaded (its kind's held-out text and
+  prompts with it)."""
+  return (_gemma if lm_kind(config) == 'gemma' else _trained_lm)(config)
 
 
 def _trained_lm(config) -> Subject:
   lm = lm_trainer.load_trained(config.lm_workdir)
   params = jax.device_get(lm.params)
-  heldout = {s: lm_data.load_windows(
-      lm.config.data, 'test', lm.config.seed, only=s,
+  windows = lambda split: {s: lm_data.load_windows(
+      lm.config.data, split, lm.config.seed, only=s,
       tokenizer=lm.tokenizer).tokens[:config.heldout_windows]
-             for s in lm_data.source_names(lm.config.data)}
+                           for s in lm_data.source_names(lm.config.data)}
   return Subject(
       interface.Loaded(lm.model, params, lm.tokenizer,
                        steering_vectors.fingerprint(params)),
-      dict(lm_workdir=os.path.abspath(config.lm_workdir)), heldout,
-      generations.template_prompts(config.generation.prompts, lm.tokenizer))
+      dict(lm_workdir=os.path.abspath(config.lm_workdir)), windows('test'),
+      generations.template_prompts(config.generation.prompts, lm.tokenizer),
+      windows)
 
 
 def _gemma(config) -> Subject:
@@ -315,14 +353,15 @@ def _gemma(config) -> Subject:
     raise ConfigError('shape', config.shape, f'{path} holds another shape')
   model = gemma.Gemma3(loaded.shape, max_len=1024, dtype=config.dtype)
   tokenizer = loaded.tokenizer
+  windows = lambda split: {None: lm_data.heldout_windows(
+      tokenizer, config.heldout_windows, config.window_len, split)}
   return Subject(
       interface.Loaded(model, loaded.params, tokenizer,
                        'gguf-sha256:' + loaded.sha256),
       dict(model='gemma-3-270m', gguf=os.path.abspath(path),
            gguf_sha256=loaded.sha256),
-      {None: lm_data.heldout_windows(tokenizer, config.heldout_windows,
-                                     config.window_len)},
-      generations.open_prompts(config.generation.prompts, tokenizer))
+      windows('test'),
+      generations.open_prompts(config.generation.prompts, tokenizer), windows)
 
 
 def _direction(config, lm: interface.Loaded, layer_path: str
@@ -371,6 +410,10 @@ def evaluate(config, workdir: str) -> list[dict[str, Any]]:
     WorkdirBusy: another run holds the workdir.
   """
   check_config(config)
+  if 'selection' in config:
+    raise ConfigError('selection', 'set', 'a config with a selection runs '
+                      'through train.steering.selection.evaluate (as '
+                      'launch.steer_eval does)')
   workdir = experiment_lib.check_workdir(workdir)
   with open_job(workdir):
     return _evaluate(config, workdir)
@@ -378,12 +421,13 @@ def evaluate(config, workdir: str) -> list[dict[str, Any]]:
 
 def _evaluate(config, workdir: str) -> list[dict[str, Any]]:
   kind = lm_kind(config)
-  subject = (_gemma if kind == 'gemma' else _trained_lm)(config)
+  subject = load_subject(config)
   model, params = subject.lm.model, subject.lm.params
   layer_path = _layer_path(config, params)
   paths = steering_hooks.layer_paths(params)
-  mc = _mc_batches(config, subject.lm.tokenizer, model.max_len)
-  _check_generation_fits(config.generation, subject.prompts, model.max_len)
+  mc = mc_batches(config.tasks, config.mc_seeds, 'test', subject.lm.tokenizer,
+                  model.max_len)
+  check_generation_fits(config.generation, subject.prompts, model.max_len)
 
   vec = _direction(config, subject.lm, layer_path)
   steering_vectors.save(os.path.join(workdir, 'steering_vector.npz'), vec)
@@ -402,11 +446,11 @@ def _evaluate(config, workdir: str) -> list[dict[str, Any]]:
     for alpha in ((0.0,) if method == 'none' else tuple(config.alphas)):
       steer = steer_at(method, alpha)
       row = {'method': method, 'alpha': float(alpha)}
-      row.update(_mc_metrics(config.tasks, scorers, steer))
-      row.update(_heldout_metrics(heldout, steer))
+      row.update(mc_metrics(config.tasks, scorers, steer))
+      row.update(heldout_metrics(heldout, steer))
       if config.generation.get('enabled', True):
-        row.update(_generation_metrics(config.generation, subject, steer,
-                                       layer_path, JUDGES[kind]))
+        row.update(generation_metrics(config.generation, subject, steer,
+                                      layer_path, JUDGES[kind]))
       logging.info('%s alpha=%.2f: %s', method, alpha, {
           k: round(v, 4) for k, v in row.items()
           if isinstance(v, float) and k != 'alpha'})
@@ -419,7 +463,7 @@ def _evaluate(config, workdir: str) -> list[dict[str, Any]]:
               kappa=config.kappa, beta=config.beta,
               model_fingerprint=vec.model_fingerprint,
               tokenizer_fingerprint=subject.lm.tokenizer.fingerprint)
-  _write_results(workdir, meta, rows, list(mc))
+  write_results(workdir, meta, rows, list(mc))
   return rows
 
 
@@ -431,22 +475,23 @@ def _layer_path(config, params) -> str:
     raise ConfigError('layer', config.layer, str(e).split(': ', 1)[1]) from None
 
 
-def _mc_batches(config, tokenizer, max_len: int
-                ) -> dict[str, scoring.MCBatch]:
-  """Each multiple-choice task's items, encoded; every item set of a task
-  in one batch (correctness is split per set)."""
-  items = {t: [it for seed in config.mc_seeds
-               for it in text_corpus.mc_task(t, n, seed)]
-           for t, n in config.tasks.items()}
-  mc = {t: scoring.encode_mc(its, tokenizer) for t, its in items.items()}
+def mc_batches(tasks, seeds, split: str, tokenizer, max_len: int,
+               field: str = 'tasks') -> dict[str, scoring.MCBatch]:
+  """Each multiple-choice task's item sets of `split` (`tasks[task]` items
+  per seed; `text_corpus.mc_item_sets`), encoded; every set of a task in
+  one batch (correctness is split per set). ConfigError naming `field`
+  when an item is longer than the LM's max_len."""
+  mc = {t: scoring.encode_mc(
+      [it for items in text_corpus.mc_item_sets(t, n, tuple(seeds), split)
+       for it in items], tokenizer) for t, n in tasks.items()}
   length = max(b.longest for b in mc.values())
   if length > max_len:
-    raise ConfigError('tasks', dict(config.tasks),
+    raise ConfigError(field, dict(tasks),
                       f'items of {length} tokens exceed the LM\'s max_len')
   return mc
 
 
-def _check_generation_fits(gen_config, prompts: tuple[np.ndarray, np.ndarray],
+def check_generation_fits(gen_config, prompts: tuple[np.ndarray, np.ndarray],
                            max_len: int) -> None:
   if prompts[0].shape[1] + gen_config.steps > max_len:
     raise ConfigError('generation.steps', gen_config.steps,
@@ -454,7 +499,7 @@ def _check_generation_fits(gen_config, prompts: tuple[np.ndarray, np.ndarray],
                       f'many steps exceed the LM\'s max_len={max_len}')
 
 
-def _mc_metrics(tasks, scorers: dict[str, scoring.MCScorer], steer
+def mc_metrics(tasks, scorers: dict[str, scoring.MCScorer], steer
                 ) -> dict[str, Any]:
   """Each task's accuracies; its per-item correctness as one list per
   item set (`tasks[task]` items each)."""
@@ -468,7 +513,7 @@ def _mc_metrics(tasks, scorers: dict[str, scoring.MCScorer], steer
   return row
 
 
-def _heldout_metrics(heldout: dict[str | None, scoring.HeldoutScorer], steer
+def heldout_metrics(heldout: dict[str | None, scoring.HeldoutScorer], steer
                      ) -> dict[str, Any]:
   """One unnamed set's metrics as they are; several sources' in columns
   per source, with the mean KL and trigger rate over them."""
@@ -485,7 +530,7 @@ def _heldout_metrics(heldout: dict[str | None, scoring.HeldoutScorer], steer
   return row
 
 
-def _generation_metrics(gen_config, subject: Subject, steer, layer_path: str,
+def generation_metrics(gen_config, subject: Subject, steer, layer_path: str,
                         judge: str) -> dict[str, Any]:
   """The generations' metrics, with the texts under 'samples'."""
   gen = generations.generation_metrics(
@@ -495,7 +540,7 @@ def _generation_metrics(gen_config, subject: Subject, steer, layer_path: str,
   return {'samples': gen.pop('samples'), **gen}
 
 
-def _write_results(workdir: str, meta: dict[str, Any],
+def write_results(workdir: str, meta: dict[str, Any],
                    rows: list[dict[str, Any]], tasks: list[str]) -> None:
   """results.json, results.md and (with generations) pareto.png."""
   metrics_lib.write_json_atomic(os.path.join(workdir, 'results.json'),
