@@ -1,5 +1,10 @@
 r"""Gemma 3 270M (the registry's pretrained model): steering, fine-tuning, SFT.
 
+`selection` (`--config=configs/gemma.py:selection`) adds the steering
+evaluation's `selection` block (configs/steering.py): layer, direction
+method and alpha grid per method chosen on validation items, blocks 3, 6,
+9 and 12 (runlocal: 3 and 6), two validation sets of 40 items per task.
+
 The steering study (the main layer, the layer sweep, the report;
 studies/gemma_steering/README.md gives its time):
 
@@ -51,6 +56,7 @@ import ml_collections
 from configs import config_args
 from configs import decoder_blocks
 from configs import optimizer_block
+from configs import steering as steering_config
 
 
 JOBS = ('finetune', 'sft')
@@ -137,7 +143,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   args = config_args.parse(arg, 'configs/gemma.py', {
       'runlocal': 'runlocal', 'shape': 'shape=270m|1b|4b',
       'finetune': 'finetune', 'sft': 'sft', 'sam': 'sam (training)',
-      'frozen': 'frozen (training)'})
+      'frozen': 'frozen (training)', 'selection': 'selection (steering)'})
   if 'finetune' in args and 'sft' in args:
     raise ValueError('configs/gemma.py: finetune and sft are two jobs; '
                      'pick one')
@@ -146,6 +152,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     raise ValueError('configs/gemma.py: sam and frozen are for a training '
                      'job (finetune or sft)')
   if any(job in args for job in JOBS):
+    if 'selection' in args:
+      raise ValueError('configs/gemma.py: selection is for the steering '
+                       'evaluation, not a training job')
     return _training(args)
   config = ml_collections.ConfigDict()
   config.gguf = ''
@@ -191,4 +200,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.heldout_windows = 2
     config.window_len = 16
     config.generation.update(dict(prompts=4, steps=6))
+  if 'selection' in args:
+    config.selection = steering_config.selection_block(
+        layers=(3, 6) if 'runlocal' in args else (3, 6, 9, 12),
+        mc_seeds=(101,) if 'runlocal' in args else (101, 102),
+        items=4 if 'runlocal' in args else 40)
   return config

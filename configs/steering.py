@@ -15,6 +15,11 @@ fingerprint) into --workdir. `runlocal` shrinks the grid for tests; any
 field can be overridden, e.g. `--config.layer=1 --config.beta=-1.0
 --config.alphas='(0.2,0.6)' --config.generation.mode=recompute`, or
 `--config.vector_file=PATH` to reuse a saved vector.
+
+`selection` (`--config=configs/steering.py:selection`) adds the
+`selection` block: the layer, direction method and alpha grid of each
+method chosen on validation items, then the test items evaluated once
+(`train.steering.selection`); without it the evaluation is as before.
 """
 
 import ml_collections
@@ -24,7 +29,7 @@ from configs import config_args
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   args = config_args.parse(arg, 'configs/steering.py',
-                           {'runlocal': 'runlocal'})
+                           {'runlocal': 'runlocal', 'selection': 'selection'})
   config = ml_collections.ConfigDict()
   config.lm_workdir = ml_collections.config_dict.placeholder(str)
   config.vector_file = ''  # Empty: extract the direction from contrastive pairs.
@@ -52,4 +57,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.tasks = ml_collections.ConfigDict(dict(copa=8, cloze=8))
     config.heldout_windows = 4
     config.generation.update(dict(prompts=4, steps=8))
+  if 'selection' in args:
+    config.selection = selection_block(
+        layers=(0, 1) if 'runlocal' in args else (1, 2, 3),
+        mc_seeds=(101,), items=4 if 'runlocal' in args else 100)
   return config
+
+
+def selection_block(layers: tuple[int, ...], mc_seeds: tuple[int, ...],
+                    items: int) -> ml_collections.ConfigDict:
+  """The `selection` block (`train.steering.selection`): candidate
+  layers and direction methods, the validation item sets (seeds of their
+  own, `items` per set and task), the KL targets of the matched-KL
+  reading (the study's) and the accuracy it reads (mean log-prob)."""
+  return ml_collections.ConfigDict(dict(
+      layers=layers,
+      direction_methods=('mean_diff', 'pca_center', 'logistic'),
+      mc_seeds=mc_seeds, items_per_set=items,
+      targets=(0.05, 0.1, 0.2, 0.33, 0.5), score='mean'))

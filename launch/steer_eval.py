@@ -8,6 +8,14 @@ r"""Evaluate steering methods on a trained LM, or on Gemma 3.
 One evaluation (`train.steering.evaluation`) for both: the config names
 the LM, a trained LM's workdir or a Gemma 3 GGUF file.
 
+With a config's `selection` block (the configs' `selection` argument),
+each method's layer, direction method and alpha grid are chosen on
+validation items first (`train.steering.selection`, selection.json), then
+the test items are evaluated once at those settings:
+
+  python -m launch.steer_eval --config=configs/gemma.py:selection \
+    --workdir=workdirs/gemma_select
+
 On Gemma, `--export_gguf=PATH` also writes the evaluation's addition (its
 direction at `config.layer`, its coefficient) as a llama.cpp control
 vector at strength `--export_alpha` (default: the largest of
@@ -55,9 +63,17 @@ def main(argv):
   def job():
     entry.configure_devices(config)
     # pylint: disable=g-import-not-at-top
+    from train.errors import UsageError
     from train.steering import evaluation as steering_eval
     from train.steering import gguf_export
+    from train.steering import selection
     # pylint: enable=g-import-not-at-top
+    if selection.enabled(config):
+      if _EXPORT.value is not None:
+        raise UsageError('--export_gguf', _EXPORT.value, 'a selection picks '
+                         'a layer per method; export from an evaluation at '
+                         'one layer (a config without selection)')
+      return selection.evaluate(config, _WORKDIR.value), None
     alpha = gguf_export.check_export_flags(config, _EXPORT.value,
                                            _EXPORT_ALPHA.value)
     rows = steering_eval.evaluate(config, _WORKDIR.value)

@@ -220,6 +220,9 @@ def test_one_evaluation_runs_both_models(kind, request, tmp_path):
      'holds no checkpoints'),
     ('configs/gemma.py:runlocal', '--config.layer=18',
      'config.layer=18: Gemma 3 270m has blocks 0..17'),
+    # With a selection block the launcher runs train.steering.selection.
+    ('configs/gemma.py:runlocal,selection', '--config.selection.layers=(3,40)',
+     'config.selection.layers=(3, 40): block 40 is out of range'),
 ])
 def test_one_launcher_reads_both_configs(config, flag, message, tmp_path):
   """`launch.steer_eval` takes either config; a bad one is refused in one

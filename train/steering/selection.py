@@ -1,0 +1,360 @@
+"""Steering settings chosen on validation items, then test items scored once.
+
+For each steered method of the config (every method gets the same
+selection, addition as much as the rotation, so the comparison stays
+fair), the selection picks
+
+- the layer, of `selection.layers`;
+- the direction method, of `selection.direction_methods` (mean
+  difference, repeng's pca_center, steering-vectors' logistic: any of
+  `geom.steering.DIRECTION_METHODS`), each extracted from the same
+  contrastive pairs as `evaluation.extract` (`config.direction`);
+- the strength grid, of `config.alphas`;
+
+reading only the validation split: `selection.items_per_set` items per set, one
+set per seed of `selection.mc_seeds` (seeds of its own), of each of the
+config's tasks (`text_corpus.mc_item_sets(..., 'validation')`), and
+held-out text of the validation split for the KL. Every candidate
+(layer, direction method) sweeps every alpha; `selection_rule` holds the
+rule that reads the sweeps (accuracy at matched KL over
+`selection.targets`, averaged over the tasks; the most targets reached
+first, then the best score) and the grid (the alphas whose validation KL
+brackets the targets). `selection.score` says which accuracy: on mean
+('mean', length-normalised) or summed log-probabilities.
+
+Then the test item sets (`config.tasks`, `config.mc_seeds`, split 'test')
+and the test held-out text are evaluated once, each method at its chosen
+setting, with `evaluation`'s machinery: rows as `evaluation.evaluate`
+writes them, with each row's layer and direction method, so the study's
+matched-KL bootstrap reads them unchanged. The selection's functions
+take the LM and the validation data alone; selection.json (the
+validation items, every candidate's sweep and the choice) is written
+before any test item is made.
+"""
+
+import json
+import os
+from typing import Any, NamedTuple
+
+from absl import logging
+import numpy as np
+
+from geom import steering as steering_lib
+from train.errors import ConfigError
+from train.lm import corpus as text_corpus
+from train.lm import hooks as steering_hooks
+from train.lm import interface
+from train.lm import models as lm_models
+from train.lm import polarity_sentences
+from train.run import metrics as metrics_lib
+from train.run.job import open_job
+from train.steering import evaluation
+from train.steering import scoring
+from train.steering import selection_rule
+from train.steering import vectors as steering_vectors
+from train.training import experiment as experiment_lib
+
+# The only split the selection reads.
+SELECTION_SPLIT = 'validation'
+SCORES = ('mean', 'sum')
+FILENAME = 'selection.json'
+
+
+def enabled(config) -> bool:
+  """Whether the config asks for a selection (its `selection` block, set
+  by the configs' `selection` argument)."""
+  return 'selection' in config
+
+
+def check_config(config) -> None:
+  """`evaluation.check_config`, then the selection's fields: ConfigError
+  naming the field (and the valid choices) before anything is loaded."""
+  evaluation.check_config(config)
+  sel = config.selection
+  if config.get('vector_file'):
+    raise ConfigError('vector_file', config.vector_file, 'a selection '
+                      'extracts its own directions; leave it empty')
+  if not [m for m in config.methods if m != 'none']:
+    raise ConfigError('methods', tuple(config.methods), 'a selection needs '
+                      'a steered method', evaluation.METHODS)
+  _check_layers(config)
+  methods = tuple(sel.direction_methods)
+  bad = [m for m in methods if m not in steering_lib.DIRECTION_METHODS]
+  if bad or not methods or len(set(methods)) != len(methods):
+    raise ConfigError('selection.direction_methods', methods,
+                      f'unknown direction method {bad[0]!r}' if bad else
+                      'give distinct methods, at least one',
+                      steering_lib.DIRECTION_METHODS)
+  seeds = tuple(sel.mc_seeds)
+  if (not seeds or not all(type(s) is int for s in seeds)
+      or len(set(seeds)) != len(seeds)):
+    raise ConfigError('selection.mc_seeds', seeds, 'must be distinct '
+                      'integers, one validation item set per seed')
+  n = sel.items_per_set
+  if type(n) is not int or not 0 < n <= evaluation.MAX_ITEMS:
+    raise ConfigError('selection.items_per_set', n, 'must be an integer in '
+                      f'[1, {evaluation.MAX_ITEMS}] (items per set)')
+  for task in config.tasks:
+    evaluation.check_capacity('selection.items_per_set', task, n,
+                              SELECTION_SPLIT, len(seeds))
+  targets = tuple(sel.targets)
+  if (not targets or not all(isinstance(t, (int, float)) and 0 < t < 1e9
+                             for t in targets)
+      or list(targets) != sorted(set(targets))):
+    raise ConfigError('selection.targets', targets, 'give increasing KL '
+                      'values > 0 (at least one)')
+  if sel.score not in SCORES:
+    raise ConfigError('selection.score', sel.score, 'unknown score', SCORES)
+
+
+def _check_layers(config) -> None:
+  layers = tuple(config.selection.layers)
+  if (not layers or not all(type(l) is int and l >= 0 for l in layers)
+      or len(set(layers)) != len(layers)):
+    raise ConfigError('selection.layers', layers, 'give distinct block '
+                      'indices >= 0, at least one')
+  if evaluation.lm_kind(config) == 'gemma':  # The shape is known unloaded.
+    blocks = lm_models.shape_named(config.shape, config.gguf).num_layers
+    bad = [l for l in layers if l >= blocks]
+    if bad:
+      raise ConfigError('selection.layers', layers, f'block {bad[0]} is out '
+                        f'of range', range(blocks))
+
+
+def evaluate(config, workdir: str) -> list[dict[str, Any]]:
+  """Selects on validation data, writes selection.json, then evaluates
+  the test item sets once at the chosen settings: results.json,
+  results.md, a steering vector per method and (with generations)
+  pareto.png, as `evaluation.evaluate` writes them. Returns the rows.
+
+  Raises:
+    UsageError: a setting is invalid, or does not fit the LM; nothing is
+      written then.
+    WorkdirBusy: another run holds the workdir.
+  """
+  check_config(config)
+  workdir = experiment_lib.check_workdir(workdir)
+  with open_job(workdir):
+    subject = evaluation.load_subject(config)
+    lm = subject.lm
+    paths = layer_paths(config, lm.params)
+    evaluation.check_generation_fits(config.generation, subject.prompts,
+                                     lm.model.max_len)
+    data = validation_data(config, lm, subject.windows(SELECTION_SPLIT))
+    record, directions = select(config, lm, data, paths)
+    metrics_lib.write_json_atomic(os.path.join(workdir, FILENAME), record)
+    rows, batches = evaluate_selected(config, subject, record, directions,
+                                      paths)
+    _write(config, workdir, subject, record, directions, paths, rows,
+           list(batches))
+    return rows
+
+
+def layer_paths(config, params) -> dict[int, str]:
+  """Each candidate layer's parameter path (ConfigError naming
+  `selection.layers` for a block the LM does not have)."""
+  try:
+    return {l: steering_hooks.resolve_layer(params, l)
+            for l in config.selection.layers}
+  except ValueError as e:
+    raise ConfigError('selection.layers', tuple(config.selection.layers),
+                      str(e).split(': ', 1)[1]) from None
+
+
+class ValidationData(NamedTuple):
+  """What the selection reads: item sets per task (one list per seed),
+  their encoded batches, and held-out windows by source."""
+  items: dict[str, list[list[text_corpus.MCItem]]]
+  batches: dict[str, scoring.MCBatch]
+  windows: dict[str | None, np.ndarray]
+
+
+def validation_data(config, lm: interface.Loaded,
+                    windows: dict[str | None, np.ndarray]) -> ValidationData:
+  """The validation item sets of every task of the config, encoded."""
+  sel = config.selection
+  items = {t: text_corpus.mc_item_sets(t, sel.items_per_set,
+                                       tuple(sel.mc_seeds), SELECTION_SPLIT)
+           for t in config.tasks}
+  batches = {t: scoring.encode_mc([it for s in sets for it in s],
+                                  lm.tokenizer) for t, sets in items.items()}
+  length = max(b.longest for b in batches.values())
+  if length > lm.model.max_len:
+    raise ConfigError('selection.items_per_set', sel.items_per_set,
+                      f'items of {length} tokens exceed the LM\'s max_len')
+  return ValidationData(items, batches, windows)
+
+
+def _scorers(lm: interface.Loaded, path: str, batches, windows,
+             all_paths: list[str], dim: int):
+  """The multiple-choice and held-out scorers steering at `path`."""
+  none = steering_lib.Steering('none', np.ones(dim, np.float32), alpha=0.0)
+  mc = {t: scoring.MCScorer(lm.model, lm.params, b, path)
+        for t, b in batches.items()}
+  held = {s: scoring.HeldoutScorer(lm.model, lm.params, w, path, all_paths,
+                                   none) for s, w in windows.items()}
+  return mc, held, none
+
+
+def _operator(config, method: str, direction: np.ndarray, alpha: float,
+              coefficient: float) -> steering_lib.Steering:
+  """The operator of `method` at a candidate's direction: one place for
+  the validation sweeps and the test rows alike."""
+  return evaluation.make_steering(method, direction, float(alpha),
+                                  kappa=config.kappa, beta=config.beta,
+                                  coefficient=coefficient)
+
+
+def _accuracy(scorers, steer, score: str) -> dict[str, float]:
+  return {t: s.accuracy(steer)[f'acc_{score}'] for t, s in scorers.items()}
+
+
+def select(config, lm: interface.Loaded, data: ValidationData,
+           paths: dict[int, str]) -> tuple[dict[str, Any], dict]:
+  """Every candidate's validation sweep and each method's choice.
+
+  Returns:
+    The record (selection.json's contents) and the directions by
+    (layer, direction method): (unit direction, coefficient).
+  """
+  sel = config.selection
+  steered = [m for m in config.methods if m != 'none']
+  all_paths = steering_hooks.layer_paths(lm.params)
+  pairs = text_corpus.contrastive_pairs(config.direction.pairs,
+                                        config.direction.seed)
+  candidates = {m: [] for m in steered}
+  directions, unsteered = {}, None
+  for layer, path in paths.items():
+    pos, neg, coefficient = evaluation.pair_activations(
+        lm.model, lm.params, path, pairs, config.direction.position,
+        lm.tokenizer)
+    mc, held, none = _scorers(lm, path, data.batches, data.windows,
+                              all_paths, pos.shape[1])
+    if unsteered is None:
+      unsteered = _accuracy(mc, none, sel.score)
+    for method_name in sel.direction_methods:
+      direction = np.asarray(steering_lib.extract_direction(pos, neg,
+                                                            method_name))
+      directions[layer, method_name] = (direction, coefficient)
+      for method in steered:
+        candidates[method].append(_sweep(
+            config, mc, held, method, direction, coefficient,
+            dict(layer=layer, direction_method=method_name)))
+  record = _record(config, data, unsteered, candidates)
+  return record, directions
+
+
+def _sweep(config, mc, held, method: str, direction: np.ndarray,
+           coefficient: float, candidate: dict[str, Any]) -> dict[str, Any]:
+  """One candidate's sweep over `config.alphas` on the validation data."""
+  out = dict(candidate, kl=[], trigger_rate=[],
+             accuracy={t: [] for t in mc})
+  for alpha in config.alphas:
+    steer = _operator(config, method, direction, alpha, coefficient)
+    metrics = evaluation.heldout_metrics(held, steer)
+    out['kl'].append(metrics['kl'])
+    out['trigger_rate'].append(metrics['trigger_rate'])
+    for task, acc in _accuracy(mc, steer, config.selection.score).items():
+      out['accuracy'][task].append(acc)
+  logging.info('%s at block %d, %s: KL %s', method, candidate['layer'],
+               candidate['direction_method'],
+               [round(k, 4) for k in out['kl']])
+  return out
+
+
+def _record(config, data: ValidationData, unsteered: dict[str, float],
+            candidates: dict[str, list[dict]]) -> dict[str, Any]:
+  """selection.json: what was read, every sweep and its score, the choice."""
+  sel = config.selection
+  targets = [float(t) for t in sel.targets]
+  choice = {}
+  for method, cands in candidates.items():
+    scores = [selection_rule.candidate_score(c, unsteered, targets)
+              for c in cands]
+    for c, s in zip(cands, scores):
+      c.update(reached=s.reached, score=s.score)
+    k = selection_rule.best(scores)
+    choice[method] = dict(
+        candidate=k, layer=cands[k]['layer'],
+        direction_method=cands[k]['direction_method'],
+        reached=scores[k].reached, score=scores[k].score,
+        alphas=selection_rule.alpha_grid(
+            [float(a) for a in config.alphas], cands[k]['kl'], targets))
+    logging.info('%s: block %d, %s, alphas %s (validation score %.4f, %d '
+                 'targets reached)', method, choice[method]['layer'],
+                 choice[method]['direction_method'],
+                 choice[method]['alphas'], scores[k].score, scores[k].reached)
+  items = {t: [[[it.context, *it.choices, it.label] for it in s]
+               for s in sets] for t, sets in data.items.items()}
+  out = dict(split=SELECTION_SPLIT, tasks=list(data.items),
+             items_per_set=sel.items_per_set, mc_seeds=list(sel.mc_seeds),
+             targets=targets, score=sel.score,
+             alphas=[float(a) for a in config.alphas],
+             unsteered=unsteered, candidates=candidates, choice=choice,
+             items=items)
+  if 'pydoc_polarity' in data.items:
+    out['pydoc_polarity_pool'] = polarity_sentences.fingerprint()
+  return out
+
+
+def evaluate_selected(config, subject: evaluation.Subject,
+                      record: dict[str, Any], directions: dict,
+                      paths: dict[int, str]) -> tuple[list[dict], dict]:
+  """The test rows of every method at its choice ('none' once, at the
+  first steered method's layer), and the test batches."""
+  lm = subject.lm
+  batches = evaluation.mc_batches(config.tasks, config.mc_seeds, 'test',
+                                  lm.tokenizer, lm.model.max_len)
+  all_paths = steering_hooks.layer_paths(lm.params)
+  choice = record['choice']
+  first = next(iter(choice.values()))
+  scorers = {}
+  rows = []
+  for method in config.methods:
+    at = first if method == 'none' else choice[method]
+    layer, name = at['layer'], at['direction_method']
+    direction, coefficient = directions[layer, name]
+    if layer not in scorers:
+      scorers[layer] = _scorers(lm, paths[layer], batches, subject.heldout,
+                                all_paths, direction.shape[0])[:2]
+    mc, held = scorers[layer]
+    for alpha in ((0.0,) if method == 'none' else at['alphas']):
+      steer = _operator(config, method, direction, alpha, coefficient)
+      row = {'method': method, 'alpha': float(alpha), 'layer': layer,
+             'direction_method': name}
+      row.update(evaluation.mc_metrics(config.tasks, mc, steer))
+      row.update(evaluation.heldout_metrics(held, steer))
+      if config.generation.get('enabled', True):
+        row.update(evaluation.generation_metrics(
+            config.generation, subject, steer, paths[layer],
+            evaluation.JUDGES[evaluation.lm_kind(config)]))
+      rows.append(row)
+  return rows, batches
+
+
+def _write(config, workdir: str, subject: evaluation.Subject,
+           record: dict[str, Any], directions: dict, paths: dict[int, str],
+           rows: list[dict], tasks: list[str]) -> None:
+  """A steering vector per steered method, then the results."""
+  lm = subject.lm
+  chosen = {}
+  for method, at in record['choice'].items():
+    layer, name = at['layer'], at['direction_method']
+    direction, coefficient = directions[layer, name]
+    steering_vectors.save(
+        os.path.join(workdir, f'steering_vector_{method}.npz'),
+        steering_vectors.SteeringVector(
+            direction, layer, paths[layer], lm.fingerprint,
+            dict(method=name, pairs=config.direction.pairs,
+                 position=config.direction.position, coefficient=coefficient),
+            lm.tokenizer.fingerprint))
+    chosen[method] = dict(layer=layer, direction_method=name,
+                          alphas=at['alphas'], coefficient=coefficient)
+  meta = dict(**subject.meta, selection=chosen,
+              mc_seeds=list(config.mc_seeds), tasks=dict(config.tasks),
+              config=json.loads(config.to_json()),
+              num_layers=len(steering_hooks.layer_paths(lm.params)),
+              kappa=config.kappa, beta=config.beta,
+              model_fingerprint=lm.fingerprint,
+              tokenizer_fingerprint=lm.tokenizer.fingerprint)
+  evaluation.write_results(workdir, meta, rows, tasks)
