@@ -73,6 +73,8 @@ def main(argv):
         raise UsageError('--export_gguf', _EXPORT.value, 'a selection picks '
                          'a layer per method; export from an evaluation at '
                          'one layer (a config without selection)')
+      # --export_alpha alone is refused as without a selection.
+      gguf_export.check_export_flags(config, None, _EXPORT_ALPHA.value)
       return selection.evaluate(config, _WORKDIR.value), None
     alpha = gguf_export.check_export_flags(config, _EXPORT.value,
                                            _EXPORT_ALPHA.value)
