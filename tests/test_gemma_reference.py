@@ -308,24 +308,28 @@ def test_steering_hooks_run_unchanged_on_gemma(request, tmp_path,
   assert float(g.stats.tokens) == 8  # The last prompt token, then 7 steps.
 
 
-def _steered_summary(loaded, ids, reference, layer, vector):
-  """`_summary` of the uncached forward with `vector` added to block
+def _steered_summaries(loaded, ids, reference, layer):
+  """`_summary` of the uncached forward with a vector added to block
   `layer`'s output at every token (BOS included, as llama.cpp's control
-  vectors are): geom's ungated addition at alpha 1, coefficient |v|."""
+  vectors are): geom's ungated addition at alpha 1, coefficient |v|. A
+  function of (vector, alpha): one compiled program for every vector."""
   from geom import steering as steering_lib  # pylint: disable=g-import-not-at-top
   from train.lm import hooks  # pylint: disable=g-import-not-at-top
   model = gemma.Gemma3(loaded.shape, max_len=len(ids))
-  steer = steering_lib.Steering(
-      'addition', jnp.asarray(vector), alpha=1.0,
-      coefficient=float(np.linalg.norm(vector)), gate=False)
   path = hooks.resolve_layer(loaded.params, int(layer))
 
   @jax.jit
-  def run(p, t):
+  def run(p, t, steer):
     with hooks.steered(steer, path):
       logits, _ = model.apply({'params': p}, t)
     return _summary(logits[0], reference, slice(0, len(ids)))
-  return jax.tree.map(np.asarray, run(loaded.params, ids[None]))
+
+  def summary(vector, alpha=1.0):
+    steer = steering_lib.Steering(
+        'addition', jnp.asarray(vector), alpha=alpha,
+        coefficient=float(np.linalg.norm(vector)), gate=False)
+    return jax.tree.map(np.asarray, run(loaded.params, ids[None], steer))
+  return summary
 
 
 def test_llama_cpp_steered_by_an_exported_vector_is_geoms_addition(
@@ -341,20 +345,20 @@ def test_llama_cpp_steered_by_an_exported_vector_is_geoms_addition(
   steered = dict(reference, **{'f_' + k[len('cvec_f_'):]: v
                                for k, v in reference.items()
                                if k.startswith('cvec_f_')})
-  f = _compare(_steered_summary(loaded, ids, steered, layer, vector),
-               steered, 'f_', slice(0, n))
+  at_layer = _steered_summaries(loaded, ids, steered, layer)
+  f = _compare(at_layer(vector), steered, 'f_', slice(0, n))
   assert f['top'] < LOGIT_TOL and f['random'] < LOGIT_TOL, f
   assert f['lse'] < LOGIT_TOL and f['argmax_agree'] == 1.0, f
   print('steered, against llama.cpp:', f)
-  plain = _compare(_prefix_summary(gemma.Gemma3(loaded.shape, max_len=n),
-                                   loaded.params, ids, steered),
-                   steered, 'f_', slice(0, n))
+  # Unsteered (alpha 0: the same program adds nothing; test_logits_match_
+  # llama_cpp checks the unsteered model itself).
+  plain = _compare(at_layer(vector, 0.0), steered, 'f_', slice(0, n))
   assert plain['top'] > 20 * LOGIT_TOL, plain
   print('unsteered, against llama.cpp steered:', plain)
-  for bug_layer, bug_vector in ((layer, -vector), (layer + 1, vector)):
-    bad = _compare(_steered_summary(loaded, ids, steered, bug_layer,
-                                    bug_vector), steered, 'f_', slice(0, n))
-    assert bad['top'] > 20 * LOGIT_TOL, (bug_layer, bad)
+  for bad in (at_layer(-vector),
+              _steered_summaries(loaded, ids, steered, layer + 1)(vector)):
+    bad = _compare(bad, steered, 'f_', slice(0, n))
+    assert bad['top'] > 20 * LOGIT_TOL, bad
 
 
 def test_the_tasks_read_gemmas_tokens_one_per_character(gemma_file, loaded):
