@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from studies.gemma_midtraining import config as study_config
+from studies.gemma_midtraining import measure
 from studies.gemma_midtraining import probes
 from studies.gemma_midtraining import report
 from studies.gemma_midtraining import settings as study_settings
@@ -232,6 +233,42 @@ def test_a_fresh_workdir_resumes_from_the_records_alone(smoke, tiny_file,
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(first)):
       assert a == (pytest.approx(b, rel=1e-5, abs=1e-6)
                    if isinstance(b, float) else b)
+
+
+STORED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))), 'studies', 'gemma_midtraining', 'results', 'measures')
+
+
+def _stored_identity(name, base, root):
+  """What study.run would record as `name`'s identity with config.py and
+  the flags' defaults (workdir `root`)."""
+  kind, _, model = name.partition('_')
+  settings = study_settings.Settings()
+  if model == study_settings.CHECKPOINT:
+    variant, seed = study_settings.REFERENCE, 0
+  else:
+    variant, seed = model.rsplit('_seed', 1)
+    seed = int(seed)
+  config = (study_settings.post_config(base, root, variant, seed)
+            if kind == 'post' else
+            study_settings.mid_config(base, variant, seed))
+  return measure._identity(  # pylint: disable=protected-access
+      settings, config, root,
+      measure._SHARPNESS if kind == 'sharpness' else measure._TEXT)  # pylint: disable=protected-access
+
+
+def test_the_stored_records_are_config_pys_on_the_registry_file():
+  # results/measures/ is what a fresh workdir resumes from (README): each
+  # record's identity must be what the README's command would record, or
+  # the command refuses it.
+  base = study_config.get_config()
+  names = sorted(n[:-len('.json')] for n in os.listdir(STORED))
+  assert 'mid_checkpoint' in names
+  for name in names:
+    with open(os.path.join(STORED, f'{name}.json')) as f:
+      record = json.load(f)
+    assert record['identity'] == _stored_identity(name, base, '/w'), name
+    assert 'heldout_ce' in record or 'lambda_max' in record, name
 
 
 def _bad(base, field, value):
