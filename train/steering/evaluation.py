@@ -90,8 +90,10 @@ METHODS = ('none', 'addition', 'addition_renorm', 'addition_gate',
 
 
 def make_steering(method: str, direction, alpha: float, *, kappa: float,
-                  beta: float, coefficient: float) -> steering_lib.Steering:
-  """The operator of one table method."""
+                  beta: float, coefficient: float,
+                  center=None) -> steering_lib.Steering:
+  """The operator of one table method; `center` (None: uncentred, the
+  reference's arithmetic) goes to `Steering(center=)` of a steered one."""
   if method not in METHODS:
     raise ValueError(f'method={method!r}: unknown; valid choices: '
                      f'{", ".join(METHODS)}')
@@ -101,10 +103,11 @@ def make_steering(method: str, direction, alpha: float, *, kappa: float,
     return steering_lib.Steering('addition', direction, alpha=alpha,
                                  coefficient=coefficient, kappa=kappa,
                                  beta=beta, gate=method == 'addition_gate',
-                                 renormalize=method == 'addition_renorm')
+                                 renormalize=method == 'addition_renorm',
+                                 center=center)
   return steering_lib.Steering('spherical', direction, alpha=alpha,
                                kappa=kappa, beta=beta,
-                               gate=method == 'spherical_gate')
+                               gate=method == 'spherical_gate', center=center)
 
 
 KINDS = ('decoder', 'gemma')
@@ -166,24 +169,57 @@ def pair_activations(model: interface.LanguageModel, params, layer_path: str,
                      ) -> tuple[np.ndarray, np.ndarray, float]:
   """`extract`'s activations (positive, negative: (pairs, dim), one row per
   text at `position`) and the coefficient, for any direction method."""
+  acts = contrastive_activations(model, params, layer_path, pairs, position,
+                                 tokenizer)
+  return acts.positive, acts.negative, acts.coefficient
+
+
+class PairActivations(NamedTuple):
+  """The contrastive pairs' activations after one layer.
+
+  Attributes:
+    positive, negative: (pairs, dim), one row per text at the position
+      (`pair_activations`' rows).
+    coefficient: the mean activation norm over every valid token, BOS
+      included (the addition coefficient).
+    hidden: each side's (pairs, length, dim) layer outputs, right-padded
+      to one length for both sides.
+    tokens: each side's (pairs, length) bool: the text's tokens after BOS
+      (padding and BOS unset), the tokens a gate is calibrated on.
+  """
+  positive: np.ndarray
+  negative: np.ndarray
+  coefficient: float
+  hidden: tuple[np.ndarray, np.ndarray]
+  tokens: tuple[np.ndarray, np.ndarray]
+
+
+def contrastive_activations(model: interface.LanguageModel, params,
+                            layer_path: str, pairs: list[tuple[str, str]],
+                            position: str = 'last',
+                            tokenizer: lm_tokenizer.Tokenizer | None = None
+                            ) -> PairActivations:
+  """`pair_activations` with every token's activation kept (one pass)."""
   tokenizer = tokenizer or lm_tokenizer.ByteTokenizer()
   pos, neg = ([lm_tokenizer.encode_document(tokenizer, p[i]) for p in pairs]
               for i in (0, 1))
   length = max(len(s) for s in pos + neg)
-  acts, norms = [], []
+  acts, norms, hiddens, texts = [], [], [], []
   for seqs in (pos, neg):
     tokens, valid = _right_pad(seqs, length)
     hidden = np.asarray(_capture(model, params, tokens, valid, layer_path))
+    text = valid.copy()
+    text[:, 0] = False  # The BOS state is the same for every text.
     if position == 'last':
       picked = hidden[np.arange(len(seqs)), valid.sum(1) - 1]
     else:
-      weights = valid.copy()
-      weights[:, 0] = False  # The BOS state is the same for every text.
-      picked = (hidden * weights[..., None]).sum(1) / weights.sum(1,
-                                                                 keepdims=True)
+      picked = (hidden * text[..., None]).sum(1) / text.sum(1, keepdims=True)
     acts.append(picked)
     norms.append(np.linalg.norm(hidden, axis=-1)[valid])
-  return acts[0], acts[1], float(np.concatenate(norms).mean())
+    hiddens.append(hidden)
+    texts.append(text)
+  return PairActivations(acts[0], acts[1], float(np.concatenate(norms).mean()),
+                         tuple(hiddens), tuple(texts))
 
 
 # Items per task and item set: one batch holds every set of a task.
@@ -513,20 +549,24 @@ def mc_metrics(tasks, scorers: dict[str, scoring.MCScorer], steer
   return row
 
 
-def heldout_metrics(heldout: dict[str | None, scoring.HeldoutScorer], steer
-                     ) -> dict[str, Any]:
+def heldout_metrics(heldout: dict[str | None, scoring.HeldoutScorer], steer,
+                    delta_hist: bool = False) -> dict[str, Any]:
   """One unnamed set's metrics as they are; several sources' in columns
-  per source, with the mean KL and trigger rate over them."""
+  per source, with the mean KL and trigger rate over them (and, with
+  `delta_hist`, the gate's histogram summed over them)."""
   if list(heldout) == [None]:
-    return heldout[None].metrics(steer)
-  row, kls, trig = {}, [], []
+    return heldout[None].metrics(steer, delta_hist)
+  row, kls, trig, hists = {}, [], [], []
   for source, scorer in heldout.items():
-    out = scorer.metrics(steer)
+    out = scorer.metrics(steer, delta_hist)
     row.update({f'{source}_{k}': v for k, v in out.items()})
     kls.append(out['kl'])
     trig.append(out['trigger_rate'])
+    hists.append(out.get('delta_hist'))
   row['kl'] = float(np.mean(kls))
   row['trigger_rate'] = float(np.mean(trig))
+  if delta_hist:
+    row['delta_hist'] = [int(sum(v)) for v in zip(*hists)]
   return row
 
 

@@ -192,7 +192,11 @@ class HeldoutScorer:
     self.base = [window_logprobs(model, params, c, unsteered, layer_path,
                                  self.watch)[::2] for c, _ in self.chunks]
 
-  def metrics(self, steering) -> dict[str, float]:
+  def metrics(self, steering, delta_hist: bool = False) -> dict[str, Any]:
+    """KL, CE, the norm ratios and the trigger rate over the windows; with
+    `delta_hist`, also the gate value's counts per bin
+    (`SteerStats.delta_hist` over every window token: a list of
+    `geom.steering.DELTA_BINS` ints)."""
     kls, nlls, stats, ratios = [], [], [], {p: [] for p in self.watch}
     for (c, y), (logp0, norms0) in zip(self.chunks, self.base):
       kl, nll, st, norms = _window_kl(self.model, self.params, c, y, logp0,
@@ -208,8 +212,11 @@ class HeldoutScorer:
     at, nxt, last = self.at_next_last
     # A gate that leaves every token alone gives the unsteered logits; their
     # KL then rounds to +-1e-9, and the matched-KL reading needs KL >= 0.
-    return {'kl': max(float(np.mean(np.concatenate(kls))), 0.0),
-            'ce': float(np.mean(np.concatenate(nlls))),
-            'trigger_rate': float(st.triggered / st.tokens),
-            'norm_ratio_at': ratio[at], 'norm_ratio_next': ratio[nxt],
-            'norm_ratio_last': ratio[last]}
+    out = {'kl': max(float(np.mean(np.concatenate(kls))), 0.0),
+           'ce': float(np.mean(np.concatenate(nlls))),
+           'trigger_rate': float(st.triggered / st.tokens),
+           'norm_ratio_at': ratio[at], 'norm_ratio_next': ratio[nxt],
+           'norm_ratio_last': ratio[last]}
+    if delta_hist:  # Counts below 2**24 are exact in float32.
+      out['delta_hist'] = [int(round(float(v))) for v in st.delta_hist]
+    return out
