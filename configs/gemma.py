@@ -3,7 +3,11 @@ r"""Gemma 3 270M (the registry's pretrained model): steering, fine-tuning, SFT.
 `selection` (`--config=configs/gemma.py:selection`) adds the steering
 evaluation's `selection` block (configs/steering.py): layer, direction
 method and alpha grid per method chosen on validation items, blocks 3, 6,
-9 and 12 (runlocal: 3 and 6), two validation sets of 40 items per task.
+9 and 12 (runlocal: 3 and 6), two validation sets of 40 items per task;
+the gated methods with the calibrated gate (`selection.gate`: centred on
+each candidate layer's contrastive mean, kappa and beta from its
+contrastive cosines; `--config.selection.gate=reference` for the
+reference's kappa 20 and beta 0, uncentred).
 
 The steering study (the main layer, the layer sweep, the report;
 studies/gemma_steering/README.md gives its time):
@@ -204,5 +208,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.selection = steering_config.selection_block(
         layers=(3, 6) if 'runlocal' in args else (3, 6, 9, 12),
         mc_seeds=(101,) if 'runlocal' in args else (101, 102),
-        items=4 if 'runlocal' in args else 40)
+        items=4 if 'runlocal' in args else 40, gate='calibrated')
   return config

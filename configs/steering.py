@@ -19,7 +19,9 @@ field can be overridden, e.g. `--config.layer=1 --config.beta=-1.0
 `selection` (`--config=configs/steering.py:selection`) adds the
 `selection` block: the layer, direction method and alpha grid of each
 method chosen on validation items, then the test items evaluated once
-(`train.steering.selection`); without it the evaluation is as before.
+(`train.steering.selection`), the gated methods with the calibrated gate
+(`selection.gate='calibrated'`; 'reference' keeps `kappa` and `beta`);
+without it the evaluation is as before.
 """
 
 import ml_collections
@@ -65,13 +67,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
 
 def selection_block(layers: tuple[int, ...], mc_seeds: tuple[int, ...],
-                    items: int) -> ml_collections.ConfigDict:
+                    items: int, gate: str = 'calibrated'
+                    ) -> ml_collections.ConfigDict:
   """The `selection` block (`train.steering.selection`): candidate
   layers and direction methods, the validation item sets (seeds of their
   own, `items` per set and task), the KL targets of the matched-KL
-  reading (the study's) and the accuracy it reads (mean log-prob)."""
+  reading (the study's), the accuracy it reads (mean log-prob) and the
+  gated methods' gate (`train.steering.selection_gate`: 'calibrated',
+  centred on the layer's contrastive mean with kappa and beta from its
+  contrastive cosines, per candidate; 'reference': `kappa` and `beta`
+  uncentred)."""
   return ml_collections.ConfigDict(dict(
       layers=layers,
       direction_methods=('mean_diff', 'pca_center', 'logistic'),
       mc_seeds=mc_seeds, items_per_set=items,
-      targets=(0.05, 0.1, 0.2, 0.33, 0.5), score='mean'))
+      targets=(0.05, 0.1, 0.2, 0.33, 0.5), score='mean', gate=gate))

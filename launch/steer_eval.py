@@ -11,7 +11,10 @@ the LM, a trained LM's workdir or a Gemma 3 GGUF file.
 With a config's `selection` block (the configs' `selection` argument),
 each method's layer, direction method and alpha grid are chosen on
 validation items first (`train.steering.selection`, selection.json), then
-the test items are evaluated once at those settings:
+the test items are evaluated once at those settings; the gated methods
+take `selection.gate` ('calibrated' by default: centred, kappa and beta
+from the contrastive set; gate_<method>.png plots its value on the
+held-out tokens):
 
   python -m launch.steer_eval --config=configs/gemma.py:selection \
     --workdir=workdirs/gemma_select

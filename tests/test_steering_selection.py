@@ -4,7 +4,12 @@ encoder are instrumented to raise on one before selection.json exists, and
 a selection planted to read the test split is caught), its choice is the
 argmax of the validation scores it records (recomputed here with numpy's
 interpolation), the test rows are at the chosen settings, and a bad
-setting is refused naming the field before any model is loaded."""
+setting is refused naming the field before any model is loaded. The
+gated method's calibrated gate (center, kappa, beta) is what
+`layer_mean` and `calibrate_gate` give on the contrastive tokens' layer
+outputs recomputed here, and its trigger rates and histograms on the
+validation and test held-out tokens are numpy's count of delta > beta on
+the captured activations."""
 
 import json
 import math
@@ -16,12 +21,19 @@ import pytest
 
 from configs import gemma as gemma_config
 from configs import steering as steering_config
+from geom import steering
 from train.errors import ConfigError
 from train.lm import corpus as text_corpus
+from train.lm import data as lm_data
+from train.lm import hooks as steering_hooks
+from train.lm import interface
+from train.lm import tokenizer as lm_tokenizer
 from train.steering import evaluation
 from train.steering import scoring
 from train.steering import selection
+from train.steering import selection_gate
 from train.steering import selection_rule
+from train.steering import vectors as steering_vectors
 
 from tests import tiny_gemma
 
@@ -33,11 +45,13 @@ def tiny_file(tmp_path_factory):
 
 def _config(tiny_file, **overrides):
   """The smallest selection that still chooses: both blocks, the three
-  direction methods, two alphas; one steered method, one task, no
-  generations (every extra one is a compile)."""
+  direction methods, two alphas; one ungated and one gated method (the
+  calibrated gate), one task, no generations (every extra one is a
+  compile)."""
   config = gemma_config.get_config('runlocal,selection')
   config.update(dict(gguf=str(tiny_file), shape='gguf', layer=1,
-                     sweep_layers=(), methods=('none', 'addition'),
+                     sweep_layers=(),
+                     methods=('none', 'addition', 'spherical_gate'),
                      alphas=(0.3, 1.0), mc_seeds=(7,), heldout_windows=2))
   config.tasks = dict(copa=2)
   config.generation.enabled = False
@@ -98,6 +112,7 @@ class Run(NamedTuple):
   rows: list
   record: dict
   log: Log
+  workdir: str
 
 
 @pytest.fixture(scope='module')
@@ -112,7 +127,7 @@ def run(tiny_file, tmp_path_factory):
     record = json.load(f)
   assert os.path.exists(os.path.join(workdir, 'results.json'))
   assert os.path.exists(os.path.join(workdir, 'steering_vector_addition.npz'))
-  return Run(config, rows, record, log)
+  return Run(config, rows, record, log, workdir)
 
 
 def test_the_selection_never_sees_a_test_item(run):
@@ -169,6 +184,10 @@ def test_the_choice_is_the_argmax_of_the_recorded_validation_scores(run):
     assert len(cands) == 2 * 3  # Blocks x direction methods.
     keys = []
     for c in cands:
+      if not c['kl']:  # No calibrated gate: never chosen.
+        assert 'error' in c['gate'] and method == 'spherical_gate'
+        keys.append((-1, -math.inf))
+        continue
       per_task = np.array([_matched(c['kl'], acc, rec['unsteered'][t],
                                     targets)
                            for t, acc in c['accuracy'].items()])
@@ -202,6 +221,8 @@ def test_the_choice_is_the_argmax_of_the_recorded_validation_scores(run):
     ('selection.items_per_set', 0, 'must be an integer in'),
     ('selection.targets', (0.2, 0.1), 'increasing KL values'),
     ('selection.score', 'max', "valid choices: 'mean', 'sum'"),
+    ('selection.gate', 'vmf', "unknown gate of the gated methods; valid "
+     "choices: 'reference', 'calibrated'"),
     ('vector_file', 'v.npz', 'extracts its own directions'),
     ('methods', ('none',), 'needs a steered method'),
 ])
@@ -228,6 +249,7 @@ def test_the_configs_selection_block_and_its_sizes():
     assert tuple(config.selection.direction_methods) == (
         'mean_diff', 'pca_center', 'logistic')
     assert len(module.get_config('runlocal,selection').selection.layers) == 2
+    assert config.selection.gate == 'calibrated'
   with pytest.raises(ValueError, match='selection is for the steering'):
     gemma_config.get_config('finetune,selection')
   with pytest.raises(ConfigError, match='config.selection='):
@@ -257,3 +279,161 @@ def test_the_rule_on_constructed_sweeps():
     assert selection_rule.alpha_grid(alphas, ks, ts) == _grid(alphas, ks, ts)
   assert selection_rule.alpha_grid(alphas, kl, targets) == [0.2, 0.4, 0.6,
                                                             0.8]
+
+
+class Recomputed(NamedTuple):
+  """The contrastive tokens' layer outputs, recomputed: per layer, each
+  side's (tokens, dim) float64 rows (every token after BOS) and each
+  text's mean of them (the 'mean' position's rows)."""
+  subject: Any
+  tokens: dict[int, tuple[np.ndarray, np.ndarray]]
+  pooled: dict[int, tuple[np.ndarray, np.ndarray]]
+
+
+def _capture(subject, layer: int, tokens, valid) -> np.ndarray:
+  """Block `layer`'s unsteered output (float64), by an uncompiled apply."""
+  path = steering_hooks.resolve_layer(subject.lm.params, layer)
+  _, _, rec = interface.apply(subject.lm.model, subject.lm.params, tokens,
+                              valid, capture=(path,))
+  return np.asarray(rec.hidden[path], np.float64)
+
+
+@pytest.fixture(scope='module')
+def recomputed(run):
+  """Both sides in one batch (the selection runs a batch per side)."""
+  config = run.config
+  subject = evaluation.load_subject(config)
+  pairs = text_corpus.contrastive_pairs(config.direction.pairs,
+                                        config.direction.seed)
+  seqs = [lm_tokenizer.encode_document(subject.lm.tokenizer, p[i])
+          for i in (0, 1) for p in pairs]
+  tokens = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+  valid = np.zeros(tokens.shape, bool)
+  for i, s in enumerate(seqs):
+    tokens[i, :len(s)], valid[i, :len(s)] = s, True
+  out, pooled = {}, {}
+  for layer in config.selection.layers:
+    hidden = _capture(subject, layer, tokens, valid)
+    texts = [hidden[i, 1:len(s)] for i, s in enumerate(seqs)]
+    n = len(pairs)
+    out[layer] = (np.concatenate(texts[:n]), np.concatenate(texts[n:]))
+    pooled[layer] = (np.stack([t.mean(0) for t in texts[:n]]),
+                     np.stack([t.mean(0) for t in texts[n:]]))
+  return Recomputed(subject, out, pooled)
+
+
+def _cos(x: np.ndarray, direction, center: np.ndarray) -> np.ndarray:
+  d = np.asarray(direction, np.float64)
+  rel = x - center
+  return rel @ d / np.linalg.norm(rel, axis=-1) / np.linalg.norm(d)
+
+
+def _gate_of(recomputed: Recomputed, layer: int, method: str):
+  """(center, direction, calibration or the error) by numpy and geom."""
+  pos, neg = recomputed.tokens[layer]
+  center = np.concatenate([pos, neg]).mean(0)
+  direction = np.asarray(steering.extract_direction(
+      *recomputed.pooled[layer], method))
+  try:
+    cal = steering.calibrate_gate(_cos(pos, direction, center),
+                                  _cos(neg, direction, center))
+  except ValueError as e:
+    cal = e
+  return center, direction, cal
+
+
+def test_the_calibrated_gate_is_the_contrastive_sets(run, recomputed):
+  """Every candidate's center norm, kappa and beta in selection.json are
+  `calibrate_gate` on the recomputed centred cosines; the chosen one's
+  center in full is in its vector file."""
+  assert run.record['gate'] == 'calibrated'
+  cands = run.record['candidates']['spherical_gate']
+  assert 'gate' not in run.record['candidates']['addition'][0]
+  for c in cands:
+    center, _, cal = _gate_of(recomputed, c['layer'], c['direction_method'])
+    gate = c['gate']
+    pos, neg = recomputed.tokens[c['layer']]
+    assert gate['kind'] == 'calibrated'
+    assert gate['tokens'] == [len(pos), len(neg)]
+    if isinstance(cal, ValueError):
+      assert 'error' in gate and not c['kl']
+      continue
+    assert gate['center_norm'] == pytest.approx(np.linalg.norm(center),
+                                                rel=1e-5)
+    assert gate['threshold'] == pytest.approx(cal.threshold, abs=1e-5)
+    assert gate['kappa'] == pytest.approx(cal.kappa, rel=1e-4)
+    assert gate['beta'] == pytest.approx(cal.beta, abs=1e-4)
+    assert gate['capped'] == cal.capped
+  choice = run.record['choice']['spherical_gate']
+  assert choice['gate'] == cands[choice['candidate']]['gate']
+  vec = steering_vectors.load(
+      os.path.join(run.workdir, 'steering_vector_spherical_gate.npz'))
+  center, direction, _ = _gate_of(recomputed, choice['layer'],
+                                  choice['direction_method'])
+  np.testing.assert_allclose(vec.info['gate']['center'], center,
+                             atol=1e-5 * np.linalg.norm(center))
+  np.testing.assert_allclose(vec.direction, direction, atol=1e-5)
+  assert vec.info['gate']['beta'] == choice['gate']['beta']
+
+
+def _count(recomputed: Recomputed, choice, windows: np.ndarray):
+  """numpy's delta on the windows' tokens at the chosen layer, with the
+  recorded gate: (tokens with delta > beta, as a range for deltas within
+  1e-4 of beta; the histogram and how many deltas lie within 1e-4 of an
+  edge)."""
+  center, direction, _ = _gate_of(recomputed, choice['layer'],
+                                  choice['direction_method'])
+  tokens = windows[:, :-1]
+  hidden = _capture(recomputed.subject, choice['layer'], tokens,
+                    np.ones(tokens.shape, bool)).reshape(-1, len(center))
+  gate = choice['gate']
+  delta = -np.tanh(gate['kappa'] * _cos(hidden, direction, center))
+  near = lambda v: np.abs(delta - v) < 1e-4
+  fired = (int(np.sum((delta > gate['beta']) & ~near(gate['beta']))),
+           int(np.sum((delta > gate['beta']) | near(gate['beta']))))
+  hist = np.histogram(delta, steering.DELTA_EDGES)[0]
+  edges = sum(int(np.sum(near(e))) for e in steering.DELTA_EDGES[1:-1])
+  return len(delta), fired, hist, edges
+
+
+def test_the_trigger_rates_and_histograms_are_numpys(run, recomputed):
+  """The gate's trigger rate and delta histogram on the validation
+  held-out tokens (selection.json) and on the test ones (the rows: the
+  same gate, calibrated on the contrastive set), against numpy's count
+  of delta > beta on the captured activations; and gate_<method>.png."""
+  choice = run.record['choice']['spherical_gate']
+  lm, config = recomputed.subject.lm, run.config
+  rows = [r for r in run.rows if r['method'] == 'spherical_gate']
+  assert rows and all(r['alpha'] > 0 for r in rows)
+  counts = {split: _count(recomputed, choice, lm_data.heldout_windows(
+      lm.tokenizer, config.heldout_windows, config.window_len, split))
+            for split in ('validation', 'test')}
+  for split, rate, hist in (
+      ('validation', choice['gate_trigger_rate'], choice['delta_hist']),
+      *(('test', r['trigger_rate'], r['delta_hist']) for r in rows)):
+    tokens, (lo, hi), want, near = counts[split]
+    assert sum(hist) == tokens, split
+    assert lo <= round(rate * tokens) <= hi and hi - lo <= 1, (split, rate)
+    assert np.abs(np.array(hist) - want).sum() <= 2 * near, (split, hist)
+  with open(os.path.join(run.workdir, 'gate_spherical_gate.png'), 'rb') as f:
+    assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+  assert not os.path.exists(os.path.join(run.workdir, 'gate_addition.png'))
+
+
+def test_the_reference_gate_is_the_configs_uncentred(tiny_file):
+  """'reference': the gated methods get the config's kappa and beta and
+  no center; the ungated ones never take a calibrated gate's."""
+  config = _config(tiny_file)
+  direction = np.array([1.0, 0.0, 0.0], np.float32)
+  ref = selection.Setting(direction, 2.0, selection_gate.reference(config))
+  op = selection._operator(config, 'spherical_gate', ref, 0.5)
+  assert (op.center, op.kappa, op.beta, op.gate) == (None, 20.0, 0.0, True)
+  center = np.array([0.0, 1.0, 0.0], np.float32)
+  cal = selection.Setting(direction, 2.0, selection_gate.Gate(
+      3.0, 0.25, center, dict(kind='calibrated')))
+  op = selection._operator(config, 'addition_gate', cal, 0.5)
+  assert (op.kappa, op.beta, op.gate) == (3.0, 0.25, True)
+  np.testing.assert_array_equal(op.center, center)
+  for method in ('addition', 'spherical', 'addition_renorm'):
+    op = selection._operator(config, method, cal, 0.5)
+    assert (op.center, op.kappa, op.beta) == (None, 20.0, 0.0)

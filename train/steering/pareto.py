@@ -1,5 +1,8 @@
 """The steering plots: success against KL per method, single runs (curves) and
-the multi-seed study (means with 95% bands at matched KL)."""
+the multi-seed study (means with 95% bands at matched KL), and the gate's
+value distribution on held-out tokens (`plot_gate`)."""
+
+import numpy as np
 
 from train.analysis import plots
 
@@ -56,4 +59,44 @@ def plot_bands(panels: dict[str, dict[str, tuple]], out_path: str,
     ax.set_title(title)
     ax.grid(alpha=0.3)
   axes[0][0].legend(fontsize=8)
+  plots.save_png(fig, out_path)
+
+
+def plot_gate(delta_hist, beta: float, trigger_rate: float, title: str,
+              out_path: str, validation: tuple | None = None,
+              beta_label: str = 'beta') -> None:
+  """The vMF gate's value delta = -tanh(kappa cos) on held-out test tokens.
+
+  Args:
+    delta_hist: counts per bin, equal bins over [-1, 1]
+      (`geom.steering.SteerStats.delta_hist`).
+    beta: the gate's threshold, marked (a token is steered where
+      delta > beta) and named `beta_label` (e.g. 'calibrated beta').
+    trigger_rate: the share of the tokens steered, in the title.
+    title: what the gate is (method, layer, kind), before the rate.
+    out_path: the PNG.
+    validation: optional (delta_hist, trigger_rate) of other tokens (the
+      selection's validation text), drawn as a step line.
+  """
+  counts = np.asarray(delta_hist, np.float64)
+  edges = np.linspace(-1.0, 1.0, counts.size + 1)
+  tokens = int(counts.sum())
+  fig, ax = plots.subplots(1, 1, figsize=(6.5, 4))
+  ax.bar(edges[:-1], counts / max(tokens, 1), width=np.diff(edges),
+         align='edge', color='C0', alpha=0.6, edgecolor='C0',
+         label=f'held-out test tokens ({tokens})')
+  if validation is not None:
+    v = np.asarray(validation[0], np.float64)
+    ax.stairs(v / max(v.sum(), 1.0), edges, color='C1', lw=1.5,
+              label=f'validation tokens ({int(v.sum())}), trigger rate '
+                    f'{validation[1]:.1%}')
+  ax.axvline(beta, color='k', ls='--', lw=1.2,
+             label=f'{beta_label} = {beta:+.3f} (steered where delta > beta)')
+  ax.set_xlim(-1, 1)
+  ax.set_xlabel('gate value delta = -tanh(kappa cos)')
+  ax.set_ylabel('share of tokens')
+  ax.set_title(f'{title}\ntrigger rate {trigger_rate:.1%} of the {tokens} '
+               'held-out test tokens', fontsize=10)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
   plots.save_png(fig, out_path)

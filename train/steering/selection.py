@@ -22,6 +22,19 @@ first, then the best score) and the grid (the alphas whose validation KL
 brackets the targets). `selection.score` says which accuracy: on mean
 ('mean', length-normalised) or summed log-probabilities.
 
+The gated methods (spherical_gate, addition_gate) take the gate of
+`selection.gate` (`selection_gate`): 'reference' (the config's kappa and
+beta, uncentred) or 'calibrated' (per candidate, centred on the layer's
+mean over the contrastive pairs' tokens, kappa and beta from
+`geom.steering.calibrate_gate` on those tokens' centred cosines: the
+contrastive set only). Their candidates record the gate ('gate': kind,
+center norm, kappa, beta, ...), the gate's trigger rate on the
+validation held-out tokens ('gate_trigger_rate') and its value's
+histogram there ('delta_hist', `geom.steering.SteerStats.delta_hist`);
+the test rows the same gate, their trigger rate and 'delta_hist' on the
+test held-out tokens, and gate_<method>.png plots the latter at the
+chosen layer with beta marked (`pareto.plot_gate`).
+
 Then the test item sets (`config.tasks`, `config.mc_seeds`, split 'test')
 and the test held-out text are evaluated once, each method at its chosen
 setting, with `evaluation`'s machinery: rows as `evaluation.evaluate`
@@ -33,6 +46,7 @@ before any test item is made.
 """
 
 import json
+import math
 import os
 from typing import Any, NamedTuple
 
@@ -50,6 +64,8 @@ from train.run import metrics as metrics_lib
 from train.run.job import open_job
 from train.steering import evaluation
 from train.steering import scoring
+from train.steering import pareto
+from train.steering import selection_gate
 from train.steering import selection_rule
 from train.steering import vectors as steering_vectors
 from train.training import experiment as experiment_lib
@@ -105,6 +121,9 @@ def check_config(config) -> None:
                       'values > 0 (at least one)')
   if sel.score not in SCORES:
     raise ConfigError('selection.score', sel.score, 'unknown score', SCORES)
+  if sel.get('gate') not in selection_gate.GATES:
+    raise ConfigError('selection.gate', sel.get('gate'), 'unknown gate of '
+                      'the gated methods', selection_gate.GATES)
 
 
 def _check_layers(config) -> None:
@@ -141,11 +160,11 @@ def evaluate(config, workdir: str) -> list[dict[str, Any]]:
     evaluation.check_generation_fits(config.generation, subject.prompts,
                                      lm.model.max_len)
     data = validation_data(config, lm, subject.windows(SELECTION_SPLIT))
-    record, directions = select(config, lm, data, paths)
+    record, settings = select(config, lm, data, paths)
     metrics_lib.write_json_atomic(os.path.join(workdir, FILENAME), record)
-    rows, batches = evaluate_selected(config, subject, record, directions,
+    rows, batches = evaluate_selected(config, subject, record, settings,
                                       paths)
-    _write(config, workdir, subject, record, directions, paths, rows,
+    _write(config, workdir, subject, record, settings, paths, rows,
            list(batches))
     return rows
 
@@ -196,13 +215,27 @@ def _scorers(lm: interface.Loaded, path: str, batches, windows,
   return mc, held, none
 
 
-def _operator(config, method: str, direction: np.ndarray, alpha: float,
-              coefficient: float) -> steering_lib.Steering:
-  """The operator of `method` at a candidate's direction: one place for
-  the validation sweeps and the test rows alike."""
-  return evaluation.make_steering(method, direction, float(alpha),
+class Setting(NamedTuple):
+  """A candidate's steering numbers: the unit direction, the addition
+  coefficient and the gated methods' gate."""
+  direction: np.ndarray
+  coefficient: float
+  gate: selection_gate.Gate
+
+
+def _operator(config, method: str, setting: Setting,
+              alpha: float) -> steering_lib.Steering:
+  """The operator of `method` at a candidate's setting: one place for the
+  validation sweeps and the test rows alike. The gated methods take the
+  setting's gate; the others the config's kappa and beta, uncentred."""
+  if method in selection_gate.GATED_METHODS:
+    gate = setting.gate
+    return evaluation.make_steering(
+        method, setting.direction, float(alpha), kappa=gate.kappa,
+        beta=gate.beta, coefficient=setting.coefficient, center=gate.center)
+  return evaluation.make_steering(method, setting.direction, float(alpha),
                                   kappa=config.kappa, beta=config.beta,
-                                  coefficient=coefficient)
+                                  coefficient=setting.coefficient)
 
 
 def _accuracy(scorers, steer, score: str) -> dict[str, float]:
@@ -214,8 +247,8 @@ def select(config, lm: interface.Loaded, data: ValidationData,
   """Every candidate's validation sweep and each method's choice.
 
   Returns:
-    The record (selection.json's contents) and the directions by
-    (layer, direction method): (unit direction, coefficient).
+    The record (selection.json's contents) and each candidate's `Setting`
+    by (layer, direction method).
   """
   sel = config.selection
   steered = [m for m in config.methods if m != 'none']
@@ -223,39 +256,65 @@ def select(config, lm: interface.Loaded, data: ValidationData,
   pairs = text_corpus.contrastive_pairs(config.direction.pairs,
                                         config.direction.seed)
   candidates = {m: [] for m in steered}
-  directions, unsteered = {}, None
+  settings, unsteered = {}, None
   for layer, path in paths.items():
-    pos, neg, coefficient = evaluation.pair_activations(
+    acts = evaluation.contrastive_activations(
         lm.model, lm.params, path, pairs, config.direction.position,
         lm.tokenizer)
     mc, held, none = _scorers(lm, path, data.batches, data.windows,
-                              all_paths, pos.shape[1])
+                              all_paths, acts.positive.shape[1])
     if unsteered is None:
       unsteered = _accuracy(mc, none, sel.score)
+    center = (selection_gate.contrastive_center(acts.hidden, acts.tokens)
+              if sel.gate == 'calibrated' else None)
     for method_name in sel.direction_methods:
-      direction = np.asarray(steering_lib.extract_direction(pos, neg,
-                                                            method_name))
-      directions[layer, method_name] = (direction, coefficient)
+      direction = np.asarray(steering_lib.extract_direction(
+          acts.positive, acts.negative, method_name))
+      gate = (selection_gate.calibrated(acts.hidden, acts.tokens, direction,
+                                        center)
+              if sel.gate == 'calibrated' else selection_gate.reference(config))
+      setting = Setting(direction, acts.coefficient, gate)
+      settings[layer, method_name] = setting
       for method in steered:
         candidates[method].append(_sweep(
-            config, mc, held, method, direction, coefficient,
+            config, mc, held, method, setting,
             dict(layer=layer, direction_method=method_name)))
   record = _record(config, data, unsteered, candidates)
-  return record, directions
+  return record, settings
 
 
-def _sweep(config, mc, held, method: str, direction: np.ndarray,
-           coefficient: float, candidate: dict[str, Any]) -> dict[str, Any]:
-  """One candidate's sweep over `config.alphas` on the validation data."""
+def _sweep(config, mc, held, method: str, setting: Setting,
+           candidate: dict[str, Any]) -> dict[str, Any]:
+  """One candidate's sweep over `config.alphas` on the validation data.
+
+  A gated method's candidate also records its gate ('gate') and the
+  gate's value on the held-out tokens ('delta_hist', `SteerStats`' bins;
+  the gate reads the unsteered activations at the layer, so it is the
+  same at every alpha) and its trigger rate there ('gate_trigger_rate':
+  the share of those tokens with delta > beta, the trigger rate at any
+  alpha > 0). A candidate without a calibrated gate is not swept for it.
+  """
   out = dict(candidate, kl=[], trigger_rate=[],
              accuracy={t: [] for t in mc})
+  gated = method in selection_gate.GATED_METHODS
+  if gated:
+    out['gate'] = setting.gate.record
+    if setting.gate.error:
+      logging.info('%s at block %d, %s: no calibrated gate (%s)', method,
+                   candidate['layer'], candidate['direction_method'],
+                   setting.gate.error)
+      return out
   for alpha in config.alphas:
-    steer = _operator(config, method, direction, alpha, coefficient)
-    metrics = evaluation.heldout_metrics(held, steer)
+    steer = _operator(config, method, setting, alpha)
+    metrics = evaluation.heldout_metrics(held, steer, delta_hist=gated)
     out['kl'].append(metrics['kl'])
     out['trigger_rate'].append(metrics['trigger_rate'])
+    if gated and 'delta_hist' not in out:
+      out['delta_hist'] = metrics['delta_hist']
     for task, acc in _accuracy(mc, steer, config.selection.score).items():
       out['accuracy'][task].append(acc)
+  if gated:
+    out['gate_trigger_rate'] = max(out['trigger_rate'])
   logging.info('%s at block %d, %s: KL %s', method, candidate['layer'],
                candidate['direction_method'],
                [round(k, 4) for k in out['kl']])
@@ -267,28 +326,13 @@ def _record(config, data: ValidationData, unsteered: dict[str, float],
   """selection.json: what was read, every sweep and its score, the choice."""
   sel = config.selection
   targets = [float(t) for t in sel.targets]
-  choice = {}
-  for method, cands in candidates.items():
-    scores = [selection_rule.candidate_score(c, unsteered, targets)
-              for c in cands]
-    for c, s in zip(cands, scores):
-      c.update(reached=s.reached, score=s.score)
-    k = selection_rule.best(scores)
-    choice[method] = dict(
-        candidate=k, layer=cands[k]['layer'],
-        direction_method=cands[k]['direction_method'],
-        reached=scores[k].reached, score=scores[k].score,
-        alphas=selection_rule.alpha_grid(
-            [float(a) for a in config.alphas], cands[k]['kl'], targets))
-    logging.info('%s: block %d, %s, alphas %s (validation score %.4f, %d '
-                 'targets reached)', method, choice[method]['layer'],
-                 choice[method]['direction_method'],
-                 choice[method]['alphas'], scores[k].score, scores[k].reached)
+  choice = {m: _choose(config, m, cands, unsteered, targets)
+            for m, cands in candidates.items()}
   items = {t: [[[it.context, *it.choices, it.label] for it in s]
                for s in sets] for t, sets in data.items.items()}
   out = dict(split=SELECTION_SPLIT, tasks=list(data.items),
              items_per_set=sel.items_per_set, mc_seeds=list(sel.mc_seeds),
-             targets=targets, score=sel.score,
+             targets=targets, score=sel.score, gate=sel.gate,
              alphas=[float(a) for a in config.alphas],
              unsteered=unsteered, candidates=candidates, choice=choice,
              items=items)
@@ -297,11 +341,47 @@ def _record(config, data: ValidationData, unsteered: dict[str, float],
   return out
 
 
+def _choose(config, method: str, cands: list[dict],
+            unsteered: dict[str, float], targets: list[float]
+            ) -> dict[str, Any]:
+  """One method's choice among its swept candidates (`selection_rule`;
+  a candidate left unswept for want of a calibrated gate scores
+  (0, NaN) and is never chosen). Raises ConfigError naming
+  `selection.gate` when no candidate was swept."""
+  swept = [k for k, c in enumerate(cands) if c['kl']]
+  if not swept:
+    raise ConfigError('selection.gate', config.selection.gate, f'{method}: '
+                      'no candidate has a calibrated gate (the contrastive '
+                      'cosines separate the sides at no candidate layer)',
+                      selection_gate.GATES)
+  scores = [selection_rule.candidate_score(c, unsteered, targets)
+            if c['kl'] else selection_rule.Score(0, math.nan) for c in cands]
+  for c, s in zip(cands, scores):
+    c.update(reached=s.reached, score=s.score)
+  k = swept[selection_rule.best([scores[i] for i in swept])]
+  out = dict(candidate=k, layer=cands[k]['layer'],
+             direction_method=cands[k]['direction_method'],
+             reached=scores[k].reached, score=scores[k].score,
+             alphas=selection_rule.alpha_grid(
+                 [float(a) for a in config.alphas], cands[k]['kl'], targets))
+  if method in selection_gate.GATED_METHODS:
+    out.update({f: cands[k][f] for f in ('gate', 'gate_trigger_rate',
+                                         'delta_hist')})
+  logging.info('%s: block %d, %s, alphas %s (validation score %.4f, %d '
+               'targets reached)', method, out['layer'],
+               out['direction_method'], out['alphas'], scores[k].score,
+               scores[k].reached)
+  return out
+
+
 def evaluate_selected(config, subject: evaluation.Subject,
-                      record: dict[str, Any], directions: dict,
+                      record: dict[str, Any], settings: dict,
                       paths: dict[int, str]) -> tuple[list[dict], dict]:
   """The test rows of every method at its choice ('none' once, at the
-  first steered method's layer), and the test batches."""
+  first steered method's layer), and the test batches. A gated method
+  steers with its candidate's gate, the one the selection computed from
+  the contrastive set, and its rows add the gate's 'delta_hist' on the
+  test held-out tokens."""
   lm = subject.lm
   batches = evaluation.mc_batches(config.tasks, config.mc_seeds, 'test',
                                   lm.tokenizer, lm.model.max_len)
@@ -313,17 +393,18 @@ def evaluate_selected(config, subject: evaluation.Subject,
   for method in config.methods:
     at = first if method == 'none' else choice[method]
     layer, name = at['layer'], at['direction_method']
-    direction, coefficient = directions[layer, name]
+    setting = settings[layer, name]
     if layer not in scorers:
       scorers[layer] = _scorers(lm, paths[layer], batches, subject.heldout,
-                                all_paths, direction.shape[0])[:2]
+                                all_paths, setting.direction.shape[0])[:2]
     mc, held = scorers[layer]
+    gated = method in selection_gate.GATED_METHODS
     for alpha in ((0.0,) if method == 'none' else at['alphas']):
-      steer = _operator(config, method, direction, alpha, coefficient)
+      steer = _operator(config, method, setting, alpha)
       row = {'method': method, 'alpha': float(alpha), 'layer': layer,
              'direction_method': name}
       row.update(evaluation.mc_metrics(config.tasks, mc, steer))
-      row.update(evaluation.heldout_metrics(held, steer))
+      row.update(evaluation.heldout_metrics(held, steer, delta_hist=gated))
       if config.generation.get('enabled', True):
         row.update(evaluation.generation_metrics(
             config.generation, subject, steer, paths[layer],
@@ -333,23 +414,33 @@ def evaluate_selected(config, subject: evaluation.Subject,
 
 
 def _write(config, workdir: str, subject: evaluation.Subject,
-           record: dict[str, Any], directions: dict, paths: dict[int, str],
+           record: dict[str, Any], settings: dict, paths: dict[int, str],
            rows: list[dict], tasks: list[str]) -> None:
-  """A steering vector per steered method, then the results."""
+  """A steering vector per steered method (a gated method's with its
+  gate, the center in full), gate_<method>.png per gated method, then
+  the results."""
   lm = subject.lm
   chosen = {}
   for method, at in record['choice'].items():
     layer, name = at['layer'], at['direction_method']
-    direction, coefficient = directions[layer, name]
+    setting = settings[layer, name]
+    info = dict(method=name, pairs=config.direction.pairs,
+                position=config.direction.position,
+                coefficient=setting.coefficient)
+    chosen[method] = dict(layer=layer, direction_method=name,
+                          alphas=at['alphas'],
+                          coefficient=setting.coefficient)
+    if method in selection_gate.GATED_METHODS:
+      gate = setting.gate
+      chosen[method]['gate'] = gate.record
+      info['gate'] = dict(gate.record, center=None if gate.center is None
+                          else [float(v) for v in gate.center])
+      _plot_gate(workdir, method, at, rows)
     steering_vectors.save(
         os.path.join(workdir, f'steering_vector_{method}.npz'),
         steering_vectors.SteeringVector(
-            direction, layer, paths[layer], lm.fingerprint,
-            dict(method=name, pairs=config.direction.pairs,
-                 position=config.direction.position, coefficient=coefficient),
+            setting.direction, layer, paths[layer], lm.fingerprint, info,
             lm.tokenizer.fingerprint))
-    chosen[method] = dict(layer=layer, direction_method=name,
-                          alphas=at['alphas'], coefficient=coefficient)
   meta = dict(**subject.meta, selection=chosen,
               mc_seeds=list(config.mc_seeds), tasks=dict(config.tasks),
               config=json.loads(config.to_json()),
@@ -358,3 +449,20 @@ def _write(config, workdir: str, subject: evaluation.Subject,
               model_fingerprint=lm.fingerprint,
               tokenizer_fingerprint=lm.tokenizer.fingerprint)
   evaluation.write_results(workdir, meta, rows, tasks)
+
+
+def _plot_gate(workdir: str, method: str, at: dict[str, Any],
+               rows: list[dict]) -> None:
+  """gate_<method>.png: the gate's value on the test held-out tokens at
+  the chosen layer (the row of the largest alpha; the gate reads the
+  unsteered activations, so every alpha > 0 has the same), with the
+  validation held-out tokens' for comparison."""
+  row = max((r for r in rows if r['method'] == method),
+            key=lambda r: r['alpha'])
+  pareto.plot_gate(
+      row['delta_hist'], at['gate']['beta'], row['trigger_rate'],
+      f'{method}, block {at["layer"]} ({at["direction_method"]}), '
+      f'{at["gate"]["kind"]} gate',
+      os.path.join(workdir, f'gate_{method}.png'),
+      validation=(at['delta_hist'], at['gate_trigger_rate']),
+      beta_label=f'{at["gate"]["kind"]} beta')
