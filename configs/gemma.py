@@ -3,11 +3,17 @@ r"""Gemma 3 270M (the registry's pretrained model): steering, fine-tuning, SFT.
 `selection` (`--config=configs/gemma.py:selection`) adds the steering
 evaluation's `selection` block (configs/steering.py): layer, direction
 method and alpha grid per method chosen on validation items, blocks 3, 6,
-9 and 12 (runlocal: 3 and 6), two validation sets of 40 items per task;
-the gated methods with the calibrated gate (`selection.gate`: centred on
-each candidate layer's contrastive mean, kappa and beta from its
-contrastive cosines; `--config.selection.gate=reference` for the
-reference's kappa 20 and beta 0, uncentred).
+9 and 12 (runlocal: 3 and 6), two validation sets of 40 items per task,
+the real-text task pydoc_polarity added to copa and cloze (validation and
+test, as many items as copa); the gated methods with the calibrated gate
+(`selection.gate`: centred on each candidate layer's contrastive mean,
+kappa and beta from its contrastive cosines;
+`--config.selection.gate=reference` for the reference's kappa 20 and
+beta 0, uncentred). The steering study runs it as its selected settings
+(studies/gemma_steering/README.md):
+
+  python -m studies.gemma_steering --config=configs/gemma.py:selection \
+      --workdir=workdirs/gemma_steering_selected
 
 The steering study (the main layer, the layer sweep, the report;
 studies/gemma_steering/README.md gives its time):
@@ -209,4 +215,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         layers=(3, 6) if 'runlocal' in args else (3, 6, 9, 12),
         mc_seeds=(101,) if 'runlocal' in args else (101, 102),
         items=4 if 'runlocal' in args else 40, gate='calibrated')
+    # The real-text task beside the two template ones, as many items: its
+    # pool holds 3 test sets of up to 67 and 2 validation sets of up to 59.
+    config.tasks.pydoc_polarity = config.tasks.copa
   return config

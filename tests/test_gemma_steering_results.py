@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from studies.gemma_steering import layers
 from train.run import metrics
 from train.steering import evaluation
@@ -50,17 +52,25 @@ def test_the_gate_ablation_rebuilds_from_its_evaluation():
           == _read('gate_ablation', 'layer6_results.md'))
 
 
-def test_the_readme_command_refuses_a_bad_flag_in_one_line(tmp_path):
-  # The README's command itself (its end-to-end run is
+@pytest.mark.parametrize('config, flag, error', [
+    ('configs/gemma.py', '--targets=0.2,0.1',
+     'targets=(0.2, 0.1): give increasing KL values > 0'),
+    # The selected settings: the selection's own checks, on its config's
+    # real-text task (2 validation sets of 40 fit its pool, of 60 do not).
+    ('configs/gemma.py:selection', '--config.selection.items_per_set=60',
+     'config.selection.items_per_set=60: 2 validation item set(s) of '
+     'pydoc_polarity hold at most 59 items each'),
+])
+def test_the_readme_command_refuses_a_bad_flag_in_one_line(
+    tmp_path, config, flag, error):
+  # The README's commands themselves (their end-to-end runs are
   # test_gemma_steering.py's, in process): flags parsed, the study's own
   # checks reached before any model is loaded.
   result = subprocess.run(
-      [sys.executable, '-m', 'studies.gemma_steering',
-       '--config=configs/gemma.py', f'--workdir={tmp_path / "w"}',
-       '--targets=0.2,0.1'], cwd=ROOT, capture_output=True, text=True,
-      timeout=300)
+      [sys.executable, '-m', 'studies.gemma_steering', f'--config={config}',
+       f'--workdir={tmp_path / "w"}', flag], cwd=ROOT, capture_output=True,
+      text=True, timeout=300)
   assert result.returncode == 2, result.stderr[-3000:]
   lines = result.stderr.strip().splitlines()
-  assert len(lines) == 1 and lines[0].startswith(
-      "error: targets=(0.2, 0.1): give increasing KL values > 0"), result.stderr
+  assert len(lines) == 1 and lines[0] == f'error: {error}', result.stderr
   assert not os.path.exists(tmp_path / 'w')

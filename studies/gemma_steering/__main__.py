@@ -1,10 +1,17 @@
 r"""Spherical steering vs addition on Gemma 3 270M (the registry's model).
 
+  python -m studies.gemma_steering --config=configs/gemma.py:selection \
+      --workdir=workdirs/gemma_steering_selected
   python -m studies.gemma_steering --config=configs/gemma.py \
       --workdir=workdirs/gemma_steering
 
-Evaluates the config's methods x alphas at `config.layer` and the layer
-sweep (`studies.gemma_steering.layers`), then writes study.md, study.json and
+With a config's `selection` block (the first, the selected settings:
+`studies.gemma_steering.selected`), each method's layer, direction method
+and alpha grid are chosen on validation items, then the test items are
+scored once there; the report adds the reference settings' stored rows.
+Without one (the reference settings), evaluates the config's methods x
+alphas at `config.layer` and the layer sweep
+(`studies.gemma_steering.layers`). Either writes study.md, study.json and
 pareto_bands.png into --workdir. A rerun reuses finished evaluations made
 with the same config from the same model file. A mistake in the config
 or flags ends the run before the model is loaded, with one line naming
@@ -41,6 +48,9 @@ def main(argv):
       raise UsageError('--targets', ','.join(_TARGETS.value),
                        'not a list of numbers') from None
     entry.configure_devices(config)
+    if 'selection' in config:  # Its checks come before the model is read.
+      from studies.gemma_steering import selected
+      return selected.run(config, _WORKDIR.value, targets, _SAMPLES.value)
     from studies.gemma_steering import layers
     # pylint: enable=g-import-not-at-top
     return layers.run(config, _WORKDIR.value, targets, _SAMPLES.value)

@@ -55,7 +55,10 @@ def plan(config: ml_collections.ConfigDict
   return out
 
 
-def _finished(config, path: str, sha: str) -> dict | None:
+def finished(config, path: str, sha: str) -> dict | None:
+  """The evaluation in `path` (its results.json) if it is finished, None
+  if not begun; UsageError naming the workdir if it was made with another
+  config (the sweep's fields aside) or from another model file."""
   results_path = os.path.join(path, 'results.json')
   if not os.path.exists(results_path):
     return None
@@ -114,14 +117,14 @@ def run(config, workdir: str, targets: Sequence[float],
   sha = gemma_gguf.file_sha256(path)
   with open_job(workdir):
     steps = plan(config)
-    done = {name: _finished(c, os.path.join(workdir, name), sha)
+    done = {name: finished(c, os.path.join(workdir, name), sha)
             for name, c in steps}
     runs = {}
     for name, c in steps:
       if done[name] is None:
         logging.info('evaluating %s', name)
         evaluation.evaluate(c, os.path.join(workdir, name))
-        done[name] = _finished(c, os.path.join(workdir, name), sha)
+        done[name] = finished(c, os.path.join(workdir, name), sha)
       else:
         logging.info('%s: reusing the finished evaluation', name)
       runs[name] = done[name]
