@@ -47,6 +47,8 @@ NAME = 'selected'
 # The room's stored evaluations: the reference settings' rows.
 REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                          'results')
+# Paths below it are reported relative to it (the report is machine-free).
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(REFERENCE)))
 # A gate that acts and selects fires on this share of held-out tokens.
 TRIGGER_BAND = (0.05, 0.95)
 
@@ -101,9 +103,11 @@ def reference_run(folder: str, layer: int, sha: str
   it is left out): `folder/layer<layer>_results.json`, if it was made from
   the model file of SHA-256 `sha`."""
   path = os.path.join(folder, f'layer{layer}_results.json')
-  if not os.path.exists(path):
+  if os.path.abspath(path).startswith(_ROOT + os.sep):
+    path = os.path.relpath(path, _ROOT)
+  if not os.path.exists(os.path.join(_ROOT, path)):
     return None, f'no stored evaluation at {path}'
-  with open(path) as f:
+  with open(os.path.join(_ROOT, path)) as f:
     results = json.load(f)
   if results['meta'].get('gguf_sha256') != sha:
     return None, (f'{path} was evaluated on another model file (SHA-256 '
@@ -240,7 +244,7 @@ def reference_markdown(summary: dict[str, Any]) -> str:
   lines = [f'**Reference settings** (block {ref["layer"]}, '
            f'{ref["direction_method"]}, the gate\'s kappa {ref["kappa"]:g} and '
            f'beta {ref["beta"]:g} uncentred; '
-           f'{os.path.basename(ref["source"])}, a separate evaluation) '
+           f'{ref["source"]}, a separate evaluation) '
            'against the selected settings: accuracy (%) at matched KL', '']
   head = ['method', *(f'KL {t:g}' for t in summary['targets'])]
   for task in summary['accuracy']:
