@@ -5,7 +5,7 @@ evaluation's `selection` block (configs/steering.py): layer, direction
 method and alpha grid per method chosen on validation items, blocks 3, 6,
 9 and 12 (runlocal: 3 and 6), two validation sets of 40 items per task,
 the real-text task pydoc_polarity added to copa and cloze (validation and
-test, as many items as copa); the gated methods with the calibrated gate
+test, as many items as copa; not in runlocal); the gated methods with the calibrated gate
 (`selection.gate`: centred on each candidate layer's contrastive mean,
 kappa and beta from its contrastive cosines;
 `--config.selection.gate=reference` for the reference's kappa 20 and
@@ -217,5 +217,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         items=4 if 'runlocal' in args else 40, gate='calibrated')
     # The real-text task beside the two template ones, as many items: its
     # pool holds 3 test sets of up to 67 and 2 validation sets of up to 59.
-    config.tasks.pydoc_polarity = config.tasks.copa
+    # Not in runlocal: reading the pool takes seconds of every test.
+    if 'runlocal' not in args:
+      config.tasks.pydoc_polarity = config.tasks.copa
   return config

@@ -204,7 +204,8 @@ def _selected_config(tiny_file):
   config are checked by the README command's refusal
   (tests/test_gemma_steering_results.py)."""
   config = gemma_config.get_config('runlocal,selection')
-  assert dict(config.tasks) == dict(copa=4, cloze=4, pydoc_polarity=4)
+  assert dict(gemma_config.get_config('selection').tasks) == dict(
+      copa=40, cloze=40, pydoc_polarity=40)
   config.update(dict(gguf=str(tiny_file), shape='gguf', layer=1,
                      sweep_layers=(),
                      methods=('none', 'addition', 'spherical_gate'),

@@ -445,11 +445,11 @@ def evaluate(config, workdir: str) -> list[dict[str, Any]]:
       written then.
     WorkdirBusy: another run holds the workdir.
   """
-  check_config(config)
-  if 'selection' in config:
+  if 'selection' in config:  # Before its fields are checked: not ours.
     raise ConfigError('selection', 'set', 'a config with a selection runs '
                       'through train.steering.selection.evaluate (as '
                       'launch.steer_eval does)')
+  check_config(config)
   workdir = experiment_lib.check_workdir(workdir)
   with open_job(workdir):
     return _evaluate(config, workdir)
