@@ -11,6 +11,7 @@ sender that never sends).
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -113,7 +114,6 @@ try:
 except transport.TransferTimeout as e:
   print(json.dumps({'error': str(e)}), flush=True)
   sys.stdout.flush()
-  import os  # pylint: disable=g-import-not-at-top
   os._exit(1)  # pylint: disable=protected-access
 # Every process walked every entry and every ack was seen: the store
 # keeps no transfer's keys (the counter aside).
@@ -124,3 +124,12 @@ while (left := [k for k in channel.keys('xfer/') if k != 'xfer/seq']
 print(json.dumps({'process': me, 'received': sorted(got), 'bad': bad,
                   'sent': xport.sent, 'keys_left': left}), flush=True)
 xport.stop()
+# Every process leaves the job together (shutdown's barrier), then ends
+# without the interpreter's teardown: once in a CI run (2026-12-06) a peer
+# aborted there (SIGABRT, "terminate called after throwing an instance of
+# ''; FATAL: exception not rethrown", a thread of the distributed client
+# unwinding during exit). The coordinator (process 0) must not go first:
+# the others' clients end their process when the service disappears.
+jax.distributed.shutdown()
+sys.stderr.flush()
+os._exit(0)  # pylint: disable=protected-access
