@@ -214,7 +214,7 @@ def test_a_fresh_workdir_resumes_from_the_records_alone(smoke, tiny_file,
   fresh = str(tmp_path / 'study')
   shutil.copytree(os.path.join(root, 'measures'),
                   os.path.join(fresh, 'measures'))
-  redo = ('post_sam_rho0.05_seed0', 'sharpness_adamw_seed0')
+  redo = ('post_sam_rho0.05_seed0', 'sharpness_sam_rho0.05_seed0')
   for name in redo:
     os.remove(os.path.join(fresh, 'measures', f'{name}.json'))
   kept = {name: os.path.getmtime(os.path.join(fresh, 'measures', name))
@@ -224,7 +224,7 @@ def test_a_fresh_workdir_resumes_from_the_records_alone(smoke, tiny_file,
   text = study.run(SETTINGS, _base(tiny_file), fresh)
   assert text == open(os.path.join(fresh, report.REPORT)).read()
   assert sorted(os.listdir(os.path.join(fresh, 'runs'))) == [
-      'mid_adamw_seed0', 'mid_sam_rho0.05_seed0', 'post_sam_rho0.05_seed0']
+      'mid_sam_rho0.05_seed0', 'post_sam_rho0.05_seed0']
   for name, mtime in kept.items():
     assert os.path.getmtime(os.path.join(fresh, 'measures', name)) == mtime
   for name in redo:

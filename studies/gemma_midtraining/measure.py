@@ -155,7 +155,7 @@ def measure_sharpness(settings: Settings, base, root: str, variant: str,
     if checkpoint:
       return sharpness(settings, config, models.pretrained(config).params,
                        models.tokenizer(config), root)
-    run_dir = _midtrained(base, root, variant, seed)
+    run_dir = settings_lib.mid_dir(root, variant, seed)
     trained = lm_trainer.load_trained(run_dir)
     return sharpness(settings, config, trained.params, trained.tokenizer,
                      run_dir)
@@ -165,16 +165,23 @@ def measure_sharpness(settings: Settings, base, root: str, variant: str,
   return {k: v for k, v in record.items() if k != 'identity'}
 
 
-def _midtrained(base, root: str, variant: str, seed: int) -> str:
-  """The run directory of the mid-trained (variant, seed), trained (or
-  resumed) unless it holds its last step's checkpoint (a workdir may hold
-  the records of a run and not the run)."""
+def ensure_midtrained(settings: Settings, base, root: str, variant: str,
+                      seed: int) -> None:
+  """Trains (or resumes) the mid-trained (variant, seed) when a record
+  that needs its run (sharpness, post-training) is missing and the run's
+  last checkpoint is not there: a workdir may hold the records of a run
+  and not the run."""
+  names = [f'post_{variant}_seed{seed}']
+  if settings.lanczos_steps or settings.trace_probes:
+    names.append(f'sharpness_{variant}_seed{seed}')
+  if all(os.path.exists(os.path.join(root, 'measures', f'{n}.json'))
+         for n in names):
+    return
   run_dir = settings_lib.mid_dir(root, variant, seed)
   config = settings_lib.mid_config(base, variant, seed)
   if config.num_steps not in disk_space.completed_steps(
       os.path.join(run_dir, checkpointing.CHECKPOINTS)):
     lm_trainer.train_and_evaluate(config, run_dir)
-  return run_dir
 
 
 def _logged(run_dir: str) -> dict:
@@ -227,8 +234,6 @@ def measure_post(settings: Settings, base, root: str, variant: str,
   run_dir = settings_lib.post_dir(root, variant, seed)
 
   def compute():
-    if variant != CHECKPOINT:
-      _midtrained(base, root, variant, seed)
     final = sft.train_and_evaluate(config, run_dir)
     policy = sft.load_policy(run_dir)
     tokenizer = lm_tokenizer.for_trained(policy.config, run_dir,

@@ -37,6 +37,7 @@ def run(settings: Settings, base: ml_collections.ConfigDict,
       for v in settings.variants:
         if v != CHECKPOINT:
           measure.measure_mid(settings, base, root, v, s)
+          measure.ensure_midtrained(settings, base, root, v, s)
           measure.measure_sharpness(settings, base, root, v, s)
         measure.measure_post(settings, base, root, v, s)
       if s == 0:
