@@ -106,15 +106,21 @@ def _check(config, targets: Sequence[float], num_samples: int) -> None:
     raise UsageError('bootstrap_samples', num_samples, 'must be >= 100')
 
 
+def checked_model_file(config) -> str:
+  """The SHA-256 of the config's model file, once it is checked to load
+  and fit (a damaged file is refused before the study's workdir is
+  made)."""
+  path = config.gguf or gemma_gguf.registry_file()
+  gemma_gguf.check_memory(gemma_gguf.check_file(path).shape, path)
+  return gemma_gguf.file_sha256(path)
+
+
 def run(config, workdir: str, targets: Sequence[float],
         num_samples: int = 2000) -> dict[str, Any]:
   """The study (see the module docstring); returns its summary."""
   _check(config, targets, num_samples)
-  path = config.gguf or gemma_gguf.registry_file()
-  # A damaged model file is refused before the study's workdir is made.
-  gemma_gguf.check_memory(gemma_gguf.check_file(path).shape, path)
+  sha = checked_model_file(config)
   workdir = experiment_lib.check_workdir(workdir)
-  sha = gemma_gguf.file_sha256(path)
   with open_job(workdir):
     steps = plan(config)
     done = {name: finished(c, os.path.join(workdir, name), sha)

@@ -35,7 +35,6 @@ from studies.steering import intervals
 from studies.steering import report
 from train.analysis import stats
 from train.errors import UsageError
-from train.lm import gemma_gguf
 from train.run import metrics as metrics_lib
 from train.run.job import open_job
 from train.steering import selection
@@ -73,11 +72,8 @@ def run(config, workdir: str, targets: Sequence[float],
   its summary. `reference`: the folder of the reference settings'
   evaluation (`layer<config.layer>_results.json`)."""
   check(config, targets, num_samples)
-  path = config.gguf or gemma_gguf.registry_file()
-  # A damaged model file is refused before the study's workdir is made.
-  gemma_gguf.check_memory(gemma_gguf.check_file(path).shape, path)
+  sha = layers.checked_model_file(config)
   workdir = experiment_lib.check_workdir(workdir)
-  sha = gemma_gguf.file_sha256(path)
   with open_job(workdir):
     out = os.path.join(workdir, NAME)
     results = layers.finished(config, out, sha)
