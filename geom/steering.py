@@ -248,7 +248,7 @@ def pca_center_direction(positive, negative) -> jax.Array:
   The rows are +-(positive[i] - negative[i]) / 2, whose Gram matrix is
   half the differences', so the direction is `pca_direction`'s up to
   rounding: repeng's centring per pair is the uncentred PCA of the
-  differences (tests/test_steering.py checks both against numpy).
+  differences (tests/test_steering_directions.py checks both against numpy).
 
   Example:
 
