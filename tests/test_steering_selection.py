@@ -23,6 +23,7 @@ from configs import gemma as gemma_config
 from configs import steering as steering_config
 from geom import steering
 from train.errors import ConfigError
+from train.errors import UsageError
 from train.lm import corpus as text_corpus
 from train.lm import data as lm_data
 from train.lm import hooks as steering_hooks
@@ -153,6 +154,70 @@ def test_a_selection_that_reads_the_test_split_is_caught(
   _instrument(monkeypatch, str(tmp_path), Log([], []))
   with pytest.raises(AssertionError, match="asked for split='test'"):
     selection.evaluate(_config(tiny_file), str(tmp_path))
+
+
+class _Stop(Exception):
+  """The planted interruption."""
+
+
+def _stopping_after(monkeypatch, name: str, n: int, calls: list) -> None:
+  """selection.<name> raises _Stop at its call n + 1 (n < 0: never); every
+  call's arguments are appended to `calls`."""
+  real = getattr(selection, name)
+
+  def wrapped(*args, **kwargs):
+    if len(calls) == n:
+      raise _Stop(name)
+    calls.append(args)
+    return real(*args, **kwargs)
+  monkeypatch.setattr(selection, name, wrapped)
+
+
+def test_an_interrupted_selection_resumes_from_its_records(
+    run, tiny_file, tmp_path):
+  """Each validation sweep and each test row is kept as it is made: a
+  run stopped in its validation sweeps, and again in its test rows, goes
+  on from its records, runs each sweep and row once in all, builds no
+  scorers for a layer whose sweeps are all kept, and writes the
+  uninterrupted run's selection.json and results byte for byte. A record
+  of another config is refused, naming --workdir, and kept."""
+  workdir, config = str(tmp_path / 'w'), _config(tiny_file)
+  sweeps, rows, scorers = [], [], []
+  with pytest.MonkeyPatch.context() as mp:
+    # Block 0's six sweeps (2 methods x 3 direction methods), then one.
+    _stopping_after(mp, '_sweep', 7, sweeps)
+    _stopping_after(mp, '_scorers', -1, scorers)
+    with pytest.raises(_Stop):
+      selection.evaluate(config, workdir)
+  assert len(sweeps) == 7
+  assert not os.path.exists(os.path.join(workdir, selection.FILENAME))
+  block0, block1 = [c[1] for c in scorers]
+  with pytest.MonkeyPatch.context() as mp:
+    _stopping_after(mp, '_sweep', -1, sweeps)
+    _stopping_after(mp, '_scorers', -1, scorers)
+    _stopping_after(mp, '_test_row', 1, rows)
+    with pytest.raises(_Stop):
+      selection.evaluate(config, workdir)
+  # The remaining five sweeps, on block 1's scorers alone; then the test
+  # set's scorers at the first chosen block.
+  assert len(sweeps) == 12 and len(rows) == 1
+  assert [c[1] for c in scorers[2:]] == [
+      block1, {0: block0, 1: block1}[run.rows[0]['layer']]]
+  with pytest.MonkeyPatch.context() as mp:
+    _stopping_after(mp, '_sweep', -1, sweeps)
+    _stopping_after(mp, '_test_row', -1, rows)
+    selection.evaluate(config, workdir)
+  assert len(sweeps) == 12 and len(rows) == len(run.rows)
+  for name in (selection.FILENAME, 'results.json', 'results.md'):
+    with open(os.path.join(run.workdir, name), 'rb') as f:
+      assert open(os.path.join(workdir, name), 'rb').read() == f.read(), name
+  config.alphas = (0.3, 0.9)
+  record = os.path.join(workdir, selection.SWEEPS, 'unsteered.json')
+  before = open(record, 'rb').read()
+  with pytest.raises(UsageError, match="--workdir=.*unsteered.json was "
+                     'measured with other settings'):
+    selection.evaluate(config, workdir)
+  assert open(record, 'rb').read() == before
 
 
 def _matched(kl, acc, base, targets):

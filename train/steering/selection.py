@@ -45,15 +45,17 @@ validation items, every candidate's sweep and the choice) is written
 before any test item is made.
 """
 
+import functools
 import json
 import math
 import os
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from absl import logging
 import numpy as np
 
 from geom import steering as steering_lib
+from train.analysis import measure_cache
 from train.errors import ConfigError
 from train.lm import corpus as text_corpus
 from train.lm import hooks as steering_hooks
@@ -74,6 +76,9 @@ from train.training import experiment as experiment_lib
 SELECTION_SPLIT = 'validation'
 SCORES = ('mean', 'sum')
 FILENAME = 'selection.json'
+# Below the workdir: one record per validation sweep and per test row, so
+# that a rerun after an interruption goes on from them (`Kept`).
+SWEEPS, ROWS = 'selection_sweeps', 'test_rows'
 
 
 def enabled(config) -> bool:
@@ -160,10 +165,13 @@ def evaluate(config, workdir: str) -> list[dict[str, Any]]:
     evaluation.check_generation_fits(config.generation, subject.prompts,
                                      lm.model.max_len)
     data = validation_data(config, lm, subject.windows(SELECTION_SPLIT))
-    record, settings = select(config, lm, data, paths)
+    kept = Kept(workdir, dict(config=json.loads(config.to_json()),
+                              model=lm.fingerprint,
+                              tokenizer=lm.tokenizer.fingerprint))
+    record, settings = select(config, lm, data, paths, kept)
     metrics_lib.write_json_atomic(os.path.join(workdir, FILENAME), record)
     rows, batches = evaluate_selected(config, subject, record, settings,
-                                      paths)
+                                      paths, kept)
     _write(config, workdir, subject, record, settings, paths, rows,
            list(batches))
     return rows
@@ -242,9 +250,33 @@ def _accuracy(scorers, steer, score: str) -> dict[str, float]:
   return {t: s.accuracy(steer)[f'acc_{score}'] for t, s in scorers.items()}
 
 
+class Kept:
+  """The selection's sweeps and test rows kept in its workdir as they are
+  made (`train.analysis.measure_cache`: one JSON record each, written
+  atomically with the identity of the config and the model and tokenizer
+  files), so that a rerun after an interruption computes only what is
+  missing; a record of another identity is refused, naming --workdir.
+  `Kept(None)` keeps nothing."""
+
+  def __init__(self, workdir: str | None, identity: dict | None = None):
+    self.workdir, self.identity = workdir, identity
+
+  def __call__(self, kind: str, name: str,
+               compute: Callable[[], dict]) -> dict:
+    if self.workdir is None:
+      return compute()
+    record = measure_cache.cached(
+        os.path.join(self.workdir, kind, f'{name}.json'), self.identity,
+        compute, root=self.workdir)
+    return {k: v for k, v in record.items() if k != 'identity'}
+
+
 def select(config, lm: interface.Loaded, data: ValidationData,
-           paths: dict[int, str]) -> tuple[dict[str, Any], dict]:
-  """Every candidate's validation sweep and each method's choice.
+           paths: dict[int, str], kept: Kept = Kept(None)
+           ) -> tuple[dict[str, Any], dict]:
+  """Every candidate's validation sweep and each method's choice; a
+  sweep `kept` holds is read, not run again (a layer's scorers are built
+  only for a sweep it lacks).
 
   Returns:
     The record (selection.json's contents) and each candidate's `Setting`
@@ -261,10 +293,12 @@ def select(config, lm: interface.Loaded, data: ValidationData,
     acts = evaluation.contrastive_activations(
         lm.model, lm.params, path, pairs, config.direction.position,
         lm.tokenizer)
-    mc, held, none = _scorers(lm, path, data.batches, data.windows,
-                              all_paths, acts.positive.shape[1])
+    scorers = functools.cache(functools.partial(
+        _scorers, lm, path, data.batches, data.windows, all_paths,
+        acts.positive.shape[1]))
     if unsteered is None:
-      unsteered = _accuracy(mc, none, sel.score)
+      unsteered = kept(SWEEPS, 'unsteered', lambda: _accuracy(
+          scorers()[0], scorers()[2], sel.score))
     center = (selection_gate.contrastive_center(acts.hidden, acts.tokens)
               if sel.gate == 'calibrated' else None)
     for method_name in sel.direction_methods:
@@ -276,9 +310,11 @@ def select(config, lm: interface.Loaded, data: ValidationData,
       setting = Setting(direction, acts.coefficient, gate)
       settings[layer, method_name] = setting
       for method in steered:
-        candidates[method].append(_sweep(
-            config, mc, held, method, setting,
-            dict(layer=layer, direction_method=method_name)))
+        candidate = dict(layer=layer, direction_method=method_name)
+        candidates[method].append(kept(
+            SWEEPS, f'{method}_block{layer}_{method_name}',
+            lambda: _sweep(config, *scorers()[:2], method, setting,
+                           candidate)))
   record = _record(config, data, unsteered, candidates)
   return record, settings
 
@@ -376,12 +412,13 @@ def _choose(config, method: str, cands: list[dict],
 
 def evaluate_selected(config, subject: evaluation.Subject,
                       record: dict[str, Any], settings: dict,
-                      paths: dict[int, str]) -> tuple[list[dict], dict]:
+                      paths: dict[int, str], kept: Kept = Kept(None)
+                      ) -> tuple[list[dict], dict]:
   """The test rows of every method at its choice ('none' once, at the
   first steered method's layer), and the test batches. A gated method
   steers with its candidate's gate, the one the selection computed from
   the contrastive set, and its rows add the gate's 'delta_hist' on the
-  test held-out tokens."""
+  test held-out tokens. A row `kept` holds is read, not run again."""
   lm = subject.lm
   batches = evaluation.mc_batches(config.tasks, config.mc_seeds, 'test',
                                   lm.tokenizer, lm.model.max_len)
@@ -395,22 +432,34 @@ def evaluate_selected(config, subject: evaluation.Subject,
     layer, name = at['layer'], at['direction_method']
     setting = settings[layer, name]
     if layer not in scorers:
-      scorers[layer] = _scorers(lm, paths[layer], batches, subject.heldout,
-                                all_paths, setting.direction.shape[0])[:2]
-    mc, held = scorers[layer]
-    gated = method in selection_gate.GATED_METHODS
+      scorers[layer] = functools.cache(functools.partial(
+          _scorers, lm, paths[layer], batches, subject.heldout, all_paths,
+          setting.direction.shape[0]))
     for alpha in ((0.0,) if method == 'none' else at['alphas']):
-      steer = _operator(config, method, setting, alpha)
-      row = {'method': method, 'alpha': float(alpha), 'layer': layer,
-             'direction_method': name}
-      row.update(evaluation.mc_metrics(config.tasks, mc, steer))
-      row.update(evaluation.heldout_metrics(held, steer, delta_hist=gated))
-      if config.generation.get('enabled', True):
-        row.update(evaluation.generation_metrics(
-            config.generation, subject, steer, paths[layer],
-            evaluation.JUDGES[evaluation.lm_kind(config)]))
-      rows.append(row)
+      key = dict(method=method, alpha=float(alpha), layer=layer,
+                 direction_method=name)
+      rows.append(kept(
+          ROWS, f'{method}_block{layer}_{name}_alpha{float(alpha)!r}',
+          lambda: _test_row(config, subject, setting, key,
+                            *scorers[layer]()[:2], paths[layer])))
   return rows, batches
+
+
+def _test_row(config, subject: evaluation.Subject, setting: Setting,
+              key: dict[str, Any], mc, held, path: str) -> dict[str, Any]:
+  """One test row: `key` (method, alpha, layer, direction method), then
+  the accuracies, the held-out metrics and the generations' at it."""
+  method = key['method']
+  steer = _operator(config, method, setting, key['alpha'])
+  row = dict(key)
+  row.update(evaluation.mc_metrics(config.tasks, mc, steer))
+  row.update(evaluation.heldout_metrics(
+      held, steer, delta_hist=method in selection_gate.GATED_METHODS))
+  if config.generation.get('enabled', True):
+    row.update(evaluation.generation_metrics(
+        config.generation, subject, steer, path,
+        evaluation.JUDGES[evaluation.lm_kind(config)]))
+  return row
 
 
 def _write(config, workdir: str, subject: evaluation.Subject,
