@@ -142,6 +142,29 @@ def test_cached_choice_scores_match_the_full_sequence(lm):
     assert np.abs(total - unsteered).max() > 0.1  # The steering did act.
 
 
+def test_short_chunks_cut_to_their_longest_tail_score_the_same(
+    lm, monkeypatch):
+  """The scorer orders items by their longest choice and cuts each chunk's
+  tails to its longest: in chunks of a few rows (copa's long choices
+  before cloze's short ones, so the order changes) every item scores as
+  in one chunk, on fewer positions than the padded batch."""
+  items = text_corpus.mc_task('copa', 3, 7) + text_corpus.mc_task('cloze', 3, 7)
+  batch = scoring.encode_mc(items, lm['tokenizer'])
+  steering = _steerings(lm)[1]
+  whole, _, _ = scoring.MCScorer(lm['model'], lm['params'], batch,
+                                 lm['layer_path']).logprobs(steering)
+  monkeypatch.setattr(scoring, 'CHUNK_TOKENS', 2 * batch.prefix.shape[1])
+  scorer = scoring.MCScorer(lm['model'], lm['params'], batch,
+                            lm['layer_path'])
+  assert len(scorer.chunks) == len(items)
+  assert list(scorer.order) != list(range(2 * len(items)))
+  assert sorted(scorer.order) == list(range(2 * len(items)))
+  for rows, width, _ in scorer.chunks:
+    assert not batch.tail_valid[rows, width:].any()
+  assert sum(len(r) * w for r, w, _ in scorer.chunks) < batch.tail.size
+  np.testing.assert_allclose(scorer.logprobs(steering)[0], whole, atol=1e-4)
+
+
 def test_heldout_metrics_match_the_full_logits(lm):
   if lm['kind'] == 'gemma':
     windows = lm_data.heldout_windows(lm['tokenizer'], 3, 24)

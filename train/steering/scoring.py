@@ -18,7 +18,12 @@ one pass per steering operator:
   KL leave the compiled function (Gemma has 262,144 logits per token).
 
 Rows are processed in chunks of about `CHUNK_TOKENS` tokens, so that a
-chunk's logits stay near 1 GB at Gemma's vocabulary.
+chunk's logits stay near 1 GB at Gemma's vocabulary. `MCScorer` orders
+the items by their longest choice and cuts each chunk's tails to that
+chunk's longest (rounded up to a power of two, so that few shapes are
+compiled): padding had been most of the positions whose logits it
+computed (3.6 times the scored positions on the Gemma selection's
+validation items, 6.5 on the real-text task's).
 """
 
 import functools
@@ -103,6 +108,11 @@ def _tail_logprobs(model, params, cache, tokens, valid, steering, layer_path):
   return interface.next_token_logprobs(logits, tokens), rec.stats
 
 
+def _bucket(length: int, cap: int) -> int:
+  """The smallest power of two >= `length` (at least 8), at most `cap`."""
+  return min(cap, max(8, 1 << (max(length, 1) - 1).bit_length()))
+
+
 class MCScorer:
   """A task's contexts prefilled once; `accuracy(steering)` per operator."""
 
@@ -110,28 +120,37 @@ class MCScorer:
     self.model, self.params, self.batch = model, params, batch
     self.layer_path = layer_path
     rows, p_len = batch.prefix.shape
-    # Row chunks of even size keep an item's two choices together.
+    # Items by their longest tail, an item's two choices side by side; row
+    # chunks of even size keep them together.
+    longest = batch.tail_valid.sum(1).reshape(-1, 2).max(1)
+    self.order = (2 * np.argsort(longest, kind='stable')[:, None]
+                  + np.arange(2)).reshape(-1)
     self.step = max(2, (CHUNK_TOKENS // max(p_len, 1)) // 2 * 2)
     slots = p_len + batch.tail.shape[1]
-    self.caches = [
-        _prefill(model, params, batch.prefix[i:i + self.step],
-                 batch.prefix_valid[i:i + self.step], slots)
-        for i in range(0, rows, self.step)]
+    self.chunks = []
+    for i in range(0, rows, self.step):
+      rows_i = self.order[i:i + self.step]
+      width = _bucket(int(batch.tail_valid[rows_i].sum(1).max()),
+                      batch.tail.shape[1])
+      self.chunks.append((rows_i, width, _prefill(
+          model, params, batch.prefix[rows_i], batch.prefix_valid[rows_i],
+          slots)))
 
   def logprobs(self, steering) -> tuple[np.ndarray, np.ndarray, Any]:
     """Summed and mean log-probs of each choice (items, 2), and the
     steering statistics."""
-    sums, counts, stats = [], [], []
+    total = np.zeros(len(self.order), np.float32)
+    stats = []
     b = self.batch
-    for k, cache in enumerate(self.caches):
-      sl = slice(k * self.step, (k + 1) * self.step)
-      lp, st = _tail_logprobs(self.model, self.params, cache, b.tail[sl],
-                              b.tail_valid[sl], steering, self.layer_path)
-      sums.append((np.asarray(lp) * b.score[sl]).sum(1))
-      counts.append(b.score[sl].sum(1))
+    for rows, width, cache in self.chunks:
+      lp, st = _tail_logprobs(self.model, self.params, cache,
+                              b.tail[rows, :width],
+                              b.tail_valid[rows, :width], steering,
+                              self.layer_path)
+      total[rows] = (np.asarray(lp) * b.score[rows, :width]).sum(1)
       stats.append(jax.device_get(st))
-    total = np.concatenate(sums).reshape(-1, 2)
-    mean = total / np.concatenate(counts).reshape(-1, 2)
+    total = total.reshape(-1, 2)
+    mean = total / b.score.sum(1).reshape(-1, 2)
     return total, mean, _sum_stats(stats)
 
   def accuracy(self, steering) -> dict[str, Any]:
