@@ -125,8 +125,7 @@ def sharpness(settings: Settings, config, params, tokenizer,
   # The frozen leaves (Gemma's 168M-parameter tied embedding) are
   # arguments, not constants folded into the compiled program (a probe
   # closing over 100 MB compiled in 4.8 s against 0.15 s as an argument);
-  # the program is then the same for every model. Its compile still takes
-  # 1-2 min on 270M.
+  # the program is then the same for every model.
   if settings.lanczos_steps:
     spectrum = jax.jit(lambda fixed, p, key: curvature.lanczos(
         functools.partial(loss, fixed), p, key, settings.lanczos_steps))(
