@@ -122,16 +122,16 @@ class MCScorer:
     rows, p_len = batch.prefix.shape
     # Items by their longest tail, an item's two choices side by side; row
     # chunks of even size keep them together.
-    longest = batch.tail_valid.sum(1).reshape(-1, 2).max(1)
-    self.order = (2 * np.argsort(longest, kind='stable')[:, None]
+    lengths = batch.tail_valid.sum(1)
+    self.order = (2 * np.argsort(lengths.reshape(-1, 2).max(1),
+                                 kind='stable')[:, None]
                   + np.arange(2)).reshape(-1)
-    self.step = max(2, (CHUNK_TOKENS // max(p_len, 1)) // 2 * 2)
+    step = max(2, (CHUNK_TOKENS // max(p_len, 1)) // 2 * 2)
     slots = p_len + batch.tail.shape[1]
     self.chunks = []
-    for i in range(0, rows, self.step):
-      rows_i = self.order[i:i + self.step]
-      width = _bucket(int(batch.tail_valid[rows_i].sum(1).max()),
-                      batch.tail.shape[1])
+    for i in range(0, rows, step):
+      rows_i = self.order[i:i + step]
+      width = _bucket(int(lengths[rows_i].max()), batch.tail.shape[1])
       self.chunks.append((rows_i, width, _prefill(
           model, params, batch.prefix[rows_i], batch.prefix_valid[rows_i],
           slots)))
