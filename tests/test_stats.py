@@ -100,6 +100,10 @@ def test_mean_std_is_the_sample_deviation_of_the_scaled_values():
       f'{scaled.mean():.1f} ± {scaled.std(ddof=1):.1f}')
   assert stats.mean_std([0.5], 100.0, digits=2) == '50.00'
   assert stats.mean_std([]) == '-'
+  assert stats.mean_std([4.34e4, -2.27e5], digits=2, notation='e') == (
+      '-9.18e+04 ± 1.91e+05')
+  with pytest.raises(ValueError, match="notation='g'.*'f', 'e'"):
+    stats.mean_std([1.0], notation='g')
 
 
 def test_markdown_table_aligns_and_checks_its_columns():

@@ -80,6 +80,11 @@ def _percent(values: list[float]) -> str:
   return stats.mean_std(values, 100, 0) + '%' if values else '-'
 
 
+def _sci(values: list[float]) -> str:
+  # Sharpness spans 1e2 to 1e5 across models.
+  return stats.mean_std(values, digits=2, notation='e')
+
+
 def _mid_table(mids: dict) -> str:
   head = ['mid-trained model', 'held-out CE', 'probe log-prob',
           'probes known %', 'lambda_max', 'lambda_min', 'trace',
@@ -92,10 +97,10 @@ def _mid_table(mids: dict) -> str:
                  stats.mean_std([r['probes']['logprob'] for r in rs],
                                 digits=3),
                  stats.mean_std([r['probes']['known'] for r in rs], 100),
-                 stats.mean_std(col('lambda_max')),
-                 stats.mean_std(col('lambda_min')),
-                 stats.mean_std(col('trace')),
-                 stats.mean_std(col('trace_stderr')),
+                 _sci(col('lambda_max')),
+                 _sci(col('lambda_min')),
+                 _sci(col('trace')),
+                 _sci(col('trace_stderr')),
                  stats.mean_std(col('final_train_loss'), digits=3)])
   return stats.markdown_table(head, rows)
 

@@ -59,16 +59,19 @@ class Interval(NamedTuple):
 
 
 def mean_std(values: Sequence[float], scale: float = 1.0,
-             digits: int = 1) -> str:
+             digits: int = 1, notation: str = 'f') -> str:
   """'mean ± sample std' of `scale * values` ('-' if none; the value alone
-  if one)."""
+  if one), `digits` after the point in fixed ('f') or scientific ('e')
+  notation."""
+  if notation not in ('f', 'e'):
+    raise ValueError(f"notation={notation!r}: valid choices: 'f', 'e'")
   values = [scale * v for v in values]
   if not values:
     return '-'
   if len(values) == 1:
-    return f'{values[0]:.{digits}f}'
-  return (f'{statistics.mean(values):.{digits}f} ± '
-          f'{statistics.stdev(values):.{digits}f}')
+    return f'{values[0]:.{digits}{notation}}'
+  return (f'{statistics.mean(values):.{digits}{notation}} ± '
+          f'{statistics.stdev(values):.{digits}{notation}}')
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:
