@@ -274,6 +274,16 @@ def test_the_stored_records_are_config_pys_on_the_registry_file():
     assert 'heldout_ce' in record or 'lambda_max' in record, name
 
 
+def test_the_stored_report_rebuilds_from_its_measures(tmp_path):
+  # results/midtraining.md and .json are what the README and RESULTS.md
+  # quote: they must be the report of the stored measures, byte for byte.
+  mids, posts = report.records(STORED, study_settings.Settings())
+  report.write(str(tmp_path), mids, posts)
+  for name in (report.REPORT, report.RECORDS):
+    with open(os.path.join(os.path.dirname(STORED), name), 'rb') as f:
+      assert (tmp_path / name).read_bytes() == f.read(), name
+
+
 def _bad(base, field, value):
   node = base
   *parents, leaf = field.split('.')
