@@ -361,11 +361,13 @@ def test_the_report_pairs_seeds_against_adamw_and_the_checkpoint():
   text = report.summarize(mids, posts)
   assert ('- sam_rho0.1, post-training: reduction against adamw 1'
           ) in text  # 12.5 ± 53%, rounded either way.
-  assert ('± 53% (per seed: +50%, -25%; seeds where adamw forgot: 2); '
-          'paper 31%.') in text
+  # t interval: 12.5 ± 12.706 * 53.03 / sqrt(2) and 25 ± 12.706 * 35.36
+  # / sqrt(2) (t_{0.975} with 1 degree of freedom: 12.706).
+  assert ('± 53% (per seed: +50%, -25%; seeds where adamw forgot: 2; 95% '
+          't-interval [-464%, 489%]); paper 31%.') in text
   assert ('- sam_rho0.1, 4-bit quantisation: reduction against adamw '
-          '25 ± 35% (per seed: +50%, +0%; seeds where adamw forgot: 2); '
-          'paper 40%.') in text
+          '25 ± 35% (per seed: +50%, +0%; seeds where adamw forgot: 2; 95% '
+          't-interval [-293%, 343%]); paper 40%.') in text
   assert '| adamw | 0.4000 ± 0.0000 | - | 27 ± 9% |' in text
   assert ('| checkpoint | 3.0000 | -2.000 | 50.0 | 3.00e+01 | - | 3.00e+02 | '
           '- | - |' in text)

@@ -106,6 +106,21 @@ def test_mean_std_is_the_sample_deviation_of_the_scaled_values():
     stats.mean_std([1.0], notation='g')
 
 
+def test_t_interval_is_students_from_the_table_quantiles():
+  # t_{0.975} with 2 and 9 degrees of freedom: 4.303 and 2.262 (tables).
+  lo, hi = stats.t_interval([1.0, 2.0, 3.0])
+  assert (lo, hi) == (pytest.approx(2 - 4.3027 / np.sqrt(3), abs=1e-4),
+                      pytest.approx(2 + 4.3027 / np.sqrt(3), abs=1e-4))
+  values = np.random.default_rng(0).normal(size=10)
+  lo, hi = stats.t_interval(list(values), level=0.95)
+  half = 2.2622 * values.std(ddof=1) / np.sqrt(10)
+  assert (lo, hi) == (pytest.approx(values.mean() - half, abs=1e-4),
+                      pytest.approx(values.mean() + half, abs=1e-4))
+  assert all(np.isnan(stats.t_interval([1.0])))
+  with pytest.raises(ValueError, match='level=1'):
+    stats.t_interval([1.0, 2.0], level=1)
+
+
 def test_markdown_table_aligns_and_checks_its_columns():
   table = stats.markdown_table(['run', 'acc'], [['a', 1.5], ['b', '-']])
   assert table.splitlines() == ['| run | acc |', '|:--|--:|', '| a | 1.5 |',

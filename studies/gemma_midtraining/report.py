@@ -4,7 +4,8 @@
 `summarize(mids, posts)` is the markdown (midtraining.md): the
 mid-trained models, their forgetting after post-training and after 4-bit
 quantisation with reductions paired by seed (against AdamW mid-training,
-the control, and against the checkpoint), what post-training bought, and
+the control, and against the checkpoint; Student's t interval over the
+seeds for the control), what post-training bought, and
 how sharpness and forgetting rank together; `write` writes it and the
 JSON of the records (midtraining.json).
 """
@@ -146,9 +147,12 @@ def _paired_lines(mids: dict, posts: dict) -> list[str]:
     for kind, what in KINDS.items():
       red = reductions(mids, posts, v, REFERENCE, kind)
       per_seed = ', '.join(f'{100 * r:+.0f}%' for r in red) or 'none'
+      lo, hi = stats.t_interval(red)
+      interval = (f'; 95% t-interval [{100 * lo:.0f}%, {100 * hi:.0f}%]'
+                  if np.isfinite(lo) else '')
       lines.append(f'- {v}, {what}: reduction against {REFERENCE} '
                    f'{_percent(red)} (per seed: {per_seed}; seeds where '
-                   f'{REFERENCE} forgot: {len(red)}); paper '
+                   f'{REFERENCE} forgot: {len(red)}{interval}); paper '
                    f'{100 * PAPER[kind]:.0f}%.')
   return lines
 

@@ -32,10 +32,12 @@ coverage; the study text says so where it matters.
 """
 
 from collections.abc import Sequence
+import math
 import statistics
 from typing import Any, NamedTuple
 
 import numpy as np
+import scipy.stats
 
 from train.errors import UsageError
 
@@ -72,6 +74,23 @@ def mean_std(values: Sequence[float], scale: float = 1.0,
     return f'{values[0]:.{digits}{notation}}'
   return (f'{statistics.mean(values):.{digits}{notation}} ± '
           f'{statistics.stdev(values):.{digits}{notation}}')
+
+
+def t_interval(values: Sequence[float], level: float = 0.95
+               ) -> tuple[float, float]:
+  """Student's t interval for the mean of `values` (n - 1 degrees of
+  freedom; NaN for fewer than two values): with three paired seeds it says
+  which values of the mean the seeds rule out, assuming their spread is
+  normal."""
+  if not 0 < level < 1:
+    raise ValueError(f'level={level}: must be in (0, 1)')
+  n = len(values)
+  if n < 2:
+    return float('nan'), float('nan')
+  mean = statistics.mean(values)
+  half = (scipy.stats.t.ppf((1 + level) / 2, n - 1)
+          * statistics.stdev(values) / math.sqrt(n))
+  return mean - half, mean + half
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:
