@@ -4,7 +4,9 @@ From the evaluations stored in studies/gemma_steering/results/ (each
 layer's results.json; the gate ablation's in gate_ablation/), with the
 study's default targets and bootstrap replicates: study.md (and the gate
 ablation's study.json, and its evaluation's own results.md) must equal
-the stored files. Report code only: no model is loaded.
+the stored files. Report code only: no model is loaded. And the selected
+settings' records stored so far (results/selected/) are what the README's
+command would record: a fresh workdir goes on from them.
 """
 
 import json
@@ -14,7 +16,9 @@ import sys
 
 import pytest
 
+from configs import gemma as gemma_config
 from studies.gemma_steering import layers
+from train.lm import gemma_gguf
 from train.run import metrics
 from train.steering import evaluation
 
@@ -50,6 +54,26 @@ def test_the_gate_ablation_rebuilds_from_its_evaluation():
   run = runs['layer6']
   assert (evaluation.markdown_table(run['rows'], list(run['meta']['tasks']))
           == _read('gate_ablation', 'layer6_results.md'))
+
+
+def test_the_stored_selection_records_are_the_selection_configs():
+  # `python -m studies.gemma_steering --config=configs/gemma.py:selection`
+  # refuses a record of another identity (train.steering.selection.Kept):
+  # each stored one must carry that config and the registry's file.
+  want = json.loads(gemma_config.get_config('selection').to_json())
+  model = 'gguf-sha256:' + gemma_gguf.file_sha256(gemma_gguf.registry_file())
+  folder = os.path.join(RESULTS, 'selected')
+  paths = [os.path.join(top, name) for top, _, names in os.walk(folder)
+           for name in names]
+  assert os.path.join(folder, 'selection_sweeps', 'unsteered.json') in paths
+  tokenizers = set()
+  for path in paths:
+    with open(path) as f:
+      identity = json.load(f)['identity']
+    assert identity['config'] == want, path
+    assert identity['model'] == model, path
+    tokenizers.add(identity['tokenizer'])
+  assert len(tokenizers) == 1
 
 
 @pytest.mark.parametrize('config, flag, error', [
