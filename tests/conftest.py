@@ -97,14 +97,6 @@ from train.training import host_devices  # pylint: disable=g-import-not-at-top,w
 # The launcher does the same from config.cpu_devices (see host_devices).
 host_devices.configure_cpu_devices(8)
 
-# `python -m <module>` processes the tests start are forked from a server
-# that imported jax, flax, optax, orbax and geom once (tests/fork_server.py:
-# each launcher spent about 1.2 s of CPU on those imports).
-# GEOM_TEST_FRESH_PROCESSES=1 starts every one afresh instead.
-if os.environ.get('GEOM_TEST_FRESH_PROCESSES') != '1':
-  from tests import fork_server  # pylint: disable=g-import-not-at-top
-  fork_server.install()
-
 
 @pytest.fixture(scope='session', autouse=True)
 def _eight_devices():

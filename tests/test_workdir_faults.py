@@ -26,7 +26,6 @@ from configs import digits
 from train.jobs import trainers
 from tests import checkpoint_damage
 from tests import config_edits
-from tests import fork_server
 from tests import launch_runs
 from train.run import checkpointing
 from train.run import disk_space
@@ -472,8 +471,7 @@ def test_ctrl_c_while_the_launcher_imports_is_one_line(tmp_path):
   # A KeyboardInterrupt traceback of 30 to 70 lines, from inside jax's or
   # TensorFlow's imports.
   workdir = str(tmp_path / 'run')
-  with fork_server.fresh():  # A forked launcher has imported jax already.
-    proc = launch_runs.start(workdir)
+  proc = launch_runs.start(workdir)
   _wait_for(lambda: _loading_jax(proc.pid), proc)
   assert not _catches_sigterm(proc.pid)  # Its job has not started.
   proc.send_signal(signal.SIGINT)
