@@ -37,7 +37,6 @@ import statistics
 from typing import Any, NamedTuple
 
 import numpy as np
-import scipy.stats
 
 from train.errors import UsageError
 
@@ -87,6 +86,9 @@ def t_interval(values: Sequence[float], level: float = 0.95
   n = len(values)
   if n < 2:
     return float('nan'), float('nan')
+  # Here, not at the top: scipy.stats costs 0.7 s to import, and the
+  # launchers that import this module for its tables never need it.
+  import scipy.stats  # pylint: disable=g-import-not-at-top
   mean = statistics.mean(values)
   half = (scipy.stats.t.ppf((1 + level) / 2, n - 1)
           * statistics.stdev(values) / math.sqrt(n))
