@@ -116,6 +116,7 @@ def test_checkpoints_and_logs_are_written_once(runs):
       '"train_loss"')
 
 
+@pytest.mark.slow
 def test_a_single_process_checkpoint_resumes_on_two_processes(
     runs, digits_config):
   root, one, _, _, _ = runs

@@ -139,8 +139,10 @@ DETERMINISTIC = ('--config.runtime.deterministic=True',)
 # Fixed s = 2 on 2 and 3 processes is also what the kill -9 test runs (it
 # starts on 2 and resumes on 3, ending equal to the one-process run), so
 # only GAS runs by default.
+# All slow: the learner's kill -9 test below ends a 2 -> 3 process
+# resume equal to the one-process run bit for bit, in the default suite.
 @pytest.mark.parametrize('processes,staleness,scheduler', [
-    (3, 0, 'gas'),
+    pytest.param(3, 0, 'gas', marks=pytest.mark.slow),
     pytest.param(2, 2, 'fixed', marks=pytest.mark.slow),
     pytest.param(3, 2, 'fixed', marks=pytest.mark.slow),
     pytest.param(2, 0, 'gas', marks=pytest.mark.slow)])
@@ -162,6 +164,7 @@ def test_a_deterministic_run_equals_one_process_bit_for_bit(
   assert all(out.startswith('rollout process') for _, out, _ in ends[:-1])
 
 
+@pytest.mark.slow
 def test_a_free_run_keeps_its_staleness_bound_on_three_processes(
     sft_workdir, tmp_path):
   results, _ = _multi(tmp_path, sft_workdir, 3, 1)
