@@ -65,3 +65,58 @@ def test_a_missing_or_extra_leaf_is_a_mismatch():
   less = checksums.fingerprint({k: v for k, v in tree.items() if k != 'u8'})
   assert checksums.mismatches(full, less) == ["['u8']"]
   assert checksums.mismatches(less, full) == ["['u8']"]
+
+
+@pytest.mark.parametrize('seed', range(4))
+def test_the_host_sum_of_small_cpu_leaves_is_the_programs(seed):
+  """Small leaves on CPU devices are summed by numpy: bit for bit the
+  device program's sums (what every stored fingerprint was made with), on
+  random leaves of every dtype, the edges included."""
+  rng = np.random.default_rng(seed)
+  shape = tuple(rng.integers(1, 9, rng.integers(0, 4)))
+  leaves = {
+      'f32': rng.standard_normal(shape).astype(np.float32) * 1e20,
+      'bf16': jnp.asarray(rng.standard_normal(shape), jnp.bfloat16),
+      'f16': rng.standard_normal(shape).astype(np.float16),
+      'i8': rng.integers(-128, 128, shape).astype(np.int8),
+      'u32': rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32),
+      'i32': rng.integers(-2**31, 2**31, shape).astype(np.int32),
+      'bool': rng.integers(0, 2, shape).astype(bool),
+      'nan_inf': np.array([np.nan, np.inf, -np.inf, -0.0], np.float32),
+      'empty': np.zeros((0, 3), np.float32),
+      'scalar': np.float32(rng.standard_normal()),
+  }
+  for name, leaf in leaves.items():
+    x = jnp.asarray(leaf)
+    assert checksums._on_host(x), name  # pylint: disable=protected-access
+    np.testing.assert_array_equal(
+        checksums._leaf_on_host(np.asarray(x)),  # pylint: disable=protected-access
+        np.asarray(checksums._leaf_program(x)), err_msg=name)  # pylint: disable=protected-access
+  mesh = jax.make_mesh((4, 2), ('data', 'model'))
+  sharded = jax.device_put(rng.standard_normal((8, 6)).astype(np.float32),
+                           NamedSharding(mesh, P('data', 'model')))
+  assert checksums._on_host(sharded)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(
+      checksums._leaf_on_host(np.asarray(sharded)),  # pylint: disable=protected-access
+      np.asarray(checksums._leaf_program(sharded)))  # pylint: disable=protected-access
+
+
+def test_small_cpu_leaves_compile_no_program():
+  compiled = []
+
+  def listener(event, duration, **kwargs):
+    del duration
+    if event.endswith('backend_compile_duration'):
+      compiled.append(kwargs.get('fun_name'))
+  # Shapes no other test sums; a large leaf still takes the program.
+  small = jax.device_put(np.ones((13, 11), np.float32))
+  large = jax.device_put(np.ones((checksums.HOST_MAX_ELEMENTS + 1,),
+                                 np.int8))
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    checksums.fingerprint({'small': small})
+    assert 'jit(_leaf)' not in compiled, compiled
+    checksums.fingerprint({'large': large})
+    assert 'jit(_leaf)' in compiled, compiled
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
