@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from tests import checkpoint_damage
+from tests import compile_events
 from train import errors
 from train.run import checkpointing
 
@@ -188,13 +189,6 @@ def test_a_cpu_save_writes_each_replicated_array_whole(tmp_path):
   """Orbax's replica-parallel default would split each replicated array
   into 8 slices (an eager slice program per slice, compiled in every
   process); on CPU the array is saved whole, and restores bit for bit."""
-  compiled = []
-
-  def listener(event, duration, **kwargs):
-    del duration
-    if event.endswith('backend_compile_duration'):
-      compiled.append(kwargs.get('fun_name'))
-  jax.monitoring.register_event_duration_secs_listener(listener)
   # Replicated over the 8 devices, in a shape no other test saves (no
   # slice program cached).
   replicated = jax.sharding.NamedSharding(
@@ -203,15 +197,11 @@ def test_a_cpu_save_writes_each_replicated_array_whole(tmp_path):
   state = {'w': jax.device_put(jax.random.normal(
       jax.random.key(3), (56, 24), jnp.float32), replicated),
            'step': jnp.asarray(5, jnp.int32)}
-  try:
+  with compile_events.compiled() as compiled:
     with checkpointing.Checkpoints(str(tmp_path), every_steps=5, keep=1,
                                    async_save=False) as ckpts:
       assert ckpts.save(5, state, _meta())
-  finally:
-    compiled_during_save = list(compiled)
-    compiled.clear()
-    jax.monitoring.unregister_event_duration_listener(listener)
-  assert 'jit(slice)' not in compiled_during_save, compiled_during_save
+  assert 'jit(slice)' not in compiled, compiled
   with _open(str(tmp_path)) as ckpts:
     _, restored, _ = ckpts.restore_latest_good(_abstract(state))
   np.testing.assert_array_equal(restored['w'], state['w'])

@@ -6,6 +6,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
+from tests import compile_events
 from train.run import checksums
 
 
@@ -102,21 +103,13 @@ def test_the_host_sum_of_small_cpu_leaves_is_the_programs(seed):
 
 
 def test_small_cpu_leaves_compile_no_program():
-  compiled = []
-
-  def listener(event, duration, **kwargs):
-    del duration
-    if event.endswith('backend_compile_duration'):
-      compiled.append(kwargs.get('fun_name'))
   # Shapes no other test sums; a large leaf still takes the program.
   small = jax.device_put(np.ones((13, 11), np.float32))
   large = jax.device_put(np.ones((checksums.HOST_MAX_ELEMENTS + 1,),
                                  np.int8))
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
+  with compile_events.compiled() as compiled:
     checksums.fingerprint({'small': small})
-    assert 'jit(_leaf)' not in compiled, compiled
+  assert 'jit(_leaf)' not in compiled, compiled
+  with compile_events.compiled() as compiled:
     checksums.fingerprint({'large': large})
-    assert 'jit(_leaf)' in compiled, compiled
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
+  assert 'jit(_leaf)' in compiled, compiled

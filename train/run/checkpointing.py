@@ -15,6 +15,7 @@ write their steps again.
 """
 
 from collections.abc import Callable
+import functools
 from typing import Any
 
 import jax
@@ -39,6 +40,7 @@ DamagedCheckpoint = integrity.DamagedCheckpoint
 NoGoodCheckpoint = integrity.NoGoodCheckpoint
 
 
+@functools.cache
 def _whole_arrays_on_cpu() -> None:
   """On a CPU host, Orbax saves each replicated array once, whole.
 
