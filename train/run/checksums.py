@@ -30,11 +30,13 @@ import numpy as np
 _SEEDS = (0x9E3779B9, 0x85EBCA6B)
 
 
-def _fmix32(h: jax.Array) -> jax.Array:
+def _fmix32(h, uint32=jnp.uint32):
+  """murmur3's finaliser on uint32 words: jnp's, or numpy's with
+  `uint32=np.uint32` (the same wrapping arithmetic on the host)."""
   h = h ^ (h >> 16)
-  h = h * jnp.uint32(0x85EBCA6B)
+  h = h * uint32(0x85EBCA6B)
   h = h ^ (h >> 13)
-  h = h * jnp.uint32(0xC2B2AE35)
+  h = h * uint32(0xC2B2AE35)
   return h ^ (h >> 16)
 
 
@@ -83,14 +85,6 @@ _leaf_program = jax.jit(_leaf)
 HOST_MAX_ELEMENTS = 1 << 20
 
 
-def _fmix32_host(h: np.ndarray) -> np.ndarray:
-  h = h ^ (h >> np.uint32(16))
-  h = h * np.uint32(0x85EBCA6B)
-  h = h ^ (h >> np.uint32(13))
-  h = h * np.uint32(0xC2B2AE35)
-  return h ^ (h >> np.uint32(16))
-
-
 def _leaf_on_host(x: np.ndarray) -> np.ndarray:
   """`_leaf` in numpy (uint32 arithmetic wraps alike), for `x` on the
   host with the dtype the program would see."""
@@ -104,8 +98,9 @@ def _leaf_on_host(x: np.ndarray) -> np.ndarray:
   position = (np.arange(bits.size, dtype=np.uint64) % 2**32).astype(
       np.uint32).reshape(bits.shape)
   with np.errstate(over='ignore'):
-    return np.stack([np.sum(_fmix32_host(bits ^ _fmix32_host(
-        position + np.uint32(seed))), dtype=np.uint32) for seed in _SEEDS])
+    return np.stack([np.sum(_fmix32(bits ^ _fmix32(
+        position + np.uint32(seed), np.uint32), np.uint32), dtype=np.uint32)
+                     for seed in _SEEDS])
 
 
 def _on_host(x: Any) -> bool:
@@ -119,10 +114,9 @@ def _on_host(x: Any) -> bool:
 def fingerprint(tree: Any) -> dict[str, str]:
   """`{leaf path: 16 hex digits}` for every array leaf of `tree`."""
   leaves = jax.tree_util.tree_leaves_with_path(tree)
-  sums = jax.device_get([_leaf_program(x) if not _on_host(x) else None
-                         for _, x in leaves])
-  sums = [_leaf_on_host(np.asarray(x)) if s is None else s
-          for (_, x), s in zip(leaves, sums)]
+  sums = jax.device_get([
+      _leaf_on_host(np.asarray(x)) if _on_host(x) else _leaf_program(x)
+      for _, x in leaves])
   return {jax.tree_util.keystr(path): f'{int(v[0]):08x}{int(v[1]):08x}'
           for (path, _), v in zip(leaves, sums)}
 
