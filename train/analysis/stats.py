@@ -32,6 +32,7 @@ coverage; the study text says so where it matters.
 """
 
 from collections.abc import Sequence
+import functools
 import math
 import statistics
 from typing import Any, NamedTuple
@@ -238,23 +239,59 @@ def _leaves_as_arrays(data: Nested) -> Nested:
   return [_leaves_as_arrays(c) for c in data]
 
 
-def _resampled_means(data: Nested, n: int,
-                     rng: np.random.Generator) -> np.ndarray:
-  """`n` bootstrap replicates of the nested mean: shape (n,)."""
+# A leaf's shape is its item count; a level's, the tuple of its children's.
+Shape = int | tuple['Shape', ...]
+
+
+def _shape(data: Nested) -> Shape:
   if isinstance(data, np.ndarray):
-    idx = rng.integers(0, data.size, size=(n, data.size))
-    return data[idx].mean(axis=1)
-  # Each replicate picks len(data) children with replacement; a child's
+    return data.size
+  return tuple(_shape(child) for child in data)
+
+
+class _Draws(NamedTuple):
+  """Which units one level's `n` replicates pick: a leaf's (n, size) item
+  indices, or a level's (n, k) child picks with each child's own draws."""
+  indices: np.ndarray
+  children: tuple['_Draws', ...] = ()
+
+
+def _draw(shape: Shape, n: int, rng: np.random.Generator) -> _Draws:
+  if isinstance(shape, int):
+    return _Draws(_frozen(rng.integers(0, shape, size=(n, shape))))
+  # Each replicate picks len(shape) children with replacement; a child's
   # replicate means are drawn independently for each time it is picked.
-  k = len(data)
-  picks = rng.integers(0, k, size=(n, k))
-  draws = [_resampled_means(child, int((picks == c).sum()), rng)
-           for c, child in enumerate(data)]
-  out = np.empty((n, k))
+  k = len(shape)
+  picks = _frozen(rng.integers(0, k, size=(n, k)))
+  return _Draws(picks, tuple(_draw(child, int((picks == c).sum()), rng)
+                             for c, child in enumerate(shape)))
+
+
+def _frozen(indices: np.ndarray) -> np.ndarray:
+  indices.flags.writeable = False  # Shared by every later call (_plan).
+  return indices
+
+
+# The draws depend on the data's shape and the seed, not on its values: a
+# report bootstraps many contrasts of one shape with the same seeds (common
+# random numbers), and drawing the indices is most of a replicate's cost.
+# 16 plans cover a report's targets x tasks; each is n x items int64s.
+@functools.lru_cache(maxsize=16)
+def _plan(shape: Shape, n: int, seed: int) -> _Draws:
+  return _draw(shape, n, np.random.default_rng(seed))
+
+
+def _resampled_means(data: Nested, draws: _Draws) -> np.ndarray:
+  """The bootstrap replicates of the nested mean that `draws` picks:
+  shape (n,)."""
+  if isinstance(data, np.ndarray):
+    return data[draws.indices].mean(axis=1)
+  picks = draws.indices
+  out = np.empty(picks.shape)
   # The draws of one child are i.i.d., so handing them to its picks in
   # any order gives the same joint distribution.
-  for c in range(k):
-    out[picks == c] = draws[c]
+  for c, (child, child_draws) in enumerate(zip(data, draws.children)):
+    out[picks == c] = _resampled_means(child, child_draws)
   return out.mean(axis=1)
 
 
@@ -264,8 +301,8 @@ def replicates(data: Nested, num_samples: int = 2000,
   _check(data)
   if num_samples < 1:
     raise ValueError(f'num_samples={num_samples}: must be >= 1')
-  rng = np.random.default_rng(seed)
-  return _resampled_means(_leaves_as_arrays(data), num_samples, rng)
+  data = _leaves_as_arrays(data)
+  return _resampled_means(data, _plan(_shape(data), num_samples, seed))
 
 
 def interval(data: Nested, num_samples: int = 2000, seed: int = 0,
