@@ -62,9 +62,13 @@ def test_the_stored_selection_records_are_the_selection_configs():
   # each stored one must carry that config and the registry's file.
   want = json.loads(gemma_config.get_config('selection').to_json())
   model = 'gguf-sha256:' + gemma_gguf.file_sha256(gemma_gguf.registry_file())
+  # The kept records (selection_sweeps/, test_rows/); selection.json is the
+  # selection's output, not a kept record.
   folder = os.path.join(RESULTS, 'selected')
-  paths = [os.path.join(top, name) for top, _, names in os.walk(folder)
-           for name in names]
+  paths = [os.path.join(folder, kind, name)
+           for kind in ('selection_sweeps', 'test_rows')
+           if os.path.isdir(os.path.join(folder, kind))
+           for name in os.listdir(os.path.join(folder, kind))]
   assert os.path.join(folder, 'selection_sweeps', 'unsteered.json') in paths
   tokenizers = set()
   for path in paths:
