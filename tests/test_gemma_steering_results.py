@@ -5,8 +5,9 @@ layer's results.json; the gate ablation's in gate_ablation/), with the
 study's default targets and bootstrap replicates: study.md (and the gate
 ablation's study.json, and its evaluation's own results.md) must equal
 the stored files. Report code only: no model is loaded. And the selected
-settings' records stored so far (results/selected/) are what the README's
-command would record: a fresh workdir goes on from them.
+settings' run (results/selected/): its kept records are what the README's
+command records (a fresh workdir goes on from them), and its study.md,
+study.json and gate plots rebuild from its results.json and selection.json.
 """
 
 import json
@@ -18,9 +19,12 @@ import pytest
 
 from configs import gemma as gemma_config
 from studies.gemma_steering import layers
+from studies.gemma_steering import selected
 from train.lm import gemma_gguf
 from train.run import metrics
 from train.steering import evaluation
+from train.steering import selection
+from train.steering import selection_gate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, 'studies', 'gemma_steering', 'results')
@@ -78,6 +82,32 @@ def test_the_stored_selection_records_are_the_selection_configs():
     assert identity['model'] == model, path
     tokenizers.add(identity['tokenizer'])
   assert len(tokenizers) == 1
+
+
+def test_the_selected_study_rebuilds_from_its_evaluation(tmp_path):
+  # `python -m studies.gemma_steering --config=configs/gemma.py:selection`
+  # at its end: study.md and study.json from the test rows (results.json),
+  # the selection (selection.json) and the reference settings' block-6
+  # evaluation; and each gated method's gate plot from the rows.
+  results = json.loads(_read('selected', 'results.json'))
+  record = json.loads(_read('selected', selection.FILENAME))
+  reference = selected.reference_run(
+      RESULTS, results['meta']['config']['layer'],
+      results['meta']['gguf_sha256'])
+  assert reference[0] is not None, reference[1]
+  summary, text = selected.summarize(results, record, TARGETS, SAMPLES,
+                                     reference)
+  assert text == _read('selected', 'study.md')
+  assert (metrics.dumps(summary, indent=2, sort_keys=True) + '\n'
+          == _read('selected', 'study.json'))
+  gated = [m for m in record['choice'] if m in selection_gate.GATED_METHODS]
+  assert gated
+  for method in gated:
+    selection.plot_gate(str(tmp_path), method, record['choice'][method],
+                        results['rows'])
+    name = f'gate_{method}.png'
+    with open(os.path.join(RESULTS, 'selected', name), 'rb') as f:
+      assert (tmp_path / name).read_bytes() == f.read(), name
 
 
 @pytest.mark.parametrize('config, flag, error', [

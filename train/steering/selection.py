@@ -484,7 +484,7 @@ def _write(config, workdir: str, subject: evaluation.Subject,
       chosen[method]['gate'] = gate.record
       info['gate'] = dict(gate.record, center=None if gate.center is None
                           else [float(v) for v in gate.center])
-      _plot_gate(workdir, method, at, rows)
+      plot_gate(workdir, method, at, rows)
     steering_vectors.save(
         os.path.join(workdir, f'steering_vector_{method}.npz'),
         steering_vectors.SteeringVector(
@@ -500,7 +500,7 @@ def _write(config, workdir: str, subject: evaluation.Subject,
   evaluation.write_results(workdir, meta, rows, tasks)
 
 
-def _plot_gate(workdir: str, method: str, at: dict[str, Any],
+def plot_gate(workdir: str, method: str, at: dict[str, Any],
                rows: list[dict]) -> None:
   """gate_<method>.png: the gate's value on the test held-out tokens at
   the chosen layer (the row of the largest alpha; the gate reads the
