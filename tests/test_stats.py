@@ -71,6 +71,14 @@ def test_replicates_are_the_plain_resamplings_bit_for_bit():
       want = _plain_replicates(data, 301, np.random.default_rng(seed))
       got = stats.replicates(data, 301, seed)
       np.testing.assert_array_equal(got, want)
+  # Past the cache's bound the draws are made, not kept, with the same bits.
+  big = [rng.normal(size=3000), rng.normal(size=2000)]
+  n = stats.CACHED_INDICES // 5000 + 1
+  misses = stats._cached_plan.cache_info().misses
+  np.testing.assert_array_equal(
+      stats.replicates(big, n, 4),
+      _plain_replicates(big, n, np.random.default_rng(4)))
+  assert stats._cached_plan.cache_info().misses == misses
 
 
 def test_identical_methods_give_a_zero_width_paired_interval():

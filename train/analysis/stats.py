@@ -275,10 +275,26 @@ def _frozen(indices: np.ndarray) -> np.ndarray:
 # The draws depend on the data's shape and the seed, not on its values: a
 # report bootstraps many contrasts of one shape with the same seeds (common
 # random numbers), and drawing the indices is most of a replicate's cost.
-# 16 plans cover a report's targets x tasks; each is n x items int64s.
+# 16 plans cover a report's targets x tasks; each holds about n x items
+# int64s, so only plans of up to CACHED_INDICES are kept (16 x 16 MiB).
+CACHED_INDICES = 1 << 21
+
+
+def _units(shape: Shape) -> int:
+  if isinstance(shape, int):
+    return shape
+  return len(shape) + sum(_units(child) for child in shape)
+
+
 @functools.lru_cache(maxsize=16)
-def _plan(shape: Shape, n: int, seed: int) -> _Draws:
+def _cached_plan(shape: Shape, n: int, seed: int) -> _Draws:
   return _draw(shape, n, np.random.default_rng(seed))
+
+
+def _plan(shape: Shape, n: int, seed: int) -> _Draws:
+  if n * _units(shape) > CACHED_INDICES:
+    return _draw(shape, n, np.random.default_rng(seed))
+  return _cached_plan(shape, n, seed)
 
 
 def _resampled_means(data: Nested, draws: _Draws) -> np.ndarray:
