@@ -69,12 +69,40 @@ def communicate_all(procs: list[subprocess.Popen], timeout: float,
                     ) -> list[tuple[int, str, str]]:
   """(exit code, stdout, stderr) of each of `wait_for` (default: all of
   `procs`), each given `timeout` s; every process of `procs` still
-  running afterwards, or when a wait times out, is killed."""
+  running afterwards is killed.
+
+  Raises:
+    AssertionError: a process outlived its `timeout`. Every process still
+      running is then sent SIGABRT first, which makes one started with
+      PYTHONFAULTHANDLER=1 print each thread's stack, and the message
+      gives every process's exit code and the end of its stderr: where
+      a job hung, not only that it did.
+  """
   wait_for = procs if wait_for is None else wait_for
   outs = []
   try:
     for p in wait_for:
       outs.append(p.communicate(timeout=timeout))
+  except subprocess.TimeoutExpired as e:
+    hung = e.cmd
+    for p in procs:
+      if p.poll() is None:
+        p.send_signal(signal.SIGABRT)
+    ends = []
+    for i, p in enumerate(procs):
+      if i < len(outs) and p is wait_for[i]:
+        err = outs[i][1]
+      else:
+        try:
+          _, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+          p.kill()
+          _, err = p.communicate()
+      ends.append(f'--- process {i} (exit {p.returncode}), the end of its '
+                  f'stderr:\n{(err or "")[-6000:]}')
+    raise AssertionError(
+        f'{hung} still ran after {timeout} s; every process still running '
+        'was sent SIGABRT:\n' + '\n'.join(ends)) from None
   finally:
     for p in procs:
       if p.poll() is None:
