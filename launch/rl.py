@@ -34,6 +34,8 @@ cause and the process that found it. Flags and every config check that
 needs no device are checked before the processes meet.
 """
 
+import sys
+
 from absl import app
 from absl import flags
 from ml_collections import config_flags
@@ -71,24 +73,26 @@ def main(argv):
         or 1) > 1)
     return run.train_and_evaluate(config, _WORKDIR.value)
 
-  results = entry.run_job(job)
+  # A job of several processes ends through jax.distributed's shutdown,
+  # without the interpreter's teardown (multihost.exit_job says why).
+  end = multihost.exit_job if multihost.MULTIHOST.value else sys.exit
+  results = entry.run_job(job, end=end)
   if results.get('role') == 'rollout':
     print(f'rollout process {results["process"]}: sent '
           f'{results["batches_sent"]} batches; workdir {_WORKDIR.value} '
           '(the learner\'s)')
-    return
-  if results.get('role') == 'follower':
+  elif results.get('role') == 'follower':
     print(f'learner process {results["process"]}: joined '
           f'{results["updates"]} updates; workdir {_WORKDIR.value} (the '
           'lead learner\'s)')
-    return
-  scores = ', '.join(f'{d} digits {100 * v:.1f}%'
-                     for d, v in results['pass_at_1'].items())
-  print(f'pass@1: {scores} (staleness <= '
-        f'{config.runtime.max_staleness}, {config.grpo.correction}; '
-        f'{results["samples_per_second"]:.1f} samples/s; workdir '
-        f'{_WORKDIR.value})')
-
+  else:
+    scores = ', '.join(f'{d} digits {100 * v:.1f}%'
+                       for d, v in results['pass_at_1'].items())
+    print(f'pass@1: {scores} (staleness <= '
+          f'{config.runtime.max_staleness}, {config.grpo.correction}; '
+          f'{results["samples_per_second"]:.1f} samples/s; workdir '
+          f'{_WORKDIR.value})')
+  end(0)
 
 if __name__ == '__main__':
   app.run(main, flags_parser=lambda argv: entry.parse_flags(argv, _CONFIG))

@@ -79,3 +79,15 @@ def test_a_transfer_that_never_arrives_times_out_in_one_line():
   assert _report(out) == {'error': 'transfer 1 (batch) from process 0 to '
                           'process 1 did not complete within 3 s '
                           '(runtime.transfer_timeout)'}
+
+
+def test_a_job_ends_while_a_transfer_waits_for_a_sender_that_stopped():
+  """`multihost.exit_job`, how launch.rl ends each process of a job: a
+  process whose transport still waits for an entry whose sender stopped
+  ends at once, and so does the sender. With the interpreter's teardown
+  instead (`--end=teardown`) both hung until killed: the backend's
+  transfer server waits for the transfer (seen as a stopped 3-process RL
+  job that never exited)."""
+  results = _job(2, '--versions=2', '--batches=1', '--unpulled', timeout=60)
+  assert [code for code, _, _ in results] == [0, 0], [
+      err[-2000:] for _, _, err in results]

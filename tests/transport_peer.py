@@ -6,7 +6,10 @@ process sends `batches` batches back from two threads at once (filled with
 1000 * process + batch). Every receiver checks each array against the
 stamp its entry carries, and prints one JSON line of what it received.
 `--stall_entry=N` makes the learner hold back its call for entry N (a
-sender that never sends).
+sender that never sends). `--unpulled`: at the end, the learner stops its
+transport and then posts one more entry for process 0, which waits for it
+in vain while both end, by `multihost.exit_job` as `launch.rl` ends them,
+or by the interpreter's teardown (`--end=teardown`, which hangs there).
 """
 
 import argparse
@@ -27,6 +30,9 @@ parser.add_argument('--versions', type=int, default=4)
 parser.add_argument('--batches', type=int, default=3)
 parser.add_argument('--timeout', type=float, default=60)
 parser.add_argument('--stall_entry', type=int, default=-1)
+parser.add_argument('--unpulled', action='store_true')
+parser.add_argument('--end', choices=('exit_job', 'teardown'),
+                    default='exit_job')
 args = parser.parse_args()
 
 jax.config.update('jax_num_cpu_devices', 2)
@@ -41,6 +47,7 @@ jax.distributed.initialize(f'127.0.0.1:{args.port}',
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np
 
+from train.jobs import multihost
 from train.rl import control
 from train.rl import transport
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -123,13 +130,25 @@ while (left := [k for k in channel.keys('xfer/') if k != 'xfer/seq']
   time.sleep(0.05)
 print(json.dumps({'process': me, 'received': sorted(got), 'bad': bad,
                   'sent': xport.sent, 'keys_left': left}), flush=True)
-xport.stop()
-# Every process leaves the job together (shutdown's barrier), then ends
-# without the interpreter's teardown: once in a CI run (2026-12-06) a peer
-# aborted there (SIGABRT, "terminate called after throwing an instance of
-# ''; FATAL: exception not rethrown", a thread of the distributed client
-# unwinding during exit). The coordinator (process 0) must not go first:
-# the others' clients end their process when the service disappears.
-jax.distributed.shutdown()
+if args.unpulled:
+  channel.set(f'reported/{me}', 1)
+  for p in range(args.num_processes):
+    channel.get(f'reported/{p}', timeout=120)
+if not args.unpulled:
+  xport.stop()
+elif me == learner:
+  # One more version for process 0, from a sender whose transport has
+  # stopped: process 0 waits for it, and it never comes.
+  xport.stop()
+  xport.send('weights', {'stamp': -1},
+             [jax.numpy.full((64, 64), -1, jax.numpy.float32)], 0)
+else:
+  while not [k for k in channel.keys('xfer/') if k != 'xfer/seq']:
+    time.sleep(0.01)
+  time.sleep(1)  # Its transport's thread is in the call, waiting.
+# The job's end, as `launch.rl` ends it (`multihost.exit_job`), or the
+# interpreter's own teardown (`--end=teardown`).
 sys.stderr.flush()
-os._exit(0)  # pylint: disable=protected-access
+if args.end == 'teardown':
+  sys.exit(0)
+multihost.exit_job(0)

@@ -7,7 +7,7 @@ import re
 import signal
 import sys
 import threading
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from absl import flags
 from absl import logging
@@ -185,14 +185,17 @@ def off_main_thread(work: Callable[[], _T], check: Callable[[], None], *,
   return outcome['result']
 
 
-def run_job(job: Callable[[], _T]) -> _T:
+def run_job(job: Callable[[], _T],
+            end: Callable[[int], NoReturn] = sys.exit) -> _T:
   """`job()` under the launchers' signal and exit policy; returns its result.
 
   Each end is one line on stderr and an exit status: a workdir held by
   another run 75; a usage error 2; a run error its own code (no usable
   checkpoint 4, non-finite loss 3, full disk 5, damaged data 6); a signal
   before the job's loop 128 + its number; SIGTERM during the loop (a
-  checkpoint saved) 0, SIGINT 130.
+  checkpoint saved) 0, SIGINT 130. `end(code)` ends the process after a
+  stop saved (default `sys.exit`; a job of several processes passes its
+  own, `train.jobs.multihost.exit_job`); the other ends are `exit_now`'s.
   """
   # pylint: disable=g-import-not-at-top
   from train.run import preemption
@@ -223,4 +226,4 @@ def run_job(job: Callable[[], _T]) -> _T:
       print(str(e), file=sys.stderr)
       # SIGTERM is how schedulers preempt: a clean stop (0). Ctrl-C keeps
       # the shell's convention for an interrupted command.
-      sys.exit(0 if e.signal_name == 'SIGTERM' else 128 + signal.SIGINT)
+      end(0 if e.signal_name == 'SIGTERM' else 128 + signal.SIGINT)
