@@ -94,5 +94,6 @@ def main(argv):
           f'{_WORKDIR.value})')
   end(0)
 
+
 if __name__ == '__main__':
   app.run(main, flags_parser=lambda argv: entry.parse_flags(argv, _CONFIG))

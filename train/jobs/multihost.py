@@ -262,10 +262,10 @@ def exit_job(code: int) -> NoReturn:
   service in process 0, whose end would abort it. Then the process ends
   without the interpreter's teardown (`entry.exit_now`): that teardown
   destroys the backend, whose cross-process transfer server (`launch.rl`'s
-  weights and batches, on CPU) first waits for every array it holds to be
-  pulled, and a peer that ended never pulls its last one. A stopped
-  3-process RL job hung there, its line printed, in 2 of 7 runs under
-  load (docs/lab/multihost.md).
+  weights and batches, on CPU) first waits for every transfer under way,
+  and one whose other end has stopped never completes. A stopped 3-process
+  RL job hung there, its line printed, in 2 of 7 runs on a loaded host
+  (docs/lab/multihost.md; tests/test_rl_transport.py holds the case).
   """
   import jax  # pylint: disable=g-import-not-at-top
   try:
