@@ -91,3 +91,8 @@ def test_a_job_ends_while_a_transfer_waits_for_a_sender_that_stopped():
   results = _job(2, '--versions=2', '--batches=1', '--unpulled', timeout=60)
   assert [code for code, _, _ in results] == [0, 0], [
       err[-2000:] for _, _, err in results]
+  # The transfer the learner's end cut, after process 0 stopped its
+  # transport, is no failure of it, and nothing is printed of it.
+  (_, out, err), _ = results
+  assert _report(out) == {'failure': None}
+  assert 'transport failed' not in err, err[-2000:]

@@ -146,6 +146,14 @@ else:
   while not [k for k in channel.keys('xfer/') if k != 'xfer/seq']:
     time.sleep(0.01)
   time.sleep(1)  # Its transport's thread is in the call, waiting.
+  # Stopped as launch.rl's processes stop theirs before they end; then,
+  # past the shutdown barrier, the learner ends and cuts that transfer.
+  xport.stop()
+  if args.end == 'exit_job':
+    jax.distributed.shutdown()
+    time.sleep(1)
+    print(json.dumps({'failure': None if xport._failure is None  # pylint: disable=protected-access
+                      else str(xport._failure)}), flush=True)  # pylint: disable=protected-access
 # The job's end, as `launch.rl` ends it (`multihost.exit_job`), or the
 # interpreter's own teardown (`--end=teardown`).
 sys.stderr.flush()

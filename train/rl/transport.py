@@ -160,8 +160,12 @@ class DevicePutTransport(Transport):
     except runtime.Stopped:
       return
     except Exception as e:  # pylint: disable=broad-except
+      if self._stop.is_set():
+        # Stopped with a transfer under way: the job is ending, and a peer
+        # that ended first cut it ("SocketServer: Connection closed").
+        return
       # `check()` reports it in one line; the traceback (most often the
-      # echo of a peer that ended) stays out of the console.
+      # echo of a peer that ended) goes to the log.
       logging.info('transport failed: %s\n%s', e, traceback.format_exc())
       self._failure = e
 
