@@ -130,30 +130,30 @@ while (left := [k for k in channel.keys('xfer/') if k != 'xfer/seq']
   time.sleep(0.05)
 print(json.dumps({'process': me, 'received': sorted(got), 'bad': bad,
                   'sent': xport.sent, 'keys_left': left}), flush=True)
-if args.unpulled:
+if not args.unpulled:
+  xport.stop()
+else:
   channel.set(f'reported/{me}', 1)
   for p in range(args.num_processes):
     channel.get(f'reported/{p}', timeout=120)
-if not args.unpulled:
-  xport.stop()
-elif me == learner:
-  # One more version for process 0, from a sender whose transport has
-  # stopped: process 0 waits for it, and it never comes.
-  xport.stop()
-  xport.send('weights', {'stamp': -1},
-             [jax.numpy.full((64, 64), -1, jax.numpy.float32)], 0)
-else:
-  while not [k for k in channel.keys('xfer/') if k != 'xfer/seq']:
-    time.sleep(0.01)
-  time.sleep(1)  # Its transport's thread is in the call, waiting.
-  # Stopped as launch.rl's processes stop theirs before they end; then,
-  # past the shutdown barrier, the learner ends and cuts that transfer.
-  xport.stop()
-  if args.end == 'exit_job':
-    jax.distributed.shutdown()
-    time.sleep(1)
-    print(json.dumps({'failure': None if xport._failure is None  # pylint: disable=protected-access
-                      else str(xport._failure)}), flush=True)  # pylint: disable=protected-access
+  if me == learner:
+    # One more version for process 0, from a sender whose transport has
+    # stopped: process 0 waits for it, and it never comes.
+    xport.stop()
+    xport.send('weights', {'stamp': -1},
+               [jax.numpy.full((64, 64), -1, jax.numpy.float32)], 0)
+  else:
+    while not [k for k in channel.keys('xfer/') if k != 'xfer/seq']:
+      time.sleep(0.01)
+    time.sleep(1)  # Its transport's thread is in the call, waiting.
+    # Stopped as launch.rl's processes stop theirs before they end; then,
+    # past the shutdown barrier, the learner ends and cuts that transfer.
+    xport.stop()
+    if args.end == 'exit_job':
+      jax.distributed.shutdown()
+      time.sleep(1)
+      print(json.dumps({'failure': None if xport._failure is None  # pylint: disable=protected-access
+                        else str(xport._failure)}), flush=True)  # pylint: disable=protected-access
 # The job's end, as `launch.rl` ends it (`multihost.exit_job`), or the
 # interpreter's own teardown (`--end=teardown`).
 sys.stderr.flush()

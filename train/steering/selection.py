@@ -450,17 +450,15 @@ def evaluate_selected(config, subject: evaluation.Subject,
   for method in config.methods:
     at = first if method == 'none' else choice[method]
     by_layer.setdefault(at['layer'], []).append(method)
+  dim = next(iter(settings.values())).direction.shape[0]
   rows_of = {}
   for layer, methods in by_layer.items():
-    scorers = None
+    scorers = functools.cache(functools.partial(
+        _scorers, lm, paths[layer], batches, subject.heldout, all_paths, dim))
     for method in methods:
       at = first if method == 'none' else choice[method]
       name = at['direction_method']
       setting = settings[layer, name]
-      if scorers is None:
-        scorers = functools.cache(functools.partial(
-            _scorers, lm, paths[layer], batches, subject.heldout, all_paths,
-            setting.direction.shape[0]))
       rows_of[method] = []
       for alpha in ((0.0,) if method == 'none' else at['alphas']):
         key = dict(method=method, alpha=float(alpha), layer=layer,
