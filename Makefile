@@ -88,13 +88,12 @@ $(RUN_STAMP): requirements.txt requirements-nodeps.txt pyproject.toml geom/_vers
 # kill-and-resume). Neither installer writes bytecode by default, and where
 # PYTHONDONTWRITEBYTECODE is set (CI images) no import ever caches it, so
 # each process compiled jax, flax and TF from source: 4.5 s against 1.2 s
-# per `import jax, flax, optax`, and a suite of 54 min against 35. The
-# test targets run with bytecode writing on (TEST_ENV), so each module is
-# compiled once, by the first process that imports it: the suite imports
-# about a third of site-packages' modules, and compiling all of them ahead
-# (compileall) took 25 s of a clean clone's `make test` on 2 cores.
+# per `import jax, flax, optax`, and a suite of 54 min against 35. The test
+# layer compiles site-packages once (25 s on 2 cores); `make run` does not
+# pay for it.
 $(TEST_STAMP): requirements-test.txt $(RUN_STAMP)
 	$(INSTALL) --no-deps -r requirements-test.txt
+	$(PY) -m compileall -q -j0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') >/dev/null
 	touch $@
 
 # Installed beside, then moved into place: an interrupted install leaves no
@@ -102,6 +101,7 @@ $(TEST_STAMP): requirements-test.txt $(RUN_STAMP)
 $(TOOLCHAIN_STAMP): requirements-compile.txt | $(INSTALLER_STAMP)
 	rm -rf $(TOOLCHAIN).partial
 	$(INSTALL) --no-deps --target $(TOOLCHAIN).partial -r requirements-compile.txt
+	$(PY) -m compileall -q -j0 $(TOOLCHAIN).partial >/dev/null
 	touch $(TOOLCHAIN).partial/.installed
 	rm -rf $(TOOLCHAIN)
 	mv $(TOOLCHAIN).partial $(TOOLCHAIN)
@@ -118,7 +118,6 @@ run: $(RUN_STAMP)
 # time (tests/conftest.py shares the trained fixtures between workers).
 # Files start longest first (tests/conftest.py orders them; xdist's own
 # order, by number of tests, is turned off).
-TEST_ENV := PYTHONDONTWRITEBYTECODE=
 TEST_WORKERS ?= -n logical --maxprocesses=4 --dist loadfile \
 	--no-loadscope-reorder
 # tests/test_bazel_load.py runs Bazel: Debian's bazel-bootstrap, installed
@@ -134,11 +133,12 @@ BAZEL_TRY_INSTALL = ( $(BAZEL_INSTALL) ) >$(VENV)/bazel-install.log 2>&1 || \
 	  "tests/test_bazel_load.py skips"
 test: $(TEST_STAMP) $(TOOLCHAIN_STAMP)
 	@$(BAZEL_TRY_INSTALL)
-	$(TEST_ENV) $(PY) -m pytest -q --durations=30 $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m compileall -q geom train launch configs bench tests >/dev/null
+	$(PY) -m pytest -q --durations=30 $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-all: $(TEST_STAMP) $(TOOLCHAIN_STAMP)
 	@$(BAZEL_TRY_INSTALL)
-	$(TEST_ENV) $(PY) -m pytest -q -m '' $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m '' $(TEST_WORKERS) $(PYTEST_ARGS)
 
 bench: $(RUN_STAMP)
 	$(PY) -m bench.training.trainer_overhead
