@@ -378,7 +378,8 @@ class DecoderLM(nn.Module):
         (self.d_model, self.vocab_size))
 
   def __call__(self, tokens: jax.Array, valid: jax.Array | None = None,
-               cache: Cache | None = None) -> tuple[jax.Array, Cache | None]:
+               cache: Cache | None = None, last_only: bool = False
+               ) -> tuple[jax.Array, Cache | None]:
     """Logits (batch, seq, vocab) float32, and the updated cache (or None).
 
     Args:
@@ -386,10 +387,13 @@ class DecoderLM(nn.Module):
       valid: (batch, seq) bool, real tokens (default: all).
       cache: None for a full sequence; else the cache to extend by `seq`
         slots (prefill or one decoding step).
+      last_only: logits of the last position only, (batch, 1, vocab): a
+        prompt's prefill before decoding needs no others.
     """
     dtype = jnp.dtype(self.dtype)
     x = jnp.take(self.embed, tokens, axis=0).astype(dtype)
     x, cache = run_blocks(self.blocks, x, valid, cache)
+    x = x[:, -1:] if last_only else x
     logits = constrain((self.final_norm(x) @ self.head.astype(dtype)
                          ).astype(jnp.float32), ('batch', None, 'vocab'))
     return logits, cache

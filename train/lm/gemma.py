@@ -168,7 +168,7 @@ class Gemma3(nn.Module):
     self.final_norm = decoder.RMSNorm(sh.rms_eps, plus_one=True)
 
   def __call__(self, tokens: jax.Array, valid: jax.Array | None = None,
-               cache: decoder.Cache | None = None
+               cache: decoder.Cache | None = None, last_only: bool = False
                ) -> tuple[jax.Array, decoder.Cache | None]:
     """Logits (batch, seq, vocab) float32, and the updated cache (or
     None): the call of `decoder.DecoderLM.__call__`."""
@@ -176,6 +176,7 @@ class Gemma3(nn.Module):
     x = jnp.take(self.embed, tokens, axis=0).astype(dtype)
     x = x * jnp.sqrt(jnp.float32(self.shape.d_model)).astype(dtype)
     x, cache = decoder.run_blocks(self.blocks, x, valid, cache)
+    x = x[:, -1:] if last_only else x
     # The head is the embedding, tied.
     logits = jnp.einsum('bsd,vd->bsv', self.final_norm(x),
                         self.embed.astype(dtype)).astype(jnp.float32)

@@ -42,8 +42,8 @@ class LanguageModel(Protocol):
   dtype: str
 
   def apply(self, variables: Any, tokens: jax.Array,
-            valid: jax.Array | None = None, cache: Cache | None = None
-            ) -> tuple[jax.Array, Cache | None]:
+            valid: jax.Array | None = None, cache: Cache | None = None,
+            last_only: bool = False) -> tuple[jax.Array, Cache | None]:
     ...
 
 
@@ -61,13 +61,16 @@ def apply(model: LanguageModel, params: Any, tokens: jax.Array,
           steering: steering_lib.Steering | None = None,
           layer_path: str | None = None,
           steer_mask: jax.Array | None = None,
-          watch: tuple[str, ...] = (), capture: tuple[str, ...] = ()
+          watch: tuple[str, ...] = (), capture: tuple[str, ...] = (),
+          last_only: bool = False
           ) -> tuple[jax.Array, Cache | None, steering_hooks.Recorder]:
   """Logits, the cache, and what the hooks recorded, with the `steer_mask`
-  tokens (None: all) steered at `layer_path` (see `train.lm.hooks`)."""
+  tokens (None: all) steered at `layer_path` (see `train.lm.hooks`);
+  `last_only`: the last position's logits alone, (batch, 1, vocab)."""
   with steering_hooks.steered(steering, layer_path, steer_mask, watch,
                               capture) as recorder:
-    logits, cache = model.apply({'params': params}, tokens, valid, cache)
+    logits, cache = model.apply({'params': params}, tokens, valid, cache,
+                                last_only=last_only)
   return logits, cache, recorder
 
 
