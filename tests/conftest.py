@@ -59,10 +59,14 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # the processes the tests start (`python -m launch.X`, `python -c ...`,
 # some with another current directory) find it here, before anything
 # installed. (tests/test_wheel.py's fresh environment drops it.)
+# tests/zygote_hook (after the root) holds the sitecustomize that hands
+# those processes to the worker's zygote (the fixture `_launch_zygote`).
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ZYGOTE_HOOK = os.path.join(REPO_ROOT, 'tests', 'zygote_hook')
 os.environ['PYTHONPATH'] = os.pathsep.join(
-    [REPO_ROOT] + [p for p in os.environ.get('PYTHONPATH', '').split(
-        os.pathsep) if p and p != REPO_ROOT])
+    [REPO_ROOT, _ZYGOTE_HOOK] + [
+        p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep)
+        if p and p not in (REPO_ROOT, _ZYGOTE_HOOK)])
 # Hermetic data, built here on first use: one directory for the session,
 # shared by the xdist workers (created by the controller, like the cache
 # below). The builders take a lock per data set (train.vision.datasets), so
@@ -101,6 +105,28 @@ host_devices.configure_cpu_devices(8)
 @pytest.fixture(scope='session', autouse=True)
 def _eight_devices():
   assert jax.device_count() == 8, jax.devices()
+
+
+@pytest.fixture(scope='session', autouse=True)
+def _launch_zygote():
+  """This worker's zygote (tests/launch_zygote.py): the launcher processes
+  its tests start are forked from it, not imported afresh.
+  GEOM_NO_ZYGOTE=1 (here, or for one process) turns it off."""
+  if os.environ.get('GEOM_NO_ZYGOTE'):
+    yield
+    return
+  from tests import launch_zygote  # pylint: disable=g-import-not-at-top
+  root = tempfile.mkdtemp(prefix='geom_zygote_')
+  path = os.path.join(root, 'socket')
+  proc = launch_zygote.start(path, os.path.join(root, 'log'))
+  os.environ['GEOM_TEST_ZYGOTE'] = path
+  try:
+    yield
+  finally:
+    del os.environ['GEOM_TEST_ZYGOTE']
+    proc.terminate()
+    proc.wait()
+    shutil.rmtree(root, True)
 
 
 @pytest.fixture

@@ -14,10 +14,21 @@ def command(workdir: str, *overrides: str,
           f'--workdir={workdir}', *overrides]
 
 
-def start(workdir: str, *overrides: str, **kw) -> subprocess.Popen:
+def start(workdir: str, *overrides: str, zygote: bool = True,
+          **kw) -> subprocess.Popen:
+  """The launcher, started; `zygote=False` for a test of its start-up
+  (its imports, its signal handlers as they are installed), which a
+  process forked from the worker's zygote has already behind it
+  (tests/launch_zygote.py)."""
   return subprocess.Popen(command(workdir, *overrides, **kw), cwd=REPO_ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
+                          text=True, env=None if zygote else without_zygote())
+
+
+def without_zygote(env: dict | None = None) -> dict:
+  """`env` (default: this process's) for a process that must start the
+  usual way, not forked from the worker's zygote."""
+  return dict(os.environ if env is None else env, GEOM_NO_ZYGOTE='1')
 
 
 def run(workdir: str, *overrides: str, timeout: float = 300,
@@ -127,6 +138,9 @@ def run_measured(args: list[str], timeout: float = 120, **popen_kw
     # Started by a small process (_MEASURE), not by this one: a child's
     # peak counts its parent's resident memory at the fork (1.2 GB after
     # the Gemma tests in one worker).
+    # Its own process, not one forked from the zygote: the peak is what a
+    # user's run reaches, imports included.
+    popen_kw['env'] = without_zygote(popen_kw.get('env'))
     proc = subprocess.Popen([sys.executable, '-c', _MEASURE, peak.name,
                              *args], cwd=REPO_ROOT, stdout=out, stderr=err,
                             text=True, start_new_session=True, **popen_kw)

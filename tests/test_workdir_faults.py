@@ -445,7 +445,7 @@ def _catches_sigterm(pid) -> bool:
                     reason='reads signal dispositions from /proc')
 def test_sigterm_during_start_up_is_one_line(tmp_path):
   workdir = str(tmp_path / 'run')
-  proc = launch_runs.start(workdir)
+  proc = launch_runs.start(workdir, zygote=False)
   # As soon as the launcher handles SIGTERM: before JAX starts, long before
   # the first step.
   _wait_for(lambda: _catches_sigterm(proc.pid), proc)
@@ -471,7 +471,7 @@ def test_ctrl_c_while_the_launcher_imports_is_one_line(tmp_path):
   # A KeyboardInterrupt traceback of 30 to 70 lines, from inside jax's or
   # TensorFlow's imports.
   workdir = str(tmp_path / 'run')
-  proc = launch_runs.start(workdir)
+  proc = launch_runs.start(workdir, zygote=False)
   _wait_for(lambda: _loading_jax(proc.pid), proc)
   assert not _catches_sigterm(proc.pid)  # Its job has not started.
   proc.send_signal(signal.SIGINT)
