@@ -107,6 +107,18 @@ def _eight_devices():
   assert jax.device_count() == 8, jax.devices()
 
 
+@pytest.fixture(scope='module', autouse=True)
+def _environment_per_module():
+  """What a test file sets in os.environ ends with it: compile_jobs.
+  import_jax, for one, turns the persistent compilation cache off for the
+  processes started after it (JAX_ENABLE_COMPILATION_CACHE=false)."""
+  before = dict(os.environ)
+  yield
+  if os.environ != before:
+    os.environ.clear()
+    os.environ.update(before)
+
+
 @pytest.fixture(scope='session', autouse=True)
 def _launch_zygote():
   """This worker's zygote (tests/launch_zygote.py): the launcher processes

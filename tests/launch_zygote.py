@@ -45,19 +45,24 @@ import types
 # (imported by TFDS) prefixes with its own directory in every process
 # that imports it, the tests' own included.
 # COLUMNS and LINES are the terminal's size, as pytest sets them;
-# PYTHONUNBUFFERED is applied to the child's standard streams (_stdio).
+# PYTHONUNBUFFERED is applied to the child's standard streams (_stdio);
+# libtpu, started by a compile for a TPU target in a test process, sets the
+# CLOUD_TPU_*/TPU_* variables in its C environment (out of os.environ's
+# reach), which JAX reads when a TPU backend starts.
 _PER_PROCESS = ('XLA_FLAGS', 'PYTHONFAULTHANDLER', 'PYTEST_CURRENT_TEST',
                 'GEOM_TEST_ZYGOTE', 'LD_LIBRARY_PATH', 'COLUMNS', 'LINES',
-                'PYTHONUNBUFFERED')
+                'PYTHONUNBUFFERED', 'CLOUD_TPU_ACCELERATOR_TYPE',
+                'CLOUD_TPU_TASK_ID', 'TPU_WORKER_ID')
 
 # What the launchers and studies import before their first line of work
 # (their own modules are not: each run executes its module as __main__,
 # and absl flags cannot be defined twice). sklearn (the digits data's
 # source) and tensorboardX (the metrics writer) set variables at import
 # (KMP_INIT_AT_FORK, CRC32C_SW_MODE) that the tests' processes pass on.
-PRELOAD = ('numpy', 'jax', 'jax.numpy', 'jax.experimental.pallas',
-           'flax.linen', 'optax', 'orbax.checkpoint', 'ml_collections',
-           'absl.app', 'absl.flags', 'tensorflow_datasets', 'sklearn',
+PRELOAD = ('absl.app', 'absl.flags', 'numpy', 'jax', 'jax.numpy',
+           'jax.experimental.pallas', 'flax.linen', 'optax',
+           'orbax.checkpoint', 'ml_collections', 'tensorflow_datasets',
+           'sklearn',
            'tensorboardX.crc32c', 'matplotlib.figure',
            'train.jobs.entry', 'train.jobs.multihost',
            'train.jobs.trainers', 'train.vision.trainer',
@@ -279,11 +284,18 @@ def main(path: str) -> None:
   listener.listen(64)
   env = dict(os.environ)  # As started: imports below may change it.
   import importlib  # pylint: disable=g-import-not-at-top
+  import logging  # pylint: disable=g-import-not-at-top
+  # A library that logs through absl at import, before absl's handler is
+  # in place (app.run installs it), gets logging.basicConfig's handler on
+  # the root logger (orbax does): a launcher imports it in main, after
+  # app.run, and the children wrote every line twice.
+  handlers = list(logging.root.handlers)
   for name in PRELOAD:
     try:
       importlib.import_module(name)
     except ImportError as e:  # Not in a Bazel test's runfiles: not needed.
       print(f'zygote: not preloaded: {name} ({e})', flush=True)
+  logging.root.handlers[:] = handlers
   reason = _fork_blockers()
   if reason is not None:
     print(f'zygote: not serving: {reason}', flush=True)

@@ -7,6 +7,7 @@ test_rl_multihost run through the zygote as well; these check the zygote
 itself, against the same runs with GEOM_NO_ZYGOTE=1.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -77,41 +78,55 @@ def test_a_served_run_exits_and_writes_as_its_own_process(case, tmp_path):
   assert not os.path.exists(tmp_path / 'run')
 
 
-def _start_long_run(workdir):
+@contextlib.contextmanager
+def _long_run(workdir):
+  """(the launcher process, the run's pid) of a run of 100,000 steps,
+  once it holds its workdir; both killed at the end, whatever happened."""
   proc = launch_runs.start(workdir, '--config.num_steps=100000')
-  deadline = time.monotonic() + 300
-  while workdir_lock.holder(workdir) is None:
-    assert proc.poll() is None, proc.communicate()[1][-3000:]
-    assert time.monotonic() < deadline
-    time.sleep(0.1)
-  return proc, workdir_lock.holder(workdir)['pid']
+  child = None
+  try:
+    deadline = time.monotonic() + 300
+    while workdir_lock.holder(workdir) is None:
+      assert proc.poll() is None, proc.communicate()[1][-3000:]
+      assert time.monotonic() < deadline
+      time.sleep(0.1)
+    child = workdir_lock.holder(workdir)['pid']
+    yield proc, child
+  finally:
+    for pid in {proc.pid, child} - {None}:
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    if proc.returncode is None:
+      proc.communicate(timeout=60)
 
 
 def test_kill_9_of_the_launcher_kills_the_run_it_stands_for(tmp_path):
   _wait_serving()
   workdir = str(tmp_path / 'run')
-  proc, child = _start_long_run(workdir)
-  assert child != proc.pid  # The run is the zygote's child.
-  proc.kill()
-  # Its output ends when the run does: the run writes to the same pipes.
-  proc.communicate(timeout=30)
-  deadline = time.monotonic() + 30
-  while workdir_lock.holder(workdir) is not None:
-    assert time.monotonic() < deadline, 'the run outlived its launcher'
-    time.sleep(0.1)
+  with _long_run(workdir) as (proc, child):
+    assert child != proc.pid  # The run is the zygote's child.
+    proc.kill()
+    # Its output ends when the run does: the run writes to the same pipes.
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 30
+    while workdir_lock.holder(workdir) is not None:
+      assert time.monotonic() < deadline, 'the run outlived its launcher'
+      time.sleep(0.1)
 
 
 def test_sigterm_reaches_the_run_and_its_status_comes_back(tmp_path):
   _wait_serving()
   workdir = str(tmp_path / 'run')
-  proc, child = _start_long_run(workdir)
-  assert child != proc.pid
-  deadline = time.monotonic() + 300
-  while not os.path.isdir(os.path.join(workdir, 'checkpoints', '20')):
-    assert proc.poll() is None and time.monotonic() < deadline
-    time.sleep(0.1)
-  proc.send_signal(signal.SIGTERM)
-  _, err = proc.communicate(timeout=120)
+  with _long_run(workdir) as (proc, child):
+    assert child != proc.pid
+    deadline = time.monotonic() + 300
+    while not os.path.isdir(os.path.join(workdir, 'checkpoints', '20')):
+      assert proc.poll() is None and time.monotonic() < deadline
+      time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
   # The trainer saves and exits 0 on SIGTERM (test_workdir_faults).
   assert proc.returncode == 0, err[-3000:]
   assert err.strip().splitlines()[-1].startswith('stopped by SIGTERM at step')
