@@ -196,6 +196,12 @@ class _Zygote:
 
   def __init__(self, listener: socket.socket, started: dict[str, str]):
     self.listener = listener
+    # A child's exit wakes the loop (SIGCHLD through a pipe): no polling.
+    self.wakeup, wakeup_w = os.pipe()
+    for fd in (self.wakeup, wakeup_w):
+      os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wakeup_w)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     self.started = started  # The environment before the imports.
     self.loaded = dict(os.environ)  # After them.
     self.children: dict[int, socket.socket] = {}  # pid -> its launcher.
@@ -222,6 +228,8 @@ class _Zygote:
     pid = os.fork()
     if pid == 0:
       try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         self.listener.close()
         for other in self.children.values():
           other.close()
@@ -265,16 +273,25 @@ class _Zygote:
           pass
 
   def serve(self) -> None:
+    parent = os.getppid()
     while True:
       self.reap()
       conns = [c for p, c in self.children.items() if p not in self.orphans]
-      ready, _, _ = select.select([self.listener, *conns], [], [], 0.02)
+      # The timeout only checks on the worker (below).
+      ready, _, _ = select.select([self.listener, self.wakeup, *conns], [],
+                                  [], 1.0)
       for r in ready:
-        if r is self.listener:
+        if r == self.wakeup:
+          while True:
+            try:
+              os.read(self.wakeup, 4096)
+            except BlockingIOError:
+              break
+        elif r is self.listener:
           self.accept()
         elif not r.recv(1, socket.MSG_PEEK):
           self.launcher_gone(r)
-      if os.getppid() == 1:  # The worker that started it is gone.
+      if os.getppid() != parent:  # The worker that started it is gone.
         return
 
 
