@@ -86,7 +86,8 @@ def _long_run(workdir):
   child = None
   try:
     deadline = time.monotonic() + 300
-    while workdir_lock.holder(workdir) is None:
+    # The run takes the lock, then writes its pid into it: wait for both.
+    while 'pid' not in (workdir_lock.holder(workdir) or {}):
       assert proc.poll() is None, proc.communicate()[1][-3000:]
       assert time.monotonic() < deadline
       time.sleep(0.1)
