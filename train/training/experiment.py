@@ -327,9 +327,10 @@ def assemble(config: ml_collections.ConfigDict, workdir: str, *,
           optimizer.tx, nn.meta.unbox(boxed['params']), param_shardings,
           mesh),
       skipped_steps=repl)
+  # From `boxed`: the model's init is traced once, not again for the state.
   abstract = jax.eval_shape(
-      functools.partial(steps.init_state, init_variables, optimizer.tx),
-      jax.random.key(0))
+      lambda variables: steps.init_state(lambda _: variables, optimizer.tx,
+                                         None), boxed)
   abstract_state = jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
       abstract, state_shardings)
