@@ -21,9 +21,12 @@ def subplots(nrows: int = 1, ncols: int = 1, *, figsize=None, **kwargs):
   return fig, fig.subplots(nrows, ncols, **kwargs)
 
 
-def save_png(fig, out_path: str) -> None:
-  """Writes the figure as PNG atomically (local or gs://)."""
-  fig.tight_layout()
+def save_png(fig, out_path: str, *, tight: bool = True) -> None:
+  """Writes the figure as PNG atomically (local or gs://); `tight=False`
+  keeps the margins the figure has (`tight_layout` measures every label
+  by rendering it: half the time of a run's curves)."""
+  if tight:
+    fig.tight_layout()
   buffer = io.BytesIO()
   fig.savefig(buffer, format='png', dpi=100)
   fileio.write_bytes_atomic(out_path, buffer.getvalue())
@@ -51,7 +54,11 @@ def plot_curves(metrics_path: str, out_path: str) -> None:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-  save_png(fig, out_path)
+  # Fixed margins (what tight_layout chose for these labels): every run
+  # that ends draws this figure.
+  fig.subplots_adjust(left=0.06, right=0.985, bottom=0.12, top=0.93,
+                      wspace=0.16)
+  save_png(fig, out_path, tight=False)
 
 
 def plot_sweep(groups: list[dict], keys: list[str], metric: str,
