@@ -9,7 +9,6 @@ the memory the host has free, naming the field to lower.
 """
 
 import dataclasses
-import functools
 import json
 import os
 
@@ -207,9 +206,7 @@ def policy_size(sft_workdir: str) -> tuple[int, int] | None:
     vocab = models.vocab_size(config)
   except (UsageError, ValueError, KeyError, TypeError, AttributeError):
     return None
-  params = nn.meta.unbox(jax.eval_shape(
-      functools.partial(lm_trainer.init_variables, model),
-      jax.random.key(0)))['params']
+  params = nn.meta.unbox(lm_trainer.abstract_variables(model))['params']
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)), vocab
 
 

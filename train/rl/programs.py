@@ -8,7 +8,6 @@ versions and the batches' rows live.
 """
 
 import dataclasses
-import functools
 from typing import Any
 
 import flax.linen as nn
@@ -61,9 +60,7 @@ def programs(config: ml_collections.ConfigDict,
   model = lm_trainer.create_model(policy_config)
   settings_lib.check_policy(config, policy_config, model.max_len)
   rollout_mesh, learner_mesh = settings_lib.meshes(config, devices)
-  params = nn.meta.unbox(jax.eval_shape(
-      functools.partial(lm_trainer.init_variables, model),
-      jax.random.key(0)))['params']
+  params = nn.meta.unbox(lm_trainer.abstract_variables(model))['params']
   update = update_program(config, model, settings_lib.optimizer(config),
                           settings_lib.loss_settings(config), params,
                           learner_mesh)

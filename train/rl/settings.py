@@ -7,7 +7,6 @@ in one process, each process's own devices in several) are read from the
 config here, by the run (`train.rl.run`) and by `launch.compile`.
 """
 
-import functools
 import math
 from typing import Any
 
@@ -132,8 +131,7 @@ def learner_shardings(config, model: nn.Module,
   """The policy's parameter shardings on the learner mesh (from its
   logical axes and the learner's rules) and the batch rows'."""
   _, _, rules = learner_layout(config)
-  boxed = jax.eval_shape(functools.partial(lm_trainer.init_variables, model),
-                         jax.random.key(0))
+  boxed = lm_trainer.abstract_variables(model)
   params = sharding_lib.logical_to_shardings(boxed['params'], mesh, rules)
   return params, sharding_lib.batch_sharding(mesh, rules)
 
