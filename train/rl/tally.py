@@ -174,4 +174,7 @@ def plot(curve, config, path: str) -> None:
                f'{config.grpo.correction}')
   ax.grid(alpha=0.3)
   ax.legend()
-  plots.save_png(fig, path)
+  # Fixed margins, wide enough for extreme runs' labels (tests/test_plots):
+  # every run draws this figure.
+  fig.subplots_adjust(left=0.12, right=0.97, bottom=0.14, top=0.91)
+  plots.save_png(fig, path, tight=False)
