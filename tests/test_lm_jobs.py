@@ -1,15 +1,10 @@
 """The LM training job and the steering evaluation job, end to end in their small modes."""
 
-import functools
 import json
 import os
 import subprocess
 import sys
-from typing import Any
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -23,36 +18,6 @@ from train.errors import ConfigError
 from train.lm import trainer as lm_trainer
 from train.steering import evaluation as steering_eval
 from train.steering import vectors as steering_vectors
-
-
-class _WithArray(nn.Module):
-  """A model with an array among its fields: not hashable."""
-  table: Any
-
-  @nn.compact
-  def __call__(self, tokens):
-    return nn.Dense(2)(tokens.astype(jnp.float32) + self.table)
-
-
-def test_a_models_abstract_variables_equal_its_init_traced_once():
-  config = lm_config.get_config('runlocal')
-  model = lm_trainer.create_model(config)
-  want = jax.eval_shape(functools.partial(lm_trainer.init_variables, model),
-                        jax.random.key(0))
-  got = lm_trainer.abstract_variables(model)
-  # The same tree (the boxes' logical axes included) and shapes.
-  assert jax.tree.structure(got) == jax.tree.structure(want)
-  assert jax.tree.leaves(got) == jax.tree.leaves(want)
-  # An equal model, built again, is not traced again; another model is.
-  assert lm_trainer.abstract_variables(lm_trainer.create_model(config)) is got
-  config.model.num_layers += 1
-  deeper = lm_trainer.abstract_variables(lm_trainer.create_model(config))
-  assert len(jax.tree.leaves(deeper)) > len(jax.tree.leaves(got))
-  # A model that cannot be a cache key is traced each time.
-  odd = _WithArray(np.ones((8,), np.float32))
-  first = lm_trainer.abstract_variables(odd)
-  assert first['params']['Dense_0']['kernel'].shape == (8, 2)
-  assert lm_trainer.abstract_variables(odd) is not first
 
 
 @pytest.fixture(scope='module')

@@ -34,6 +34,7 @@ import numpy as np
 
 from train.training import experiment as experiment_lib
 from train.training import loop
+from train.training import model_shapes
 from train.run import resume_check
 from train.errors import ConfigError
 from train.lm import data as lm_data
@@ -49,22 +50,10 @@ def init_variables(model: nn.Module, rng: jax.Array) -> dict:
 
 
 def abstract_variables(model: nn.Module) -> dict:
-  """`init_variables`' shapes (boxed with their logical axes), traced once
-  per model (flax modules compare by their fields) in a process: a run,
-  the runs it loads and the RL job's checks each ask for them. Read-only."""
-  try:
-    hash(model)
-  except TypeError:  # A field holds an array.
-    return _trace_variables(model)
-  return _cached_variables(model)
-
-
-def _trace_variables(model: nn.Module) -> dict:
-  return jax.eval_shape(functools.partial(init_variables, model),
-                        jax.random.key(0))
-
-
-_cached_variables = functools.lru_cache(maxsize=16)(_trace_variables)
+  """`init_variables`' shapes, traced once per model in a process
+  (`train.training.model_shapes`). Read-only."""
+  return model_shapes.abstract_variables(
+      functools.partial(init_variables, model))
 
 
 def create_model(config: ml_collections.ConfigDict) -> nn.Module:
@@ -98,7 +87,6 @@ def build(config: ml_collections.ConfigDict, workdir: str, *,
   return experiment_lib.assemble(
       config, workdir, model=model,
       init_variables=functools.partial(init_variables, model),
-      abstract_variables=abstract_variables(model),
       per_example=loss.lm_loss,
       columns={'tokens': ((config.data.seq_len + 1,),
                           lm_tokenizer.token_dtype(

@@ -168,7 +168,6 @@ def build(config: ml_collections.ConfigDict, workdir: str, *,
   return experiment_lib.assemble(
       config, workdir, model=model,
       init_variables=functools.partial(lm_trainer.init_variables, model),
-      abstract_variables=lm_trainer.abstract_variables(model),
       per_example=sft_loss,
       columns={'tokens': ((length + 1,), token_dtype(config)),
                'loss_mask': ((length,), np.uint8)},

@@ -669,9 +669,7 @@ def programs(config: ml_collections.ConfigDict,
     prompt_len = COMPILE_PROMPT_LEN
   else:
     model = lm_trainer.create_model(lm_config)
-    params = nn.meta.unbox(jax.eval_shape(
-        functools.partial(lm_trainer.init_variables, model),
-        jax.random.key(0)))['params']
+    params = nn.meta.unbox(lm_trainer.abstract_variables(model))['params']
     prompt_len = generations.template_prompts(gen.prompts)[0].shape[1]
     if prompt_len + gen.steps > model.max_len:
       raise ConfigError('generation.steps', gen.steps,

@@ -31,6 +31,7 @@ import optax
 from geom import method_hooks
 from train.run import checkpointing
 from train.training import host_devices
+from train.training import model_shapes
 from train.training import optim
 from train.run import process_group
 from train.run import workdir_path
@@ -290,8 +291,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str, *,
              model: nn.Module, init_variables: InitVariables,
              per_example: steps.PerExample, columns: Columns,
              check_data: Callable[[], None] | None = None,
-             devices: Sequence[Any] | None = None,
-             abstract_variables: Any = None) -> Experiment:
+             devices: Sequence[Any] | None = None) -> Experiment:
   """Checks the shared settings and builds the shared parts of a run.
 
   Args:
@@ -301,8 +301,6 @@ def assemble(config: ml_collections.ConfigDict, workdir: str, *,
     check_data: called after everything else is checked and the workdir
       proved writable, to check that the data can be read.
     devices: the mesh's devices (default: this job's; see `build_mesh`).
-    abstract_variables: `jax.eval_shape(init_variables, key)`, where the
-      product has it already (default: traced here).
 
   Raises:
     UsageError: a setting is invalid.
@@ -314,8 +312,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str, *,
                       len({d.process_index for d in mesh.devices.flat}))
   _check_hooks(optimizer, rules)
 
-  boxed = (abstract_variables if abstract_variables is not None
-           else jax.eval_shape(init_variables, jax.random.key(0)))
+  boxed = model_shapes.abstract_variables(init_variables)
   frozen = optim.frozen_mask(config.optimizer, nn.meta.unbox(boxed['params']))
   if frozen is not None:
     optim.check_frozen(config.optimizer, nn.meta.unbox(boxed['params']))

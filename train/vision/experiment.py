@@ -22,9 +22,9 @@ from train.vision import loss
 from train.vision import models
 
 
-def _init_variables(model: nn.Module, example: np.ndarray,
+def _init_variables(model: nn.Module, image_shape: tuple[int, ...],
                     rng: jax.Array) -> dict:
-  return model.init(rng, example, train=False)
+  return model.init(rng, np.zeros((1, *image_shape), np.uint8), train=False)
 
 
 def build(config: ml_collections.ConfigDict, workdir: str, *,
@@ -47,10 +47,10 @@ def build(config: ml_collections.ConfigDict, workdir: str, *,
                              'the weight of the uniform target must be in '
                              '[0, 1)')
   model = models.create_model(config.model, spec.num_classes, spec.pixel_max)
-  example = np.zeros((1, *spec.image_shape), np.uint8)
   return experiment_lib.assemble(
       config, workdir, model=model,
-      init_variables=functools.partial(_init_variables, model, example),
+      init_variables=functools.partial(_init_variables, model,
+                                       tuple(spec.image_shape)),
       # Absent (0) in older configs: their loss is unchanged.
       per_example=(functools.partial(loss.classification_loss,
                                      label_smoothing=float(smoothing))
