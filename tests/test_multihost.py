@@ -17,13 +17,31 @@ import jax
 import numpy as np
 import pytest
 
+from configs import digits
 from tests import launch_runs
 from train.run import checkpointing
 from train.vision import experiment
+from train.vision import trainer
 
 # Different reduction order across processes (gloo) vs inside one process:
-# the parameters agree to float32 rounding, accumulated over 40 steps.
+# the parameters agree to float32 rounding, accumulated over the steps.
 PARAM_ATOL = 2e-5
+
+# The runs compared: runlocal cut to 10 steps, each run writing two
+# checkpoints and two log lines. A wrong reduction or data split across
+# the processes shows from the first step on, and the pair's steps cost
+# far more CPU than one process's (gloo on loopback): the comparison took
+# 50 s of CPU at 40 steps, 38 s at 10 (the one-process run included).
+COMPARED = {'num_steps': 10, 'log_every': 5, 'eval_every': 5,
+            'checkpoint_every': 5}
+COMPARED_FLAGS = tuple(f'--config.{k}={v}' for k, v in COMPARED.items())
+
+
+def _compared_config():
+  config = digits.get_config('runlocal')
+  for key, value in COMPARED.items():
+    config[key] = value
+  return config
 
 
 def _free_port() -> int:
@@ -32,7 +50,8 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _start_pair(workdir, *overrides, heartbeat=100):
+def _start_pair(workdir, *overrides, heartbeat=100,
+                config='configs/digits.py:runlocal'):
   port = _free_port()
   env = dict(os.environ)
   # Each process simulates 4 devices (conftest sets 8 for the test process).
@@ -45,7 +64,7 @@ def _start_pair(workdir, *overrides, heartbeat=100):
         workdir, '--config.cpu_devices=4', '--multihost',
         f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
         f'--process_id={i}', f'--heartbeat_timeout_seconds={heartbeat}',
-        *overrides)
+        *overrides, config=config)
     procs.append(subprocess.Popen(cmd, cwd=launch_runs.REPO_ROOT, env=env,
                                   stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True))
@@ -79,29 +98,32 @@ def _assert_close(a, b):
 
 
 @pytest.fixture(scope='module')
-def runs(tmp_path_factory, digits_runlocal_run):
-  """The session's one-process runlocal run, and the same config run by
-  two processes; with the line launch.train prints for the first."""
+def runs(tmp_path_factory):
+  """The one-process run of `_compared_config()` (in this process, as
+  launch.train runs it), and the same config run by two processes; with
+  the line launch.train prints for the first."""
   root = tmp_path_factory.mktemp('multihost')
-  one, final = digits_runlocal_run
+  one = str(root / 'one')
+  final = trainer.train_and_evaluate(_compared_config(), one)
   two = str(root / 'two')
-  pair_out = _finish(_start_pair(two))
+  pair_out = _finish(_start_pair(two, *COMPARED_FLAGS))
   single_out = (f'test accuracy: {final["test_accuracy"]:.4f} (test loss '
                 f'{final["test_loss"]:.4f}, step {final["step"]}, workdir '
                 f'{one})\n')
   return root, one, two, single_out, pair_out
 
 
-def test_two_processes_train_like_one(runs, digits_config):
+def test_two_processes_train_like_one(runs):
   _, one, two, single_out, pair_out = runs
+  config = _compared_config()
   # Both processes report the same final metrics as the single process
   # (printed with 4 digits).
   line = lambda out: out.strip().splitlines()[-1].split(', workdir')[0]
   assert line(pair_out[0]) == line(pair_out[1]) == line(single_out)
   assert line(single_out).startswith('test accuracy: ')
-  step_one, params_one = _final_params(one, digits_config)
-  step_two, params_two = _final_params(two, digits_config)
-  assert step_one == step_two == digits_config.num_steps
+  step_one, params_one = _final_params(one, config)
+  step_two, params_two = _final_params(two, config)
+  assert step_one == step_two == config.num_steps
   _assert_close(params_two, params_one)
 
 
@@ -118,21 +140,31 @@ def test_checkpoints_and_logs_are_written_once(runs):
 
 @pytest.mark.slow
 def test_a_single_process_checkpoint_resumes_on_two_processes(
-    runs, digits_config):
+    runs):
   root, one, _, _, _ = runs
+  config = _compared_config()
   resumed = str(root / 'resumed')
   # The 1-process run's mid-run checkpoint, as if that run had stopped there.
   first = sorted(int(s) for s in os.listdir(os.path.join(one, 'checkpoints')))[0]
   os.makedirs(os.path.join(resumed, 'checkpoints'))
   shutil.copytree(os.path.join(one, 'checkpoints', str(first)),
                   os.path.join(resumed, 'checkpoints', str(first)))
-  procs = _start_pair(resumed)
+  procs = _start_pair(resumed, *COMPARED_FLAGS)
   _finish(procs)
   records = open(os.path.join(resumed, 'metrics.jsonl')).read()
   assert f'"step": {first},' not in records  # Steps after `first` only.
-  _, params_resumed = _final_params(resumed, digits_config)
-  _, params_one = _final_params(one, digits_config)
+  _, params_resumed = _final_params(resumed, config)
+  _, params_one = _final_params(one, config)
   _assert_close(params_resumed, params_one)
+
+
+# A run that does not end by itself, logging every step: the tests below
+# act at its first log line, at step 1 (runlocal's first is at step 10).
+# It is runlocal's MLP (Dense-BN-ReLU, sharded over the model axis like the
+# CNN): these tests compare no parameters, and its steps cost a third of
+# the CNN's. The two tests share their programs (the compile cache).
+_ENDLESS_CONFIG = 'runlocal,model=mlp'
+_ENDLESS = ('--config.num_steps=100000', '--config.log_every=1')
 
 
 # The worker's death is this loop's one kill -9 in the default suite.
@@ -142,8 +174,8 @@ def test_a_single_process_checkpoint_resumes_on_two_processes(
 def test_a_dead_process_stops_the_other_with_an_error(tmp_path, victim):
   heartbeat = 10
   survivor = 1 - victim
-  procs = _start_pair(str(tmp_path), '--config.num_steps=100000',
-                      heartbeat=heartbeat)
+  procs = _start_pair(str(tmp_path), *_ENDLESS, heartbeat=heartbeat,
+                      config=f'configs/digits.py:{_ENDLESS_CONFIG}')
   try:
     # Wait until both train (the first log line), then kill one.
     deadline = time.monotonic() + 300
@@ -171,10 +203,10 @@ def test_a_dead_process_stops_the_other_with_an_error(tmp_path, victim):
                    r'service', err, re.I), err[-3000:]
 
 
-def test_sigterm_on_every_worker_saves_one_agreed_step(tmp_path,
-                                                        digits_config):
+def test_sigterm_on_every_worker_saves_one_agreed_step(tmp_path):
   # What a pod's preemption does: SIGTERM to every worker at about once.
-  procs = _start_pair(str(tmp_path), '--config.num_steps=100000')
+  procs = _start_pair(str(tmp_path), *_ENDLESS,
+                      config=f'configs/digits.py:{_ENDLESS_CONFIG}')
   try:
     deadline = time.monotonic() + 300
     while not os.path.exists(tmp_path / 'metrics.jsonl') or os.path.getsize(
@@ -194,8 +226,9 @@ def test_sigterm_on_every_worker_saves_one_agreed_step(tmp_path,
   assert all(stops), errs[0][-2000:]
   step = int(stops[0].group(1))
   assert int(stops[1].group(1)) == step
-  digits_config.num_steps = 100000
-  saved, _ = _final_params(str(tmp_path), digits_config)
+  config = digits.get_config(_ENDLESS_CONFIG)
+  config.num_steps = 100000
+  saved, _ = _final_params(str(tmp_path), config)
   assert saved == step
 
 

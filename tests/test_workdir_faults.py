@@ -38,8 +38,14 @@ from train.vision import trainer
 EXIT_USAGE, EXIT_NO_CHECKPOINT, EXIT_DISK_FULL, EXIT_BUSY = 2, 4, 5, 75
 
 
-def _config(**changes):
-  config = digits.get_config('runlocal')
+# Most tests that compare no state with the reference (signals, sweeps) run
+# the MLP of runlocal (Dense-BN-ReLU, sharded over the model axis like the
+# CNN): the same loop, checkpoints and launcher at half the CPU per run.
+MLP = 'runlocal,model=mlp'
+
+
+def _config(arg='runlocal', **changes):
+  config = digits.get_config(arg)
   for key, value in changes.items():
     config[key] = value
   return config
@@ -61,8 +67,8 @@ def _copy(source, target, *, keep_steps=(20, 40), final=True):
   return str(target)
 
 
-def _state(workdir, step, **changes):
-  exp = experiment.build(_config(**changes), workdir)
+def _state(workdir, step, arg='runlocal', **changes):
+  exp = experiment.build(_config(arg, **changes), workdir)
   with checkpointing.Checkpoints(workdir, every_steps=1, keep=10) as ckpts:
     state, _ = ckpts.restore(step, exp.abstract_state)
   return jax.device_get(state)
@@ -181,12 +187,25 @@ def test_num_steps_below_the_latest_checkpoint_is_refused(reference,
   assert _snapshot(workdir) == before
 
 
-def test_allowed_changes_resume_to_the_same_parameters(reference, tmp_path):
-  workdir = _copy(reference[0], tmp_path / 'run', keep_steps=(20,),
+@pytest.fixture(scope='module')
+def resumed_from_20(reference, tmp_path_factory):
+  """(workdir, launcher result) of a copy of the reference whose checkpoint
+  at step 40 has a flipped bit, resumed with changes a resume allows: it
+  must skip step 40, resume from 20 and end at the reference's parameters.
+  One launcher run (7 s of CPU) for the two tests that resume from step 20
+  (the allowed changes, the flipped bit), each checking its part."""
+  workdir = _copy(reference[0], tmp_path_factory.mktemp('resumed') / 'run',
                   final=False)
+  checkpoint_damage.damage('flipped_bit', workdir, 40)
   result = launch_runs.run(workdir, '--config.log_every=5',
                            '--config.eval_every=40',
                            '--config.keep_checkpoints=5', timeout=300)
+  return workdir, result
+
+
+def test_allowed_changes_resume_to_the_same_parameters(reference,
+                                                       resumed_from_20):
+  workdir, result = resumed_from_20
   assert result.returncode == 0, result.stderr[-3000:]
   checkpoint_damage.assert_same_tree(_state(workdir, 40), _state(reference[0], 40))
 
@@ -195,10 +214,8 @@ def test_allowed_changes_resume_to_the_same_parameters(reference, tmp_path):
 
 
 def test_a_flipped_bit_in_the_latest_checkpoint_resumes_bit_exactly(
-    reference, tmp_path):
-  workdir = _copy(reference[0], tmp_path / 'run', final=False)
-  checkpoint_damage.damage('flipped_bit', workdir, 40)
-  result = launch_runs.run(workdir, timeout=300)
+    reference, resumed_from_20):
+  workdir, result = resumed_from_20
   assert result.returncode == 0, result.stderr[-3000:]
   warnings = [l for l in result.stderr.splitlines()
               if 'Skipping the damaged checkpoint at step 40' in l]
@@ -373,12 +390,14 @@ def _stopped_at(stderr, name):
 def test_sigterm_and_sigint_save_a_checkpoint_and_exit_0_and_130(tmp_path):
   # SIGTERM (a preemption) exits 0; the same command resumes from its save;
   # SIGINT (Ctrl-C) then exits 130. Each leaves its stop step as the
-  # newest checkpoint, restorable and finite.
+  # newest checkpoint, restorable and finite. A checkpoint every 5 steps
+  # (not 20): each signal comes after the next one, 15 steps sooner.
   workdir = str(tmp_path)
-  steps = ('--config.num_steps=100000',)
+  steps = ('--config.num_steps=100000', '--config.checkpoint_every=5')
   last = 0
   for sig, code in ((signal.SIGTERM, 0), (signal.SIGINT, 130)):
-    proc = launch_runs.start(workdir, *steps)
+    proc = launch_runs.start(workdir, *steps,
+                             config=f'configs/digits.py:{MLP}')
     _wait_for(lambda: max(_checkpoint_steps(workdir), default=0) > last,
               proc)
     proc.send_signal(sig)
@@ -390,7 +409,8 @@ def test_sigterm_and_sigint_save_a_checkpoint_and_exit_0_and_130(tmp_path):
       assert f'Resumed from the checkpoint at step {last}' in stderr
     with checkpointing.Checkpoints(workdir, every_steps=1, keep=10) as ckpts:
       assert ckpts.latest_step() == step
-    state = _state(workdir, step, num_steps=100000)
+    state = _state(workdir, step, MLP, num_steps=100000,
+                   checkpoint_every=5)
     assert int(state.step) == step
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
     last = step
@@ -489,8 +509,9 @@ _SWEEP_CONFIG = '''
 from configs import digits
 
 def get_config(arg=None):
-  config = digits.get_config('runlocal')
+  config = digits.get_config({arg!r})
   config.num_steps = {num_steps}
+  config.checkpoint_every = {checkpoint_every}
   return config
 
 def get_sweep(name):
@@ -498,9 +519,10 @@ def get_sweep(name):
 '''
 
 
-def _sweep(tmp_path, num_steps, **kw):
+def _sweep(tmp_path, num_steps, checkpoint_every=20, arg=MLP, **kw):
   config = tmp_path / 'sweep_config.py'
-  config.write_text(_SWEEP_CONFIG.format(num_steps=num_steps))
+  config.write_text(_SWEEP_CONFIG.format(arg=arg, num_steps=num_steps,
+                                         checkpoint_every=checkpoint_every))
   root = str(tmp_path / 'sweep')
   # Its progress lines must reach a pipe (`| tee`) as they happen, whether
   # or not the caller's environment unbuffers Python's output.
@@ -523,8 +545,9 @@ def _alive(pid) -> bool:
 
 
 def test_runs_die_with_a_killed_sweep_after_saving(tmp_path):
-  proc, run = _sweep(tmp_path, num_steps=100000)
-  _wait_for(lambda: os.path.isdir(os.path.join(run, 'checkpoints', '20')),
+  # Killed once its run is in the training loop (its first checkpoint).
+  proc, run = _sweep(tmp_path, num_steps=100000, checkpoint_every=5)
+  _wait_for(lambda: os.path.isdir(os.path.join(run, 'checkpoints', '5')),
             proc)
   child = workdir_lock.holder(run)['pid']
   proc.kill()  # kill -9: the sweep cannot pass anything on itself.
@@ -543,7 +566,9 @@ def test_a_relaunched_sweep_waits_for_a_held_run(tmp_path):
   run = os.path.join(tmp_path, 'sweep', 'seed=0')
   os.makedirs(run)
   holder = launch_runs.hold_workdir(run)
-  proc, _ = _sweep(tmp_path, num_steps=40)
+  # 6 steps (runlocal's 5 warm-up steps need one more): the run only has
+  # to start after the wait and finish.
+  proc, _ = _sweep(tmp_path, num_steps=6)
   try:
     said = select.select([proc.stdout], [], [], 120)[0]
     assert said, 'no [wait] line within 120 s: is the sweep\'s output buffered?'
@@ -568,8 +593,11 @@ def _interruptible():
 
 
 def test_ctrl_c_on_a_sweep_reports_the_checkpoints_that_exist(tmp_path):
-  proc, run = _sweep(tmp_path, num_steps=100000, start_new_session=True,
-                     preexec_fn=_interruptible)
+  # The CNN: the MLP's run could be past its next checkpoint (40) by the
+  # time the one at 20 is written, and then `latest > 20` would hold
+  # without a save at the stop.
+  proc, run = _sweep(tmp_path, num_steps=100000, arg='runlocal',
+                     start_new_session=True, preexec_fn=_interruptible)
   _wait_for(lambda: os.path.isdir(os.path.join(run, 'checkpoints', '20')),
             proc)
   os.killpg(proc.pid, signal.SIGINT)  # What Ctrl-C in its terminal does.
