@@ -17,11 +17,9 @@ from tests import config_edits
 from tests import full_disk
 from tests import launch_runs
 from tests import read_only
-from tests import tta_source
 from train import errors
 from train.tta import adapt
 from train.tta import source as source_lib
-from train.vision import trainer
 
 REPO_ROOT = launch_runs.REPO_ROOT
 
@@ -33,12 +31,24 @@ def source_workdir(tta_source_run):
   return tta_source_run
 
 
+# runlocal's 24 batches: the last one is also a regular checkpoint's step
+# (checkpoint_every may change on resume: the runs below that resume this
+# one's workdir with runlocal's 50 are not refused for it).
+TENT_CHECKPOINT_EVERY = 8
+
+
 @pytest.fixture(scope='module')
 def tent_run(source_workdir, tmp_path_factory):
-  """runlocal's TENT run, finished: (workdir, results)."""
+  """runlocal's TENT run, finished, a checkpoint every 8 batches:
+  (workdir, results)."""
   workdir = str(tmp_path_factory.mktemp('tent'))
-  return workdir, adapt.adapt_and_evaluate(
-      _config(source_workdir, 'runlocal,method=tent'), workdir)
+  return workdir, adapt.adapt_and_evaluate(_tent_config(source_workdir),
+                                           workdir)
+
+
+def _tent_config(source):
+  return _config(source, 'runlocal,method=tent',
+                 checkpoint_every=TENT_CHECKPOINT_EVERY)
 
 
 @pytest.fixture(scope='module')
@@ -96,9 +106,19 @@ def test_a_source_trained_further_is_refused_on_resume_and_rerun(
   # The source was named by path only: one trained on after the run
   # started was adapted from the old one's progress on resume, and a
   # finished run reported its old result again. It is pinned by content.
-  src = str(tmp_path / 'source')
-  shutil.copytree(source_workdir, src)
-  config = _config(src, batch_size=32, checkpoint_every=4,
+  # The source as its training run left it at its first checkpoint (step
+  # 20 of 40); "trained further" below is that run's next checkpoint (40),
+  # which it wrote when it trained on in this workdir, put back.
+  src = tmp_path / 'source'
+  trained = sorted(int(d) for d in os.listdir(
+      os.path.join(source_workdir, 'checkpoints')) if d.isdigit())
+  shutil.copytree(source_workdir, src, ignore=lambda d, names: [
+      n for n in names if os.path.basename(d) == 'checkpoints'
+      and n.isdigit() and int(n) > trained[0]])
+  src = str(src)
+  # The source model alone (no gradients: cheaper), a checkpoint every 4
+  # of its 8 batches.
+  config = _config(src, 'runlocal,method=source', checkpoint_every=4,
                    corruptions='gaussian_noise')
   finished = str(tmp_path / 'finished')
   results = adapt.adapt_and_evaluate(config, finished)
@@ -110,11 +130,15 @@ def test_a_source_trained_further_is_refused_on_resume_and_rerun(
                  if d.isdigit())
   for step in steps[1:]:
     shutil.rmtree(cut / 'checkpoints' / str(step))
-  before = source_lib.load(config).fingerprint
-  further = tta_source.config()
-  further.num_steps += 1
-  trainer.train_and_evaluate(further, src)
-  after = source_lib.load(config).fingerprint
+  loaded = source_lib.load(config)
+  assert loaded.step == trained[0]
+  before = loaded.fingerprint
+  for step in trained[1:]:
+    shutil.copytree(os.path.join(source_workdir, 'checkpoints', str(step)),
+                    os.path.join(src, 'checkpoints', str(step)))
+  loaded = source_lib.load(config)
+  assert loaded.step == trained[-1] > trained[0]
+  after = loaded.fingerprint
   assert after != before
   for workdir in (finished, str(cut)):
     with pytest.raises(errors.UsageError) as e:
@@ -132,8 +156,9 @@ def test_a_write_that_runs_out_of_space_is_disk_full(source_workdir,
   log = str(workdir / 'metrics.jsonl')
   full_disk.on_metrics_write(monkeypatch, log, 2)
   with pytest.raises(errors.DiskFull) as e:
-    adapt.adapt_and_evaluate(_config(source_workdir, batch_size=8,
-                                     log_every=1), str(workdir))
+    # The source model alone: its step traces and compiles fastest.
+    adapt.adapt_and_evaluate(_config(source_workdir, 'runlocal,method=source',
+                                     batch_size=8, log_every=1), str(workdir))
   assert e.value.exit_code == 5
   assert str(e.value).startswith(f'disk full writing {log} (needs about ?, ')
 
@@ -166,30 +191,32 @@ def test_adapts_and_reports_per_corruption_errors(source_workdir, tent_run,
 
 
 def test_a_finished_workdir_reports_without_adapting_again(source_workdir,
-                                                           tmp_path):
-  workdir = str(tmp_path / 'w')
-  # 24 batches: the last one is also a regular checkpoint's step.
-  config = _config(source_workdir, checkpoint_every=8)
-  first = adapt.adapt_and_evaluate(config, workdir)
+                                                           tent_run):
+  # The module's TENT run (its last batch also a regular checkpoint's
+  # step), finished by the fixture: its run again is this test's second.
+  workdir, first = tent_run
   before = _records(workdir)
-  assert adapt.adapt_and_evaluate(config, workdir) == first
+  assert adapt.adapt_and_evaluate(_tent_config(source_workdir),
+                                  workdir) == first
   assert _records(workdir) == before
 
 
 def test_kill_9_then_resume_is_bit_exact(source_workdir, tmp_path):
   # Two corruptions (of runlocal's three): the stream still resets between
-  # episodes after the resume, in two thirds of the time. A checkpoint
-  # every 16 of the 126 batches, not every 4 (a save costs about 0.1 s of
-  # CPU, in the reference and in the resumed run): the kill still comes at
-  # the first, and the resume still crosses the episodes' boundary (batch
-  # 63).
-  overrides = ('--config.method.schedule=conga', '--config.batch_size=8',
-               '--config.checkpoint_every=16',
+  # episodes after the resume, in two thirds of the time. Batches of 25,
+  # which divide each corruption's 500 images (a ragged last batch is a
+  # second shape: a second trace and compile in each of the three runs),
+  # and a checkpoint every 8 of the 40 batches (a save costs about 0.1 s
+  # of CPU, in the reference and in the resumed run): the kill still comes
+  # at the first, and the resume still crosses the episodes' boundary
+  # (batch 20).
+  overrides = ('--config.method.schedule=conga', '--config.batch_size=25',
+               '--config.checkpoint_every=8',
                '--config.corruptions=fog,contrast')
   reference = str(tmp_path / 'reference')  # The same run, in-process.
   adapt.adapt_and_evaluate(
-      _config(source_workdir, 'runlocal,method=sar', batch_size=8,
-              checkpoint_every=16, corruptions='fog,contrast',
+      _config(source_workdir, 'runlocal,method=sar', batch_size=25,
+              checkpoint_every=8, corruptions='fog,contrast',
               **{'method.schedule': 'conga'}), reference)
 
   workdir = str(tmp_path / 'killed')
