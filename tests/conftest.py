@@ -214,8 +214,8 @@ SFT_POLICY_OVERRIDES = ('--config.num_steps=300',
 def sft_policy_run(tmp_path_factory):
   """(workdir, the launcher's stdout) of the SFT warm start, trained once
   per test session through `launch.train` (SFT_POLICY_OVERRIDES), for
-  test_rl_sft and test_rl_run: tests read it or copy it, never write into
-  it."""
+  the RL tests (test_rl_sft, test_rl_run, test_rl_rollout, ...): tests
+  read it or copy it, never write into it."""
   from tests import launch_runs  # pylint: disable=g-import-not-at-top
   with _built_once(tmp_path_factory, 'sft_policy') as root:
     workdir, stdout = os.path.join(root, 'run'), os.path.join(root, 'stdout')

@@ -1,7 +1,9 @@
 """The RL job: synchronous mode = a plain GRPO loop bit for bit, the
 staleness bound, resume after SIGTERM and kill -9, and one-line errors."""
 
+import copy
 import json
+import logging
 import os
 import shutil
 import signal
@@ -92,9 +94,11 @@ def _grad_norms(workdir):
 @pytest.fixture(scope='module')
 def synchronous_run(sft_workdir, tmp_path_factory):
   """(config, workdir, results) of a synchronous run (s = 0, two actors) of
-  8 versions, run once: the plain loop's match below, and the synchronous
+  8 versions, run once: the plain loop's match below, the synchronous
   run the asynchronous ones must differ from (8 versions as theirs; 6
-  before, which nothing here depends on)."""
+  before, which nothing here depends on), and the finished run (copied)
+  that test_a_held_workdir_a_changed_config_or_policy_are_refused
+  resumes."""
   config = _config(sft_workdir, max_staleness=0, num_actors=2)
   config.num_versions = 8
   workdir = tmp_path_factory.mktemp('synchronous') / 'rl'
@@ -113,12 +117,22 @@ def test_synchronous_mode_is_the_plain_grpo_loop_bit_for_bit(sft_workdir,
   assert os.path.getsize(workdir / run.PLOT) > 0
 
 
+@pytest.fixture(scope='module')
+def deterministic_run(sft_workdir, tmp_path_factory):
+  """(config, workdir, results) of the deterministic run with s = 2 (two
+  actors, 8 versions) that `_launch` starts, run once in this process:
+  the first of the two runs that must repeat below, and the uninterrupted
+  run the launcher's stopped, killed and resumed one must equal."""
+  config = _launched_config(sft_workdir)
+  workdir = tmp_path_factory.mktemp('deterministic') / 'rl'
+  return config, workdir, run.train_and_evaluate(config, str(workdir))
+
+
 def test_async_runs_respect_the_bound_and_deterministic_ones_repeat(
-    sft_workdir, tmp_path, synchronous_run):
-  config = _config(sft_workdir, max_staleness=2, num_actors=2,
-                   deterministic=True)
-  config.num_versions = 8
-  a = run.train_and_evaluate(config, str(tmp_path / 'a'))
+    tmp_path, synchronous_run, deterministic_run):
+  config, _, a = deterministic_run
+  assert config.runtime.max_staleness == 2 and config.runtime.num_actors == 2
+  assert config.runtime.deterministic
   b = run.train_and_evaluate(config, str(tmp_path / 'b'))
   assert a['params_sha256'] == b['params_sha256']
   # Batch k on version max(0, k - 2): staleness 0, 1, then 2 from k = 2.
@@ -128,23 +142,32 @@ def test_async_runs_respect_the_bound_and_deterministic_ones_repeat(
   assert a['params_sha256'] != synchronous['params_sha256']
 
 
-def test_gas_runs_keep_every_batch_in_budget_and_deterministic_ones_repeat(
-    sft_workdir, tmp_path):
+@pytest.fixture(scope='module')
+def gas_runs(sft_workdir, tmp_path_factory):
+  """(config, workdir of a, a, b): two runs of one deterministic GAS config
+  (s = 3, curvature every 3 versions), run once for the two GAS tests."""
   config = _config(sft_workdir, max_staleness=3, num_actors=2,
                    deterministic=True)
   config.scheduler = 'gas'
   config.gas.update(latency_source='model', curvature_every=3,
                     curvature_iters=3, alpha=1.0)
-  config.num_versions = 9
-  a = run.train_and_evaluate(config, str(tmp_path / 'a'))
-  b = run.train_and_evaluate(config, str(tmp_path / 'b'))
+  config.num_versions = 7  # Batches 0-6: the refused test's 4 and 6.
+  root = tmp_path_factory.mktemp('gas')
+  a = run.train_and_evaluate(config, str(root / 'a'))
+  b = run.train_and_evaluate(config, str(root / 'b'))
+  return config, root / 'a', a, b
+
+
+def test_gas_runs_keep_every_batch_in_budget_and_deterministic_ones_repeat(
+    gas_runs):
+  config, workdir, a, b = gas_runs
   assert a['params_sha256'] == b['params_sha256']
   assert a['gas'] == b['gas'] and a['difficulty_mix'] == b['difficulty_mix']
   # Admission for batch k reads the budgets logged at version k.
   options = scheduler.settings(config).options
   budgets = {f'gas/budget/d{d:g}': int(n) for d, n in zip(
       options.difficulties, gas.budgets(gas.init(options), options))}
-  records = [json.loads(l) for l in open(tmp_path / 'a' / 'metrics.jsonl')]
+  records = [json.loads(l) for l in open(workdir / 'metrics.jsonl')]
   trained = 0
   for record in records:
     if 'staleness' in record:
@@ -154,20 +177,17 @@ def test_gas_runs_keep_every_batch_in_budget_and_deterministic_ones_repeat(
     if 'gas/budget/d1' in record:
       budgets = {k: v for k, v in record.items() if 'gas/budget/' in k}
   assert trained == config.num_versions
-  assert 'gas/lambda_max/d1' in records[3]  # Curvature at versions 3, 6, 9.
+  assert 'gas/lambda_max/d1' in records[3]  # Curvature at versions 3 and 6.
   assert sum(a['difficulty_mix'].values()) == config.num_versions
   counted = sum(a['gas'][f'admitted/d{d}'] for d in config.difficulties)
   assert counted == config.num_versions * 16  # 4 prompts x 4 samples.
 
 
 def test_a_refused_batch_is_generated_again_from_the_current_version(
-    sft_workdir, tmp_path, monkeypatch):
-  config = _config(sft_workdir, max_staleness=3, num_actors=2,
-                   deterministic=True)
-  config.scheduler = 'gas'
-  config.gas.update(latency_source='model', curvature_every=0)
-  config.num_versions = 8
-  kept = run.train_and_evaluate(config, str(tmp_path / 'kept'))
+    gas_runs, tmp_path, monkeypatch):
+  # The same config as the run kept by the GAS test above, with batches 4
+  # and 6 refused.
+  config, _, kept, _ = gas_runs
   refuse = {4, 6}
   real = scheduler.Gas.admit
   monkeypatch.setattr(scheduler.Gas, 'admit', lambda self, k, d, lag: (
@@ -188,9 +208,9 @@ def test_a_refused_batch_is_generated_again_from_the_current_version(
 
 def _launch(workdir, sft_workdir, *overrides):
   return [sys.executable, '-m', 'launch.rl',
-          '--config=configs/rl.py:runlocal,staleness=1',
+          '--config=configs/rl.py:runlocal,staleness=2',
           f'--config.sft_workdir={sft_workdir}', f'--workdir={workdir}',
-          '--config.difficulties=(1,2)', '--config.num_versions=10',
+          '--config.difficulties=(1,2)', '--config.num_versions=8',
           '--config.runtime.deterministic=True', *overrides]
 
 
@@ -226,14 +246,14 @@ GAS = ('--config.scheduler=gas', '--config.gas.latency_source=model',
 @pytest.mark.parametrize('extra', [
     (), pytest.param(GAS, marks=pytest.mark.slow)], ids=['plain', 'gas'])
 def test_a_run_stopped_by_sigterm_then_killed_resumes_bit_for_bit(
-    sft_workdir, tmp_path, extra):
+    sft_workdir, tmp_path, request, caplog, extra):
   launch = lambda workdir: _launch(workdir, sft_workdir, *extra)
   start = lambda workdir: subprocess.Popen(
       launch(workdir), cwd=REPO_ROOT, stdout=subprocess.PIPE,
       stderr=subprocess.PIPE, text=True)
   cut = tmp_path / 'cut'
   proc = start(cut)
-  _wait_for_checkpoint(cut, proc)  # The first is at version 2 of 10.
+  _wait_for_checkpoint(cut, proc)  # The first is at version 2 of 8.
   proc.send_signal(signal.SIGTERM)
   _, err = proc.communicate(timeout=120)
   assert proc.returncode == 0, err[-3000:]
@@ -245,15 +265,23 @@ def test_a_run_stopped_by_sigterm_then_killed_resumes_bit_for_bit(
   _, err = proc.communicate(timeout=120)
   assert proc.returncode == -signal.SIGKILL, err[-3000:]
   assert 'Resuming at version' in err
-  resumed = subprocess.run(launch(cut), cwd=REPO_ROOT,
-                           capture_output=True, text=True, timeout=600)
-  assert resumed.returncode == 0, resumed.stderr[-3000:]
-  assert 'Resuming at version' in resumed.stderr
+  # The last resume, from the cadence checkpoint the killed process left,
+  # runs to the end in this process: reading a checkpoint is the same code
+  # either way (the launcher's resume from a SIGTERM save is the second
+  # run above), and a launcher would trace every program again (7 s of
+  # CPU against 2 here, where this config's run has traced them).
+  with caplog.at_level(logging.INFO, logger='absl'):
+    run.train_and_evaluate(_launched_config(sft_workdir, *extra), str(cut))
+  assert 'Resuming at version' in caplog.text
   # The uninterrupted run of the same config, in this process: what is
   # compared is the policy it ends with, which no process boundary changes
-  # (a launcher's run was 7 s of CPU against 3 here).
-  whole = tmp_path / 'whole'
-  run.train_and_evaluate(_launched_config(sft_workdir, *extra), str(whole))
+  # (a launcher's run was 7 s of CPU against 3 here). Without GAS it is
+  # the module's deterministic run (test_async_runs_...'s first).
+  if extra:
+    whole = tmp_path / 'whole'
+    run.train_and_evaluate(_launched_config(sft_workdir, *extra), str(whole))
+  else:
+    whole = request.getfixturevalue('deterministic_run')[1]
   load = lambda d: json.load(open(os.path.join(d, run.RESULTS)))
   assert load(cut)['params_sha256'] == load(whole)['params_sha256']
   steps = [json.loads(l)['step'] for l in open(cut / 'metrics.jsonl')]
@@ -263,10 +291,10 @@ def test_a_run_stopped_by_sigterm_then_killed_resumes_bit_for_bit(
 def _launched_config(sft_workdir, *overrides):
   """What `_launch` runs (with `overrides`, '--config.a.b=v' flags), as a
   config."""
-  config = rl_config.get_config('runlocal,staleness=1')
+  config = rl_config.get_config('runlocal,staleness=2')
   config.sft_workdir = str(sft_workdir)
   config.difficulties = (1, 2)
-  config.num_versions = 10
+  config.num_versions = 8
   config.runtime.deterministic = True
   return config_edits.apply_flags(config, overrides)
 
@@ -297,7 +325,10 @@ def _launched_config(sft_workdir, *overrides):
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_input_is_one_line_before_any_work(sft_workdir, tmp_path,
                                                changes, field):
-  config = config_edits.apply(_launched_config(sft_workdir), changes)
+  # 10 versions: max_staleness's bound is min(10, num_versions), and the
+  # message names the hard cap.
+  config = config_edits.apply(
+      _launched_config(sft_workdir, '--config.num_versions=10'), changes)
   with pytest.raises(errors.UsageError) as e:
     run.train_and_evaluate(config, str(tmp_path / 'w'))
   assert field in str(e.value) and '\n' not in str(e.value), str(e.value)
@@ -366,11 +397,17 @@ def test_bad_input_through_the_launcher_is_one_line_and_exit_2(sft_workdir,
   assert not os.path.exists(tmp_path / 'w' / 'checkpoints')
 
 
-def test_a_held_workdir_a_changed_config_or_policy_are_refused(sft_workdir,
-                                                               tmp_path):
+def test_a_held_workdir_a_changed_config_or_policy_are_refused(
+    sft_workdir, tmp_path, synchronous_run):
   policy = str(tmp_path / 'sft')  # A copy: trained further below.
   shutil.copytree(sft_workdir, policy)
+  # The module's finished synchronous run, copied, with its policy named
+  # by the copy's path (sft_workdir may move; its content is pinned).
+  synchronous, finished, results = synchronous_run
+  config = config_edits.apply(copy.deepcopy(synchronous),
+                              {'sft_workdir': policy})
   workdir = tmp_path / 'rl'
+  shutil.copytree(finished, workdir)
   holder = launch_runs.hold_workdir(str(workdir))
   try:
     proc = subprocess.run(_launch(workdir, policy), cwd=REPO_ROOT,
@@ -379,8 +416,7 @@ def test_a_held_workdir_a_changed_config_or_policy_are_refused(sft_workdir,
   finally:
     holder.kill()
     holder.wait()
-  config = _config(policy)
-  results = run.train_and_evaluate(config, str(workdir))
+  assert run.train_and_evaluate(config, str(workdir)) == results
   # The same run as a kill left it, at its first kept checkpoint.
   cut = tmp_path / 'cut'
   shutil.copytree(workdir, cut)
@@ -388,7 +424,7 @@ def test_a_held_workdir_a_changed_config_or_policy_are_refused(sft_workdir,
   for step in sorted(int(d) for d in os.listdir(cut / 'checkpoints')
                      if d.isdigit())[1:]:
     shutil.rmtree(cut / 'checkpoints' / str(step))
-  other = config_edits.apply(_config(policy), {'grpo.epsilon': 0.3})
+  other = config_edits.apply(copy.deepcopy(config), {'grpo.epsilon': 0.3})
   with pytest.raises(errors.UsageError, match='grpo.epsilon'):
     run.train_and_evaluate(other, str(workdir))
   # sft_workdir may name another path, but not another policy: a resumed
