@@ -86,16 +86,18 @@ def _measure(root, name):
     return json.load(f)
 
 
-def _logits(model, params, tokens):
-  """The model's logits (float64 numpy) on (batch, len) tokens: one
-  compiled program per shape."""
-  model = model.clone(max_len=max(model.max_len, tokens.shape[1]))
+def _logits_program(model, max_len):
+  """`logits(params, tokens)`: the model's logits (float64 numpy) on
+  (batch, len <= max_len) tokens. One jitted function: compiled once per
+  tokens' shape, whatever the parameters (the file's, quantised ones),
+  where a function per call compiled each probe again."""
+  model = model.clone(max_len=max(model.max_len, max_len))
   fn = jax.jit(lambda p, t: model.apply({'params': p}, t)[0])
-  return np.asarray(fn(params, tokens), np.float64)
+  return lambda params, tokens: np.asarray(fn(params, tokens), np.float64)
 
 
-def _ce(model, params, windows):
-  logp = jax.nn.log_softmax(_logits(model, params, windows[:, :-1]))
+def _ce(logits, params, windows):
+  logp = jax.nn.log_softmax(logits(params, windows[:, :-1]))
   return float(-np.take_along_axis(np.asarray(logp), windows[:, 1:, None],
                                    -1).mean())
 
@@ -106,30 +108,31 @@ def test_the_text_measures_against_plain_references(smoke, tiny_file):
   base = _base(tiny_file)
   checkpoint = _measure(root, 'mid_checkpoint')
   loaded = gemma_gguf.load(tiny_file)
-  model = models.create(base.midtrain)
   windows = lm_data.heldout_windows(loaded.tokenizer, 4, 16)
-  assert checkpoint['heldout_ce'] == pytest.approx(
-      _ce(model, loaded.params, windows), abs=1e-4)
-  # 4 bits in groups of 32: the quantised model's CE, not the per-channel
-  # one's (the setting reaches the quantisation).
-  grouped = quantization.fake_quantize(loaded.params, 4, 32)
-  assert checkpoint['quant_ce'] == pytest.approx(
-      _ce(model, grouped, windows), abs=1e-4)
-  per_channel = _ce(model, quantization.fake_quantize(loaded.params, 4),
-                    windows)
-  assert abs(checkpoint['quant_ce'] - per_channel) > 1e-3
-  # Each probe scored alone (a batch of one; what follows it in the
-  # window is zeros, which a causal model does not see before them).
   rows = [([loaded.tokenizer.bos_id] + list(loaded.tokenizer.encode(prompt)),
            list(loaded.tokenizer.encode(answer)))
           for prompt, answer in probes.FACTS]
   width = max(len(h) + len(t) for h, t in rows)
+  logits = _logits_program(models.create(base.midtrain),
+                           max(width, windows.shape[1]))
+  assert checkpoint['heldout_ce'] == pytest.approx(
+      _ce(logits, loaded.params, windows), abs=1e-4)
+  # 4 bits in groups of 32: the quantised model's CE, not the per-channel
+  # one's (the setting reaches the quantisation).
+  grouped = quantization.fake_quantize(loaded.params, 4, 32)
+  assert checkpoint['quant_ce'] == pytest.approx(
+      _ce(logits, grouped, windows), abs=1e-4)
+  per_channel = _ce(logits, quantization.fake_quantize(loaded.params, 4),
+                    windows)
+  assert abs(checkpoint['quant_ce'] - per_channel) > 1e-3
+  # Each probe scored alone (a batch of one; what follows it in the
+  # window is zeros, which a causal model does not see before them).
   logps, known = [], []
   for head, tail in rows:
     tokens = np.zeros((1, width), np.int32)
     tokens[0, :len(head) + len(tail)] = head + tail
     logp = np.asarray(jax.nn.log_softmax(
-        _logits(model, loaded.params, tokens)[0]))
+        logits(loaded.params, tokens)[0]))
     at = np.arange(len(head) - 1, len(head) + len(tail) - 1)
     logps.append(logp[at, tokens[0, at + 1]].mean())
     known.append(bool(np.all(logp[at].argmax(-1) == tokens[0, at + 1])))

@@ -116,11 +116,49 @@ def _compare(summary, reference, run, positions=slice(None)):
                                  )))
 
 
-def _prefix_summary(model, params, ids, reference):
-  n = len(ids)
-  return jax.tree.map(np.asarray, jax.jit(
-      lambda p, t: _summary(model.apply({'params': p}, t)[0][0], reference,
-                            slice(0, n)))(params, ids[None]))
+PREFIX = 128  # The uncached checks' passage prefix.
+
+
+def _prefix_program(shape, params, layer):
+  """The uncached forward of `shape` on PREFIX tokens with geom's ungated
+  addition (alpha 1: coefficient |v|) added to block `layer`'s output at
+  every token (BOS included, as llama.cpp's control vectors are), as
+  `run(params, vector, alpha, reference) -> _summary` (`reference`: the
+  passage and the ids compared, its 'f_top_ids' llama.cpp's steered ones
+  where the steered run is compared). At alpha 0 it adds nothing: the
+  plain model. The parameters, vector, alpha and ids are arguments, so one
+  compiled program serves every check at this shape and block (each trace
+  and compile of the 270M costs seconds)."""
+  from geom import steering as steering_lib  # pylint: disable=g-import-not-at-top
+  from train.lm import hooks  # pylint: disable=g-import-not-at-top
+  model = gemma.Gemma3(shape, max_len=PREFIX)
+  path = hooks.resolve_layer(params, int(layer))
+
+  @jax.jit
+  def summary(p, tokens, steer, ids):
+    with hooks.steered(steer, path):
+      logits, _ = model.apply({'params': p}, tokens)
+    return _summary(logits[0], ids, slice(None))
+
+  def run(p, vector, alpha, reference):
+    steer = steering_lib.Steering(
+        'addition', jnp.asarray(vector), alpha=alpha,
+        coefficient=float(np.linalg.norm(vector)), gate=False)
+    ids = {k: np.asarray(reference[k][:PREFIX] if k.endswith('top_ids')
+                         else reference[k], np.int32)
+           for k in ('f_top_ids', 'q_top_ids', 'random_ids')}
+    tokens = reference['passage_ids'][None, :PREFIX]
+    return jax.tree.map(np.asarray, summary(p, tokens, steer, ids))
+  return run
+
+
+@pytest.fixture(scope='module')
+def at_cvec_layer(loaded, reference):
+  """`_prefix_program` of the loaded 270M at the recorded control vector's
+  block: the uncached forward test, the norm-offset bug and the control
+  vector test share its one compile."""
+  return _prefix_program(loaded.shape, loaded.params,
+                         reference['cvec_layers'][0])
 
 
 def test_the_registry_file_loads_as_gemma3_270m(loaded):
@@ -165,11 +203,11 @@ def test_logits_match_llama_cpp_on_a_passage_past_the_window(
   print('float32 run:', f, 'Q4_K_M run:', q)
 
 
-def test_the_uncached_forward_matches_too(loaded, reference):
-  ids = reference['passage_ids'][:128]
-  summary = _prefix_summary(gemma.Gemma3(loaded.shape, max_len=128),
-                            loaded.params, ids, reference)
-  f = _compare(summary, reference, 'f_', slice(0, 128))
+def test_the_uncached_forward_matches_too(loaded, reference, at_cvec_layer):
+  # Alpha 0: the steering hook adds nothing (the plain model).
+  summary = at_cvec_layer(loaded.params, reference['cvec_vectors'][0], 0.0,
+                          reference)
+  f = _compare(summary, reference, 'f_', slice(0, PREFIX))
   assert f['top'] < LOGIT_TOL and f['random'] < LOGIT_TOL, f
 
 
@@ -178,7 +216,8 @@ def test_the_uncached_forward_matches_too(loaded, reference):
     # 26 s (a 640-token prefill); the window itself is held by the passage
     # test, whose positions past 512 fail without it.
     pytest.param('no_window', marks=pytest.mark.slow)])
-def test_each_planted_bug_fails_the_logit_check(loaded, reference, bug):
+def test_each_planted_bug_fails_the_logit_check(loaded, reference, bug,
+                                               at_cvec_layer):
   shape, params = loaded.shape, loaded.params
   if bug == 'rope_base':
     shape = dataclasses.replace(shape, local_base=shape.global_base)
@@ -194,9 +233,12 @@ def test_each_planted_bug_fails_the_logit_check(loaded, reference, bug):
     summary = {k: v[512:] for k, v in summary.items()}
     f = _compare(summary, reference, 'f_', slice(512, n))
   else:
-    summary = _prefix_summary(gemma.Gemma3(shape, max_len=128), params,
-                              ids[:128], reference)
-    f = _compare(summary, reference, 'f_', slice(0, 128))
+    # The norm bug changes only the parameters: the shared program runs it
+    # (alpha 0: unsteered); the RoPE bug's shape is another program.
+    run = (at_cvec_layer if shape == loaded.shape else _prefix_program(
+        shape, params, reference['cvec_layers'][0]))
+    summary = run(params, reference['cvec_vectors'][0], 0.0, reference)
+    f = _compare(summary, reference, 'f_', slice(0, PREFIX))
   assert f['top'] > 20 * LOGIT_TOL, f
 
 
@@ -308,44 +350,20 @@ def test_steering_hooks_run_unchanged_on_gemma(request, tmp_path,
   assert float(g.stats.tokens) == 8  # The last prompt token, then 7 steps.
 
 
-def _steered_summaries(loaded, ids, reference, layer):
-  """`_summary` of the uncached forward with a vector added to block
-  `layer`'s output at every token (BOS included, as llama.cpp's control
-  vectors are): geom's ungated addition at alpha 1, coefficient |v|. A
-  function of (vector, alpha): one compiled program for every vector."""
-  from geom import steering as steering_lib  # pylint: disable=g-import-not-at-top
-  from train.lm import hooks  # pylint: disable=g-import-not-at-top
-  model = gemma.Gemma3(loaded.shape, max_len=len(ids))
-  path = hooks.resolve_layer(loaded.params, int(layer))
-
-  @jax.jit
-  def run(p, t, steer):
-    with hooks.steered(steer, path):
-      logits, _ = model.apply({'params': p}, t)
-    return _summary(logits[0], reference, slice(0, len(ids)))
-
-  def summary(vector, alpha=1.0):
-    steer = steering_lib.Steering(
-        'addition', jnp.asarray(vector), alpha=alpha,
-        coefficient=float(np.linalg.norm(vector)), gate=False)
-    return jax.tree.map(np.asarray, run(loaded.params, ids[None], steer))
-  return summary
-
-
 def test_llama_cpp_steered_by_an_exported_vector_is_geoms_addition(
-    loaded, reference):
+    loaded, reference, at_cvec_layer):
   """launch.steer_eval --export_gguf's control vector, applied by llama.cpp
   (`llama_set_adapter_cvec`, recorded by record_llama_cpp.py
   --control_vector), gives the logits of geom's addition at the same block
   and strength, within the unsteered comparison's tolerance; the vector
   moves them by far more, and a flipped sign or a block off fails."""
   (layer,), (vector,) = reference['cvec_layers'], reference['cvec_vectors']
-  n = 128
-  ids = reference['passage_ids'][:n]
+  n = PREFIX
   steered = dict(reference, **{'f_' + k[len('cvec_f_'):]: v
                                for k, v in reference.items()
                                if k.startswith('cvec_f_')})
-  at_layer = _steered_summaries(loaded, ids, steered, layer)
+  at_layer = lambda v, alpha=1.0: at_cvec_layer(loaded.params, v, alpha,
+                                                 steered)
   f = _compare(at_layer(vector), steered, 'f_', slice(0, n))
   assert f['top'] < LOGIT_TOL and f['random'] < LOGIT_TOL, f
   assert f['lse'] < LOGIT_TOL and f['argmax_agree'] == 1.0, f
@@ -356,7 +374,8 @@ def test_llama_cpp_steered_by_an_exported_vector_is_geoms_addition(
   assert plain['top'] > 20 * LOGIT_TOL, plain
   print('unsteered, against llama.cpp steered:', plain)
   for bad in (at_layer(-vector),
-              _steered_summaries(loaded, ids, steered, layer + 1)(vector)):
+              _prefix_program(loaded.shape, loaded.params, layer + 1)(
+                  loaded.params, vector, 1.0, steered)):
     bad = _compare(bad, steered, 'f_', slice(0, n))
     assert bad['top'] > 20 * LOGIT_TOL, bad
 

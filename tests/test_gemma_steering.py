@@ -4,11 +4,12 @@ The study is run end to end at `runlocal` size, reused, and refused on
 another config or file: on the tests' two-layer Gemma 3 files, and on the
 real 270M one `slow`. The evaluation it runs is the in-project study's
 (tests/test_steering_evaluation.py checks its scorers on both models).
+The study at selected settings (`selected.run`) is checked in
+tests/test_steering_selection.py, around the selection that file runs.
 """
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -18,7 +19,6 @@ import pytest
 
 from configs import gemma as gemma_config
 from studies.gemma_steering import layers as gemma_study
-from studies.gemma_steering import selected
 from train.errors import ConfigError
 from train.errors import UsageError
 from train.lm import gemma_gguf
@@ -175,115 +175,3 @@ def test_study_end_to_end_reuse_and_refusal(study_model, tmp_path):
     json.dump(results, f)
   with pytest.raises(UsageError, match='another model file'):
     gemma_study.run(config, workdir, [0.05])
-
-
-def _matched(kl, correct, base, targets):
-  """(T,) mean over items and sets of the per-item correctness at each
-  target KL: numpy's interpolation through (0, base) and the sweep (the
-  rows' (A, S, N) `correct`, the unsteered (S, N) `base`), NaN beyond it."""
-  x = np.array([0.0, *kl])
-  order = np.argsort(x, kind='stable')
-  y = np.concatenate([np.asarray(base)[None], np.asarray(correct)])[order]
-  out = []
-  for t in targets:
-    if t > x.max():
-      out.append(np.nan)
-      continue
-    items = [[np.interp(t, x[order], y[:, s, i]) for i in range(y.shape[2])]
-             for s in range(y.shape[1])]
-    out.append(np.mean([np.mean(s) for s in items]))
-  return np.array(out)
-
-
-def _selected_config(tiny_file):
-  """configs/gemma.py:runlocal,selection on the two-layer file: block 1
-  (choosing among blocks is test_steering_selection.py's), two direction
-  methods, one ungated and one gated method, one task and no generations
-  (each block, task and generation is a compile). The task is copa: the
-  real-text task's pool takes seconds to read, and its sizes in the
-  config are checked by the README command's refusal
-  (tests/test_gemma_steering_results.py)."""
-  config = gemma_config.get_config('runlocal,selection')
-  assert dict(gemma_config.get_config('selection').tasks) == dict(
-      copa=40, cloze=40, pydoc_polarity=40)
-  config.update(dict(gguf=str(tiny_file), shape='gguf', layer=1,
-                     sweep_layers=(),
-                     methods=('none', 'addition', 'spherical_gate'),
-                     alphas=(0.3, 1.0), heldout_windows=2))
-  config.tasks = dict(copa=2)
-  config.generation.enabled = False
-  config.selection.update(dict(layers=(1,), items_per_set=2,
-                               direction_methods=('mean_diff', 'pca_center'),
-                               targets=(0.01, 0.05)))
-  return config
-
-
-def test_selected_settings_end_to_end_reuse_and_report(tiny_file, tmp_path):
-  """`python -m studies.gemma_steering --config=configs/gemma.py:selection`
-  (`selected.run`, in process) on the two-layer file: the report's
-  settings, gate and trigger rates are selection.json's and the rows',
-  its matched-KL means numpy's interpolation of the rows; a rerun reuses
-  the evaluation; the reference rows, shown from an evaluation of the same
-  file, are that evaluation's."""
-  config = _selected_config(tiny_file)
-  workdir, targets = str(tmp_path / 'study'), [0.01, 0.05]
-  no_ref = str(tmp_path / 'no_reference')
-  summary = selected.run(config, workdir, targets, 200, reference=no_ref)
-  out = os.path.join(workdir, selected.NAME)
-  with open(os.path.join(out, 'results.json')) as f:
-    results = json.load(f)
-  with open(os.path.join(out, 'selection.json')) as f:
-    record = json.load(f)
-  rows = results['rows']
-  for method, entry in summary['selection'].items():
-    at = record['choice'][method]
-    assert (entry['layer'], entry['direction_method'], entry['alphas']) == (
-        at['layer'], at['direction_method'], at['alphas'])
-  gated = summary['selection']['spherical_gate']
-  assert gated['gate']['kind'] == 'calibrated'
-  assert gated['gate']['beta'] == record['choice']['spherical_gate'][
-      'gate']['beta']
-  test_rate = np.mean([r['trigger_rate'] for r in rows
-                       if r['method'] == 'spherical_gate'])
-  assert gated['trigger_rate']['test'] == pytest.approx(test_rate)
-  assert gated['trigger_rate']['test_in_band'] == bool(
-      0.05 <= test_rate <= 0.95)
-  assert 'gate' not in summary['selection']['addition']
-  base = next(r for r in rows if r['method'] == 'none')
-  for task in config.tasks:
-    key = f'{task}_correct_mean'
-    for method, cells in summary['accuracy'][task].items():
-      sweep = [r for r in rows if r['method'] == method]
-      want = _matched([r['kl'] for r in sweep], [r[key] for r in sweep],
-                      base[key], targets)
-      got = np.array([c['mean'] for c in cells])
-      np.testing.assert_allclose(got, want, atol=1e-9, equal_nan=True)
-      for c in cells:
-        assert np.isnan(c['mean']) or c['low'] <= c['mean'] <= c['high']
-  text = open(os.path.join(workdir, 'study.md')).read()
-  assert '**Selected settings**' in text and 'copa: accuracy at matched' in text
-  assert f'| spherical_gate | {gated["layer"]} |' in text
-  assert '**Reference settings**: not shown (no stored evaluation' in text
-  for name in ('pareto_bands.png', f'{selected.NAME}/gate_spherical_gate.png'):
-    assert os.path.exists(os.path.join(workdir, name))
-
-  # A rerun reuses the evaluation; another selection is refused.
-  mtime = os.path.getmtime(os.path.join(out, 'results.json'))
-  assert selected.run(config, workdir, targets, 200,
-                      reference=no_ref) == summary
-  assert os.path.getmtime(os.path.join(out, 'results.json')) == mtime
-  config.selection.items_per_set = 1
-  with pytest.raises(UsageError, match='another config.*selection'):
-    selected.run(config, workdir, targets, 200, reference=no_ref)
-
-  # The reference rows: here an evaluation of the same file at block 1.
-  os.mkdir(no_ref)
-  shutil.copy(os.path.join(out, 'results.json'),
-              os.path.join(no_ref, 'layer1_results.json'))
-  ref = selected.reference_run(no_ref, 1, '0' * 64)
-  assert ref[0] is None and 'another model file' in ref[1]
-  ref = selected.reference_run(no_ref, 1, results['meta']['gguf_sha256'])
-  again, text = selected.summarize(results, record, targets, 200, ref)
-  for task, by_method in again['reference']['accuracy'].items():
-    assert by_method == summary['accuracy'][task]
-  assert '| addition, reference |' in text

@@ -116,16 +116,25 @@ def test_a_bad_frozen_pattern_is_one_line(tiny_file, tmp_path, pattern,
     sft.build(_sft_config(tiny_file, frozen=pattern), str(tmp_path))
 
 
-def test_sam_with_a_frozen_embedding_leaves_it_in_place(tiny_file, tmp_path):
-  """SAM perturbs along the gradient: a frozen parameter gets none, so
-  neither its perturbation nor its update moves it, while SAM runs (its
-  diagnostics are logged) and the others train."""
+@pytest.fixture(scope='module')
+def sam_run(tiny_file, tmp_path_factory):
+  """A finished SAM fine-tune (LM) run of the small file, its embedding
+  frozen: its own test's, and the other LM run that replaces a source
+  below."""
   config = tiny_gemma.gemma_config(tiny_file, 'finetune')
   config.batch_size = config.eval_batch_size = 8
   config.optimizer.frozen = '^embedding$'
   config.optimizer.sam.enabled = True
-  workdir = str(tmp_path / 'ft')
+  workdir = str(tmp_path_factory.mktemp('sam') / 'ft')
   lm_trainer.train_and_evaluate(config, workdir)
+  return workdir
+
+
+def test_sam_with_a_frozen_embedding_leaves_it_in_place(tiny_file, sam_run):
+  """SAM perturbs along the gradient: a frozen parameter gets none, so
+  neither its perturbation nor its update moves it, while SAM runs (its
+  diagnostics are logged) and the others train."""
+  workdir = sam_run
   trained = lm_trainer.load_trained(workdir).params
   pretrained = gemma_gguf.load(tiny_file).params
   assert np.array_equal(trained['embedding'], pretrained['embedding'])
@@ -248,18 +257,16 @@ def test_a_real_gemma_fine_tunes_and_serves_grpo(tmp_path):
 
 
 @pytest.fixture(scope='module')
-def lm_runs(tiny_file, tmp_path_factory):
-  """Two finished LM runs of the small file (seeds 0 and 1), its
-  embedding frozen: Gemmas continued on text."""
-  out = []
-  for seed in (0, 1):
-    config = tiny_gemma.gemma_config(tiny_file, 'finetune,frozen')
-    config.batch_size = config.eval_batch_size = 8
-    config.seed = seed
-    workdir = str(tmp_path_factory.mktemp(f'lm{seed}'))
-    lm_trainer.train_and_evaluate(config, workdir)
-    out.append(workdir)
-  return out
+def lm_runs(tiny_file, sam_run, tmp_path_factory):
+  """Two finished LM runs of the small file, its embedding frozen: Gemmas
+  continued on text. The first is configs/gemma.py's 'finetune,frozen';
+  the second is the SAM run above (any other run of the file serves: a
+  third training run cost 8 s)."""
+  config = tiny_gemma.gemma_config(tiny_file, 'finetune,frozen')
+  config.batch_size = config.eval_batch_size = 8
+  workdir = str(tmp_path_factory.mktemp('lm0'))
+  lm_trainer.train_and_evaluate(config, workdir)
+  return [workdir, sam_run]
 
 
 def test_sft_post_trains_an_lm_run_and_pins_it_by_content(tiny_file, lm_runs,

@@ -9,11 +9,14 @@ gated method's calibrated gate (center, kappa, beta) is what
 `layer_mean` and `calibrate_gate` give on the contrastive tokens' layer
 outputs recomputed here, and its trigger rates and histograms on the
 validation and test held-out tokens are numpy's count of delta > beta on
-the captured activations."""
+the captured activations. The selection runs once, inside the study at
+selected settings (studies.gemma_steering.selected), whose report,
+reuse and refusal are checked on it too."""
 
 import json
 import math
 import os
+import shutil
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -22,6 +25,7 @@ import pytest
 from configs import gemma as gemma_config
 from configs import steering as steering_config
 from geom import steering
+from studies.gemma_steering import selected
 from train.errors import ConfigError
 from train.errors import UsageError
 from train.lm import corpus as text_corpus
@@ -125,21 +129,38 @@ class Run(NamedTuple):
   record: dict
   log: Log
   workdir: str
+  # The selected-settings study around it (studies.gemma_steering).
+  root: str
+  summary: dict
+  no_reference: str
+
+
+# The selected-settings report's KL targets.
+TARGETS = [0.01, 0.05]
 
 
 @pytest.fixture(scope='module')
 def run(tiny_file, tmp_path_factory):
-  workdir = str(tmp_path_factory.mktemp('select'))
+  """The selection as `python -m studies.gemma_steering
+  --config=configs/gemma.py:selection` runs it (`selected.run`, in
+  process): selection.evaluate in <root>/selected (`workdir`, the one
+  instrumented), then the study's report, with no reference evaluation.
+  One selection serves this module's checks of both."""
+  root = str(tmp_path_factory.mktemp('select') / 'study')
+  workdir = os.path.join(root, selected.NAME)
+  no_reference = os.path.join(os.path.dirname(root), 'no_reference')
   config = _config(tiny_file)
   log = Log([], [], [])
   with pytest.MonkeyPatch.context() as monkeypatch:
     _instrument(monkeypatch, workdir, log)
-    rows = selection.evaluate(config, workdir)
+    summary = selected.run(config, root, TARGETS, 200,
+                           reference=no_reference)
   with open(os.path.join(workdir, selection.FILENAME)) as f:
     record = json.load(f)
-  assert os.path.exists(os.path.join(workdir, 'results.json'))
+  with open(os.path.join(workdir, 'results.json')) as f:
+    rows = json.load(f)['rows']
   assert os.path.exists(os.path.join(workdir, 'steering_vector_addition.npz'))
-  return Run(config, rows, record, log, workdir)
+  return Run(config, rows, record, log, workdir, root, summary, no_reference)
 
 
 def test_the_selection_never_sees_a_test_item(run):
@@ -523,3 +544,102 @@ def test_the_reference_gate_is_the_configs_uncentred(tiny_file):
   for method in ('addition', 'spherical', 'addition_renorm'):
     op = selection._operator(config, method, cal, 0.5)
     assert (op.center, op.kappa, op.beta) == (None, 20.0, 0.0)
+
+
+def _matched_cells(kl, correct, base, targets):
+  """(T,) mean over items and sets of the per-item correctness at each
+  target KL: numpy's interpolation through (0, base) and the sweep (the
+  rows' (A, S, N) `correct`, the unsteered (S, N) `base`), NaN beyond it."""
+  x = np.array([0.0, *kl])
+  order = np.argsort(x, kind='stable')
+  y = np.concatenate([np.asarray(base)[None], np.asarray(correct)])[order]
+  out = []
+  for t in targets:
+    if t > x.max():
+      out.append(np.nan)
+      continue
+    items = [[np.interp(t, x[order], y[:, s, i]) for i in range(y.shape[2])]
+             for s in range(y.shape[1])]
+    out.append(np.mean([np.mean(s) for s in items]))
+  return np.array(out)
+
+
+def _check_selected_report(run, summary, results, record):
+  """The report's settings, gate and trigger rates are selection.json's
+  and the rows', its matched-KL means numpy's interpolation of the rows."""
+  rows = results['rows']
+  for method, entry in summary['selection'].items():
+    at = record['choice'][method]
+    assert (entry['layer'], entry['direction_method'], entry['alphas']) == (
+        at['layer'], at['direction_method'], at['alphas'])
+  gated = summary['selection']['spherical_gate']
+  assert gated['gate']['kind'] == 'calibrated'
+  assert gated['gate']['beta'] == record['choice']['spherical_gate'][
+      'gate']['beta']
+  test_rate = np.mean([r['trigger_rate'] for r in rows
+                       if r['method'] == 'spherical_gate'])
+  assert gated['trigger_rate']['test'] == pytest.approx(test_rate)
+  assert gated['trigger_rate']['test_in_band'] == bool(
+      0.05 <= test_rate <= 0.95)
+  assert 'gate' not in summary['selection']['addition']
+  base = next(r for r in rows if r['method'] == 'none')
+  for task in run.config.tasks:
+    key = f'{task}_correct_mean'
+    for method, cells in summary['accuracy'][task].items():
+      sweep = [r for r in rows if r['method'] == method]
+      want = _matched_cells([r['kl'] for r in sweep],
+                            [r[key] for r in sweep], base[key], TARGETS)
+      got = np.array([c['mean'] for c in cells])
+      np.testing.assert_allclose(got, want, atol=1e-9, equal_nan=True)
+      for c in cells:
+        assert np.isnan(c['mean']) or c['low'] <= c['mean'] <= c['high']
+  text = open(os.path.join(run.root, 'study.md')).read()
+  assert '**Selected settings**' in text and 'copa: accuracy at matched' in text
+  assert f'| spherical_gate | {gated["layer"]} |' in text
+  assert '**Reference settings**: not shown (no stored evaluation' in text
+  for name in ('pareto_bands.png', f'{selected.NAME}/gate_spherical_gate.png'):
+    assert os.path.exists(os.path.join(run.root, name))
+
+
+def test_selected_settings_end_to_end_reuse_and_report(run, tiny_file,
+                                                        tmp_path):
+  """`python -m studies.gemma_steering --config=configs/gemma.py:selection`
+  (`selected.run`, in process: the `run` fixture) on the two-layer file:
+  the report is selection.json's and the rows' (`_check_selected_report`);
+  a rerun reuses the evaluation and another selection is refused; the
+  reference rows, shown from an evaluation of the same file, are that
+  evaluation's. Last in the module: its refused rerun is on the shared
+  workdir. The task is copa: the real-text task's pool takes seconds to
+  read, and its sizes in the config are checked by the README command's
+  refusal (tests/test_gemma_steering_results.py)."""
+  assert dict(gemma_config.get_config('selection').tasks) == dict(
+      copa=40, cloze=40, pydoc_polarity=40)
+  summary, out = run.summary, run.workdir
+  with open(os.path.join(out, 'results.json')) as f:
+    results = json.load(f)
+  with open(os.path.join(out, selection.FILENAME)) as f:
+    record = json.load(f)
+  _check_selected_report(run, summary, results, record)
+
+  # A rerun reuses the evaluation; another selection is refused.
+  config = _config(tiny_file)
+  mtime = os.path.getmtime(os.path.join(out, 'results.json'))
+  assert selected.run(config, run.root, TARGETS, 200,
+                      reference=run.no_reference) == summary
+  assert os.path.getmtime(os.path.join(out, 'results.json')) == mtime
+  config.selection.items_per_set = 1
+  with pytest.raises(UsageError, match='another config.*selection'):
+    selected.run(config, run.root, TARGETS, 200, reference=run.no_reference)
+
+  # The reference rows: here an evaluation of the same file at block 1.
+  ref_dir = str(tmp_path / 'reference')
+  os.mkdir(ref_dir)
+  shutil.copy(os.path.join(out, 'results.json'),
+              os.path.join(ref_dir, 'layer1_results.json'))
+  ref = selected.reference_run(ref_dir, 1, '0' * 64)
+  assert ref[0] is None and 'another model file' in ref[1]
+  ref = selected.reference_run(ref_dir, 1, results['meta']['gguf_sha256'])
+  again, text = selected.summarize(results, record, TARGETS, 200, ref)
+  for task, by_method in again['reference']['accuracy'].items():
+    assert by_method == summary['accuracy'][task]
+  assert '| addition, reference |' in text
