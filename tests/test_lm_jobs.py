@@ -1,4 +1,6 @@
-"""The LM training job and the steering evaluation job, end to end in their small modes."""
+"""The LM training job end to end in its small mode, and the steering
+evaluation job's refusals (its outputs are checked on the steering study's
+evaluation: test_steering_study_launch.py)."""
 
 import json
 import os
@@ -17,7 +19,6 @@ from train.run import workdir_lock
 from train.errors import ConfigError
 from train.lm import trainer as lm_trainer
 from train.steering import evaluation as steering_eval
-from train.steering import vectors as steering_vectors
 
 
 @pytest.fixture(scope='module')
@@ -47,55 +48,6 @@ def _eval_config(lm_dir, **overrides):
   config.methods = ('none', 'addition_renorm', 'spherical_gate')
   config.alphas = (1.0,)
   return config_edits.apply(config, overrides)
-
-
-def test_steering_evaluation_writes_table_plot_and_vector(lm_workdir,
-                                                          tmp_path):
-  rows = steering_eval.evaluate(
-      _eval_config(lm_workdir[0], mc_seeds=(7, 8),
-                   methods=('none', 'addition_renorm', 'spherical_gate',
-                            'addition_gate')), str(tmp_path))
-  assert [(r['method'], r['alpha']) for r in rows] == [
-      ('none', 0.0), ('addition_renorm', 1.0), ('spherical_gate', 1.0),
-      ('addition_gate', 1.0)]
-  none, renorm, gated, added = rows
-  # The same gate on addition and on the rotation fires on the same tokens.
-  assert 0 < added['trigger_rate'] == gated['trigger_rate'] < 1
-  assert none['kl'] == 0.0 and none['trigger_rate'] == 0.0
-  assert gated['kl'] > 0 and renorm['kl'] > 0
-  # Both keep the norm at the steered layer (addition_renorm by rescaling).
-  assert gated['attribute_norm_ratio_at'] == pytest.approx(1.0, abs=1e-5)
-  assert renorm['attribute_norm_ratio_at'] == pytest.approx(1.0, abs=1e-5)
-  for r in rows:
-    for key in ('copa_acc_sum', 'copa_acc_mean', 'cloze_acc_sum',
-                'cloze_acc_mean', 'distinct_2', 'repetition_3'):
-      assert 0.0 <= r[key] <= 1.0
-    # Per-item correctness, for intervals over items: one 0/1 list per
-    # item set (seeds 7 and 8, the first the single-set run's), averaging
-    # to the accuracy.
-    for task in ('copa', 'cloze'):
-      for score in ('sum', 'mean'):
-        sets = r[f'{task}_correct_{score}']
-        assert len(sets) == 2 and all(len(s) == 8 for s in sets)
-        assert set(sets[0]) | set(sets[1]) <= {0, 1}
-        assert np.mean(sets) == r[f'{task}_acc_{score}']
-    assert r['gen_ce'] > 0
-  for name in ('results.md', 'results.json', 'pareto.png',
-               'steering_vector.npz'):
-    assert os.path.getsize(tmp_path / name) > 0
-  table = open(tmp_path / 'results.md').read()
-  assert table.count('\n') == 2 + len(rows)
-  # The saved vector loads into this model, and reusing it gives the same rows.
-  params = lm_trainer.load_trained(lm_workdir[0]).params
-  vec = steering_vectors.load(str(tmp_path / 'steering_vector.npz'), params)
-  assert vec.layer_path == 'block_1' and vec.hidden_size == 32
-  again = steering_eval.evaluate(
-      _eval_config(lm_workdir[0], vector_file=str(
-          tmp_path / 'steering_vector.npz'), methods=('spherical_gate',)),
-      str(tmp_path / 'reuse'))
-  assert again[0]['kl'] == pytest.approx(gated['kl'], rel=1e-5)
-  # The first item set is the one a single-seed run draws.
-  assert again[0]['cloze_correct_mean'] == gated['cloze_correct_mean'][:1]
 
 
 @pytest.mark.parametrize('changes,message', [

@@ -4,6 +4,8 @@ in-project decoder and Gemma 3 (small random models): the same logits and
 cache as the full prefill, and the head's work over the other positions
 gone from the compiled program."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,13 +25,17 @@ MODELS = {
 BATCH, PROMPT, SLOTS = 3, 9, 16
 
 
+@functools.cache
 def _setup(name):
+  """The model, its parameters and a prompt batch: built once per model
+  for the file's tests (which only read them), the initialisation jitted
+  (op by op it cost seconds of one-op compiles)."""
   model = MODELS[name]
   rng = np.random.default_rng(0)
   tokens = rng.integers(1, model.vocab_size, (BATCH, PROMPT)).astype(np.int32)
   valid = np.ones((BATCH, PROMPT), bool)
   valid[0, :4] = False  # Left padding in one row.
-  params = model.init(jax.random.key(1), tokens)['params']
+  params = jax.jit(model.init)(jax.random.key(1), tokens)['params']
   return model, params, tokens, valid
 
 
@@ -76,10 +82,14 @@ def test_greedy_generation_is_the_full_forwards_argmax(name):
   steps = 4
   out = jax.jit(lambda p, t, v: generate.generate(
       model, p, t, v, steps).tokens)(params, tokens, valid)
+  # Jitted, one compile per sequence length: op by op, the full forwards
+  # cost seconds of one-op compiles per length.
+  last_logits = jax.jit(lambda p, s, v: model.apply({'params': p}, s, v)[0][
+      :, -1])
   seq, seq_valid = jnp.asarray(tokens), jnp.asarray(valid)
   for i in range(steps):
-    logits, _ = model.apply({'params': params}, seq, seq_valid)
-    nxt = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
+    nxt = jnp.argmax(last_logits(params, seq, seq_valid), -1).astype(
+        jnp.int32)
     np.testing.assert_array_equal(out[:, i], nxt, err_msg=f'step {i}')
     seq = jnp.concatenate([seq, nxt[:, None]], 1)
     seq_valid = jnp.concatenate([seq_valid, jnp.ones((BATCH, 1), bool)], 1)

@@ -1,7 +1,8 @@
 """studies.steering end to end in its small mode: LMs trained through
 launch.train, one evaluation per LM over several item sets and per gate
 threshold, finished work reused, another config refused, one-line flag
-errors (subprocesses: launchers' flags share names)."""
+errors (subprocesses: launchers' flags share names); and the steering
+evaluation job's outputs, read from the study's evaluation."""
 
 import json
 import os
@@ -9,9 +10,14 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+from configs import steering as steering_config
 from tests import launch_runs
+from train.lm import trainer as lm_trainer
+from train.steering import evaluation as steering_eval
+from train.steering import vectors as steering_vectors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ('--lm_config_arg=runlocal', '--steering_config_arg=runlocal',
@@ -25,13 +31,25 @@ def _study(workdir, *flags, timeout=600):
        *flags], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.fixture(scope='module')
+def study(tmp_path_factory, lm_runlocal_run):
+  """(workdir, result) of the study run once for this file's two tests:
+  the study's own, and the evaluation's (its eval_lm0/, an evaluation of
+  configs/steering.py:runlocal over two item sets, read instead of running
+  another in-process: the evaluations' compiles are most of their cost).
+
+  The study's LM (configs/lm.py:runlocal, seed 0) is the session's: the
+  study still runs launch.train on it, which finds the run finished.
+  Training itself is test_lm_jobs' and test_trainer's.
+  """
+  root = tmp_path_factory.mktemp('study')
+  shutil.copytree(lm_runlocal_run[0], root / 'lm_seed0')
+  return root, _study(root, *SMALL)
+
+
 def test_study_evaluates_aggregates_and_reuses_finished_work(
-    tmp_path, lm_runlocal_run):
-  # The study's LM (configs/lm.py:runlocal, seed 0) is the session's: the
-  # study still runs launch.train on it, which finds the run finished.
-  # Training itself is test_lm_jobs' and test_trainer's.
-  shutil.copytree(lm_runlocal_run[0], tmp_path / 'lm_seed0')
-  result = _study(tmp_path, *SMALL)
+    study, lm_runlocal_run):
+  tmp_path, result = study
   assert result.returncode == 0, result.stderr[-3000:]
   assert json.loads((tmp_path / 'lm_seed0' / 'final_metrics.json'
                      ).read_text()) == lm_runlocal_run[1]
@@ -83,6 +101,72 @@ def test_study_evaluates_aggregates_and_reuses_finished_work(
   lines = [l for l in other.stderr.splitlines() if l.startswith('error:')]
   assert len(lines) == 1 and 'eval_lm0/ holds an evaluation with another ' \
       'config (mc_seeds)' in lines[0], other.stderr[-2000:]
+
+
+def _study_rows(study):
+  """The study's main evaluation (eval_lm0/) and its rows by (method,
+  alpha), after checking that the study ran."""
+  root, result = study
+  assert result.returncode == 0, result.stderr[-3000:]
+  ev = json.loads((root / 'eval_lm0' / 'results.json').read_text())
+  return ev, {(r['method'], r['alpha']): r for r in ev['rows']}
+
+
+def test_the_evaluation_writes_table_plot_and_vector(study, lm_runlocal_run,
+                                                    tmp_path):
+  """train.steering.evaluation.evaluate's rows, table, plot and vector, on
+  the study's evaluation of the runlocal LM (its grid at alpha 1.0; it was
+  test_lm_jobs.py's own evaluation)."""
+  ev, by_key = _study_rows(study)
+  rows = ev['rows']
+  config = steering_config.get_config('runlocal')
+  # The rows follow the config's grid: the unsteered row, then each method
+  # at each alpha.
+  assert [(r['method'], r['alpha']) for r in rows] == [('none', 0.0)] + [
+      (m, a) for m in config.methods[1:] for a in config.alphas]
+  assert ev['meta']['mc_seeds'] == [7, 8] and config.alphas[-1] == 1.0
+  none, renorm, gated, added = (by_key[m, a] for m, a in (
+      ('none', 0.0), ('addition_renorm', 1.0), ('spherical_gate', 1.0),
+      ('addition_gate', 1.0)))
+  # The same gate on addition and on the rotation fires on the same tokens.
+  assert 0 < added['trigger_rate'] == gated['trigger_rate'] < 1
+  assert none['kl'] == 0.0 and none['trigger_rate'] == 0.0
+  assert gated['kl'] > 0 and renorm['kl'] > 0
+  # Both keep the norm at the steered layer (addition_renorm by rescaling).
+  assert gated['attribute_norm_ratio_at'] == pytest.approx(1.0, abs=1e-5)
+  assert renorm['attribute_norm_ratio_at'] == pytest.approx(1.0, abs=1e-5)
+  for r in rows:
+    for key in ('copa_acc_sum', 'copa_acc_mean', 'cloze_acc_sum',
+                'cloze_acc_mean', 'distinct_2', 'repetition_3'):
+      assert 0.0 <= r[key] <= 1.0
+    # Per-item correctness, for intervals over items: one 0/1 list per
+    # item set (seeds 7 and 8, the first the single-set run's), averaging
+    # to the accuracy.
+    for task in ('copa', 'cloze'):
+      for score in ('sum', 'mean'):
+        sets = r[f'{task}_correct_{score}']
+        assert len(sets) == 2 and all(len(s) == 8 for s in sets)
+        assert set(sets[0]) | set(sets[1]) <= {0, 1}
+        assert np.mean(sets) == r[f'{task}_acc_{score}']
+    assert r['gen_ce'] > 0
+  out = study[0] / 'eval_lm0'
+  for name in ('results.md', 'results.json', 'pareto.png',
+               'steering_vector.npz'):
+    assert os.path.getsize(out / name) > 0
+  table = (out / 'results.md').read_text()
+  assert table.count('\n') == 2 + len(rows)
+  # The saved vector loads into this model, and reusing it gives the same
+  # rows (an evaluation of its own, in this process).
+  params = lm_trainer.load_trained(lm_runlocal_run[0]).params
+  vec = steering_vectors.load(str(out / 'steering_vector.npz'), params)
+  assert vec.layer_path == 'block_1' and vec.hidden_size == 32
+  config.update(dict(lm_workdir=lm_runlocal_run[0], alphas=(1.0,),
+                     vector_file=str(out / 'steering_vector.npz'),
+                     methods=('spherical_gate',)))
+  again = steering_eval.evaluate(config, str(tmp_path))
+  assert again[0]['kl'] == pytest.approx(gated['kl'], rel=1e-5)
+  # The first item set is the one a single-seed run draws.
+  assert again[0]['cloze_correct_mean'] == gated['cloze_correct_mean'][:1]
 
 
 _BAD_FLAGS = [
