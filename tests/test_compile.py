@@ -12,6 +12,7 @@ one-line errors and exit statuses of the launcher. The pod-size rows of
 BENCHMARKS.md are `slow` (`make test-all`).
 """
 
+import contextlib
 import functools
 import json
 import math
@@ -33,7 +34,6 @@ from train.compilation import compile_report
 from train.training import sharding as sharding_lib
 from train.compilation import targets
 from train.errors import UsageError
-from train.lm import trainer
 
 from tests import tiny_gemma
 
@@ -80,6 +80,40 @@ def _rows(result):
   return {r['function']: r for r in result['rows']}
 
 
+@contextlib.contextmanager
+def _keeping_compiled(kept: dict):
+  """Fills `kept` with {name: (program, compiled executable)} of each
+  program the launcher's path compiles within, for checks that need more
+  than its row (the mesh, the compiler's input shardings): no second
+  build or compile of the same program."""
+  # pylint: disable=protected-access
+  compile_program, compile_ = compile_report.compile_program, (
+      compile_report._compile)
+  current = []
+
+  def program_kept(program, chip, step=None):
+    current[:] = [program]
+    return compile_program(program, chip, step)
+
+  def compiled_kept(lowered, platform):
+    compiled, options = compile_(lowered, platform)
+    kept[current[0].name] = (current[0], compiled)
+    return compiled, options
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(compile_report, 'compile_program', program_kept)
+    patch.setattr(compile_report, '_compile', compiled_kept)
+    yield
+
+
+def _only(monkeypatch, *names):
+  """The launcher's path compiles only the programs `names` of a
+  training job (through the same code all the same)."""
+  every_program = aot.programs
+  monkeypatch.setattr(aot, 'programs', lambda exp: [
+      p for p in every_program(exp) if p.name in names])
+
+
 # Stands for the path of a two-layer Gemma 3 file the fixture writes.
 TINY_GEMMA = '<tiny gemma file>'
 
@@ -95,8 +129,13 @@ JOBS = {
     'digits_mlp': ('configs/digits.py:runlocal,model=mlp', 'h100:1x1x2',
                    {'mesh.shape': (1, 2)}, None,
                    ['train_step', 'eval_step', 'state_is_finite']),
-    # The pod LM's layout (GQA, bfloat16, remat, FSDP + tensor parallel).
-    'lm_size_layout': ('configs/lm.py:size=1b,runlocal', 'v5p:2x2x1', {},
+    # The pod LM's layout (GQA, bfloat16, remat, FSDP + tensor parallel),
+    # on a GPU: its train step is also what
+    # test_compiled_arguments_are_the_shards_the_rules_make reads (the GPU
+    # compiler's argument bytes are the shards' bytes, without TPU tile
+    # padding). For TPU, test_multi_slice_puts_the_data_axis_over_the_
+    # slices compiles the same job's three programs.
+    'lm_size_layout': ('configs/lm.py:size=1b,runlocal', 'h100:1x1x4', {},
                        None, ['train_step', 'eval_step', 'state_is_finite']),
     'rl_sft': ('configs/rl_sft.py:runlocal', 'h100:1x1x2', {}, None,
                ['train_step', 'eval_step', 'state_is_finite']),
@@ -105,11 +144,12 @@ JOBS = {
     'rl': ('configs/rl.py:runlocal', 'v5e:2x2', {'rollout_devices': 2},
            'configs/rl_sft.py:runlocal',
            ['learner_update', 'rollout_generate (5 tokens)']),
+    # The steered generation only: the unsteered one ('none') is the
+    # same program less the steering (it took a compile of its own).
     'steering': ('configs/steering.py:runlocal', 'v5p:2x2x1',
-                 {'methods': ('none', 'spherical_gate')},
+                 {'methods': ('spherical_gate',)},
                  'configs/lm.py:runlocal',
-                 ['generate (none, cached, 8 tokens)',
-                  'generate (spherical_gate, cached, 8 tokens)']),
+                 ['generate (spherical_gate, cached, 8 tokens)']),
     # Gemma 3's steering evaluation at the shape of the tests' two-layer
     # file (its header is read, no weights): 270M's programs but for their
     # sizes, which are slow (test_gemma_270m_steering_compiles_with_its_
@@ -140,12 +180,23 @@ def tiny_gemma_file(tmp_path_factory):
 
 
 @pytest.fixture(scope='module')
-def compiled_jobs(tiny_gemma_file):
+def _jobs_and_lm_train_step(tiny_gemma_file):
+  """({name: the job's result}, (program, compiled) of the LM's train
+  step): each job built and compiled once for the module."""
   def fill(overrides):
     return {k: tiny_gemma_file if v == TINY_GEMMA else v
             for k, v in overrides.items()}
-  return {name: _compile(spec, target, fill(overrides), model)
-          for name, (spec, target, overrides, model, _) in JOBS.items()}
+  results, kept = {}, {}
+  for name, (spec, target, overrides, model, _) in JOBS.items():
+    with (_keeping_compiled(kept) if name == 'lm_size_layout'
+          else contextlib.nullcontext()):
+      results[name] = _compile(spec, target, fill(overrides), model)
+  return results, kept['train_step']
+
+
+@pytest.fixture(scope='module')
+def compiled_jobs(_jobs_and_lm_train_step):
+  return _jobs_and_lm_train_step[0]
 
 
 @pytest.mark.parametrize('name', JOBS)
@@ -215,33 +266,30 @@ def test_rl_compiles_learner_and_rollout_on_their_own_meshes(compiled_jobs):
   assert meshes['rollout'].startswith('mesh data=2 (2 devices)')
 
 
-def _abstract_lm(target, overrides=None):
-  config = _config('configs/lm.py:size=1b,runlocal', overrides)
-  devices = targets.devices(targets.parse(target))
-  return trainer.build(config, '/tmp/geom_compile_test', devices=devices,
-                       check_data=False)
-
-
-def test_compiled_arguments_are_the_shards_the_rules_make():
+def test_compiled_arguments_are_the_shards_the_rules_make(
+    _jobs_and_lm_train_step):
   # The compiler's argument bytes for the train step equal the bytes of
   # one device's shards of the state and batch, computed here from the
   # config's rules alone: 'embed' over 'data' (2), heads, MLP and
-  # vocabulary over 'model' (2).
-  exp = _abstract_lm('h100:1x1x4')
-  program = aot.train_programs(exp)[None]
-  compiled = program.lower().compile()
+  # vocabulary over 'model' (2). The step is lm_size_layout's, compiled
+  # for h100:1x1x4 through the launcher's path.
+  program, compiled = _jobs_and_lm_train_step[1]
+  mesh = program.mesh
+  assert dict(mesh.shape) == {'data': 2, 'model': 2}
   expected = 0
   for path, leaf in jax.tree_util.tree_leaves_with_path(program.args):
     spec = leaf.sharding.spec
     shard = list(leaf.shape)
     for i, axis in enumerate(spec):
       if axis is not None:
-        shard[i] //= exp.mesh.shape[axis]
+        shard[i] //= mesh.shape[axis]
     expected += math.prod(shard) * leaf.dtype.itemsize
     if 'embedding' in jax.tree_util.keystr(path) and 'params' in (
         jax.tree_util.keystr(path)):
       assert tuple(spec) == ('model', 'data'), path
   assert compiled.memory_analysis().argument_size_in_bytes == expected
+  assert _rows(_jobs_and_lm_train_step[0]['lm_size_layout'])[
+      'train_step']['bytes']['argument'] == expected
   # And the compiled program keeps the rules' shardings for its inputs.
   shardings = compiled.input_shardings[0][0]
   for want, got in zip(jax.tree.leaves(program.args[0]),
@@ -305,10 +353,7 @@ def test_a_kernel_block_over_vmem_fails_the_compile_naming_the_step(
   # the same): the job's other three programs (the warm-up step, eval,
   # finiteness of the 2048-wide MLP) compile, and took 3 of the test's 10
   # s of CPU. Its error is the first row's either way.
-  every_program = aot.programs
-  monkeypatch.setattr(aot, 'programs', lambda exp: [
-      p for p in every_program(exp)
-      if p.name == 'train_step (sam_step=True)'])
+  _only(monkeypatch, 'train_step (sam_step=True)')
   try:
     with pytest.raises(compile_report.CompileFailed,
                        match=r'^train_step \(sam_step=True\) does not '
@@ -323,19 +368,22 @@ def test_a_kernel_block_over_vmem_fails_the_compile_naming_the_step(
 
 
 def test_multi_slice_puts_the_data_axis_over_the_slices():
-  config = _config('configs/lm.py:size=1b,runlocal', {'mesh.shape': (4, 2)})
-  devices = targets.devices(targets.parse('v5e:2x2'), num_slices=2)
-  exp = trainer.build(config, '/tmp/geom_compile_test', devices=devices,
-                      check_data=False)
-  grid = exp.mesh.devices  # (data, model)
+  # The LM job for TPU (its train, eval and finiteness programs), on two
+  # v5e slices; the mesh is the one its programs were compiled on.
+  kept = {}
+  with _keeping_compiled(kept):
+    result = _compile('configs/lm.py:size=1b,runlocal', 'v5e:2x2',
+                      {'mesh.shape': (4, 2)}, num_slices=2)
+  assert result['devices'] == 8 and result['num_slices'] == 2
+  assert [r['function'] for r in result['rows']] == [
+      'train_step', 'eval_step', 'state_is_finite']
+  assert all(r['fits'] for r in result['rows'])
+  grid = kept['train_step'][0].mesh.devices  # (data, model)
+  assert grid.shape == (4, 2)
   slices = np.vectorize(lambda d: d.slice_index)(grid)
   # Each model-parallel group stays within one slice; data spans both.
   assert (slices == slices[:, :1]).all()
   assert sorted(set(slices[:, 0])) == [0, 1]
-  result = _compile('configs/lm.py:size=1b,runlocal', 'v5e:2x2',
-                    {'mesh.shape': (4, 2)}, num_slices=2)
-  assert result['devices'] == 8 and result['num_slices'] == 2
-  assert all(r['fits'] for r in result['rows'])
 
 
 @pytest.mark.parametrize('target', ['v5e:2x2', 'h100:1x1x2'])
@@ -525,21 +573,38 @@ def test_pod_sizes(spec, target, overrides, model, fits):
       _compile(spec, target, overrides, model)
 
 
-def test_gemma_fine_tuning_compiles_for_a_tpu_slice(tmp_path):
-  """Gemma 3's training step (SAM, FSDP rules; whole, or the embedding
-  frozen) at the tests' two-layer file's shape, for a v5e 2x2 slice:
-  270M's program but for its sizes (those rows are BENCHMARKS.md's; 1B and
-  4B are slow above)."""
+def _gemma_training_rows(path, job):
+  rows = _rows(_compile(f'configs/gemma.py:{job},runlocal', 'v5e:2x2',
+                        {'model.shape': 'gguf', 'model.gguf': str(path)}))
+  assert all(r['error'] is None and r['fits'] for r in rows.values()), rows
+  return rows
+
+
+def test_gemma_fine_tuning_compiles_for_a_tpu_slice(tmp_path, monkeypatch):
+  """Gemma 3's training step (SAM, FSDP rules) at the tests' two-layer
+  file's shape, for a v5e 2x2 slice: 270M's program but for its sizes
+  (those rows are BENCHMARKS.md's; 1B and 4B are slow above). With the
+  embedding frozen, its state (the finiteness check's arguments) is
+  compiled; its train and eval steps are slow (the test below)."""
   path = tiny_gemma.model_file(tmp_path / 'g.gguf')
-  state = {}
-  for job in ('finetune,sam', 'finetune,sam,frozen'):
-    rows = _rows(_compile(f'configs/gemma.py:{job},runlocal', 'v5e:2x2',
-                          {'model.shape': 'gguf', 'model.gguf': str(path)}))
-    assert list(rows) == ['train_step', 'eval_step', 'state_is_finite']
-    assert all(r['error'] is None and r['fits'] for r in rows.values()), rows
-    state[job] = rows['state_is_finite']['bytes']['argument']
+  rows = _gemma_training_rows(path, 'finetune,sam')
+  assert list(rows) == ['train_step', 'eval_step', 'state_is_finite']
+  _only(monkeypatch, 'state_is_finite')
+  frozen = _gemma_training_rows(path, 'finetune,sam,frozen')
+  assert list(frozen) == ['state_is_finite']
   # Frozen, the embedding has no AdamW moments: two float32 copies of it
   # fewer, FSDP-sharded over the 4 chips (and no more than that is gone).
   moments = 2 * tiny_gemma.SHAPE.vocab_size * tiny_gemma.SHAPE.d_model * 4 / 4
-  saved = state['finetune,sam'] - state['finetune,sam,frozen']
+  saved = (rows['state_is_finite']['bytes']['argument']
+           - frozen['state_is_finite']['bytes']['argument'])
   assert moments <= saved < 1.5 * moments, (saved, moments)
+
+
+@pytest.mark.slow
+def test_gemma_fine_tuning_with_the_embedding_frozen_compiles(tmp_path):
+  """The frozen-embedding job's train and eval steps as well (the eval
+  step is the whole model's program; the train step differs by the
+  optimizer's mask)."""
+  path = tiny_gemma.model_file(tmp_path / 'g.gguf')
+  rows = _gemma_training_rows(path, 'finetune,sam,frozen')
+  assert list(rows) == ['train_step', 'eval_step', 'state_is_finite']

@@ -30,6 +30,9 @@ from train.compilation import targets
 
 ONE_CHIP = {'v4': 'v4:1x1x1', 'v5e': 'v5e:1x1', 'v5p': 'v5p:1x1x1',
             'v6e': 'v6e:1x1', 'h100': 'h100:1x1x1', 'h200': 'h200:1x1x1'}
+# H200 is H100's compiler target (sm_90) with more memory: its program is
+# the same, so its compile is slow (test_compiles_for_h200).
+DEFAULT_CHIPS = [c for c in ONE_CHIP if c != 'h200']
 VARIANTS = {'sam': False, 'asam': True}
 KERNEL_CALLS = {'tpu': 'tpu_custom_call', 'cuda': '__gpu$xla.gpu.triton'}
 
@@ -107,8 +110,20 @@ def _kernel_calls(text: str, platform: str, scope: str) -> int:
 
 @pytest.mark.parametrize('variant', VARIANTS)
 @pytest.mark.parametrize('tree', TREES)
-@pytest.mark.parametrize('chip', ONE_CHIP)
+@pytest.mark.parametrize('chip', DEFAULT_CHIPS)
 def test_compiles(chip, tree, variant):
+  _check_compiled(chip, tree, variant)
+
+
+@pytest.mark.slow
+def test_compiles_for_h200():
+  for tree in TREES:
+    for variant in VARIANTS:
+      _check_compiled('h200', tree, variant)
+
+
+def _check_compiled(chip, tree, variant):
+  """test_compiles' checks of one tree and variant on one chip."""
   compiled, error = _program(chip)
   if error is not None:  # Another tree's, or this one's: compile it alone.
     try:
@@ -161,6 +176,10 @@ SHARDED = {'fsdp': ((4096, 1024), P('data', None)),
            'bias': ((1024,), P('data')), 'odd': ((1000, 3), P()),
            'tiny': ((7,), P())}
 SHARDED_TARGETS = {'v5e': 'v5e:2x2', 'v5p': 'v5p:2x2x1', 'h100': 'h100:1x1x2'}
+# v5p's partitioned program is v5e's on another TPU (the partitioner is
+# XLA's; each chip's Mosaic kernels are compiled by test_compiles): slow
+# (test_sharded_parameters_compile_without_gathering_on_v5p).
+SHARDED_DEFAULT = [c for c in SHARDED_TARGETS if c != 'v5p']
 
 
 def _sharded(target: str):
@@ -207,9 +226,23 @@ def _sharded_program(target: str):
       params, (params, params), scalar).compile()
 
 
-@pytest.mark.parametrize('route', ['partitioner', 'given'])
-@pytest.mark.parametrize('chip', SHARDED_TARGETS)
+ROUTES = ['partitioner', 'given']
+
+
+@pytest.mark.parametrize('route', ROUTES)
+@pytest.mark.parametrize('chip', SHARDED_DEFAULT)
 def test_sharded_parameters_compile_without_gathering(chip, route):
+  _check_sharded(chip, route)
+
+
+@pytest.mark.slow
+def test_sharded_parameters_compile_without_gathering_on_v5p():
+  for route in ROUTES:
+    _check_sharded('v5p', route)
+
+
+def _check_sharded(chip, route):
+  """test_sharded_parameters_compile_without_gathering's checks."""
   target = SHARDED_TARGETS[chip]
   compiled = _sharded_program(target)
   text = compiled.as_text()
