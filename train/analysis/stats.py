@@ -280,9 +280,9 @@ def _frozen(indices: np.ndarray) -> np.ndarray:
 # 16 plans cover a report's targets x tasks; each holds about n x items
 # indices, kept as int32 (the draws are the generator's int64s, narrowed:
 # the same values), so only plans of up to CACHED_INDICES are kept (16 x
-# 32 MiB at most). The steering study's report draws plans just above
-# 2**21: at that bound it drew every interval's indices afresh (16.3 s of
-# CPU against 3.2 s for the byte study's report at 2**23).
+# 32 MiB at most). A study's report that draws plans just above 2**21
+# drew every interval's indices afresh at that bound (16.3 s of CPU
+# against 3.2 s at 2**23; docs/lab/benchmarks.md).
 CACHED_INDICES = 1 << 23
 
 
