@@ -258,17 +258,18 @@ class _Draws(NamedTuple):
 
 def _draw(shape: Shape, n: int, rng: np.random.Generator) -> _Draws:
   if isinstance(shape, int):
-    return _Draws(_frozen(rng.integers(0, shape, size=(n, shape))))
+    return _Draws(_frozen(rng.integers(0, shape, size=(n, shape)), shape))
   # Each replicate picks len(shape) children with replacement; a child's
   # replicate means are drawn independently for each time it is picked.
   k = len(shape)
-  picks = _frozen(rng.integers(0, k, size=(n, k)))
+  picks = _frozen(rng.integers(0, k, size=(n, k)), k)
   return _Draws(picks, tuple(_draw(child, int((picks == c).sum()), rng)
                              for c, child in enumerate(shape)))
 
 
-def _frozen(indices: np.ndarray) -> np.ndarray:
-  if indices.size and indices.max() < 2**31:
+def _frozen(indices: np.ndarray, high: int) -> np.ndarray:
+  """`indices` (all below `high`) read-only, as int32 where they fit."""
+  if high <= 2**31:
     indices = indices.astype(np.int32)  # Half the memory of a kept plan.
   indices.flags.writeable = False  # Shared by every later call (_plan).
   return indices
