@@ -16,6 +16,23 @@ CASES = {c.name: c for c in battery.CASES}
 NAMES = sorted(CASES)
 
 
+def _names(*default):
+  """Every case, those not in `default` marked slow (`make test-all` runs
+  them). Used for the checks of a wrapper (optax.chain, MultiSteps,
+  inject_hyperparams, a sharded state) whose code does not depend on the
+  case's options: by default each such check runs on the cases that reach
+  it by another path (SAM's perturbation as plain, adaptive, fused, two-call
+  or a pluggable ascent; LookSAM's per-parameter g_v; CONGA alone and as
+  SAM's base, with its extra update argument). Every case still runs every
+  check that reads its options by default: optimisation, jit, dtypes and
+  the checkpoint. docs/slow_tests.md lists each slow one with its cover."""
+  unknown = set(default) - set(NAMES)
+  assert not unknown, unknown
+  return [name if name in default else pytest.param(name,
+                                                     marks=pytest.mark.slow)
+          for name in NAMES]
+
+
 # tx, loss, needs_grad_fn and extra_arguments are static.
 STATIC = (0, 3, 5, 6)
 
@@ -79,7 +96,9 @@ def test_dtypes_are_preserved(name, dtype):
              for x in jax.tree.leaves(new_params))
 
 
-@pytest.mark.parametrize('name', NAMES)
+@pytest.mark.parametrize('name', _names(
+    'sam', 'asam', 'sam_fused', 'sam_every_3', 'sam_two_call',
+    'sam_ascent_adam_kept', 'conga_adam', 'sam_conga_base'))
 def test_state_stays_sharded_on_the_mesh(name):
   case = CASES[name]
   params, loss, batch = battery.problem()
@@ -108,7 +127,9 @@ def test_state_stays_sharded_on_the_mesh(name):
   assert sharded, 'no per-parameter state was sharded'
 
 
-@pytest.mark.parametrize('name', NAMES)
+@pytest.mark.parametrize('name', _names(
+    'sam', 'sam_fused', 'sam_every_3', 'sam_two_call', 'conga_adam',
+    'sam_conga_base'))
 def test_gradient_accumulation_over_identical_microbatches(name):
   # Accumulating k equal micro-batches must equal one step on the batch.
   case = CASES[name]
@@ -121,7 +142,8 @@ def test_gradient_accumulation_over_identical_microbatches(name):
   _close(single, accumulated, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize('name', NAMES)
+@pytest.mark.parametrize('name', _names(
+    'sam', 'sam_two_call', 'conga_adam', 'sam_conga_base'))
 def test_inside_chain(name):
   case = CASES[name]
   params, loss, batch = battery.problem()
@@ -137,7 +159,9 @@ def _max_diff(a, b):
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-@pytest.mark.parametrize('name', NAMES)
+@pytest.mark.parametrize('name', _names(
+    'sam', 'asam', 'sam_fused', 'sam_two_call', 'sam_ascent_adam',
+    'conga_adam'))
 def test_a_hyperparameter_changed_under_inject_hyperparams_takes_effect(name):
   # After the change, the injected transformation must step as the one
   # built with the new value does from the same inner state, and not as
@@ -165,23 +189,37 @@ def test_a_hyperparameter_changed_under_inject_hyperparams_takes_effect(name):
   assert _max_diff(got, unchanged) > 1e-4
 
 
-@pytest.mark.parametrize('name', NAMES)
-def test_state_survives_a_checkpoint(name, tmp_path):
-  case = CASES[name]
-  params, loss, batch = battery.problem()
-  tx = _tx(name)
-  mid_params, mid_state = _run(tx, params, loss, batch, 3, case)
+@pytest.fixture(scope='module')
+def checkpointed(tmp_path_factory):
+  """{name: (params, state) after 3 steps, (the same restored)}: every
+  case's parameters and state through one Orbax save and restore, instead
+  of one per case. Restored on the host: Orbax's arrays come back
+  committed to a device, which alone would compile each case's step again
+  (1.6 s of CPU a case); the values are what the test compares."""
+  mid = {}
+  for name in NAMES:
+    params, loss, batch = battery.problem()
+    mid[name] = _run(_tx(name), params, loss, batch, 3, CASES[name])
+  tree = {name: {'params': p, 'state': s} for name, (p, s) in mid.items()}
+  path = tmp_path_factory.mktemp('battery') / 'ckpt'
   with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(tmp_path / 'ckpt', {'params': mid_params, 'state': mid_state})
+    ckptr.save(path, tree)
   with ocp.StandardCheckpointer() as ckptr:
     restored = ckptr.restore(
-        tmp_path / 'ckpt',
-        jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                     {'params': mid_params, 'state': mid_state}))
-  assert jax.tree.structure(restored['state']) == jax.tree.structure(
-      mid_state)
+        path, jax.tree.map(ocp.utils.to_shape_dtype_struct, tree))
+  restored = jax.device_get(restored)
+  return {name: (mid[name], (restored[name]['params'],
+                             restored[name]['state'])) for name in NAMES}
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_state_survives_a_checkpoint(name, checkpointed):
+  case = CASES[name]
+  _, loss, batch = battery.problem()
+  tx = _tx(name)
+  (mid_params, mid_state), (got_p, got_s) = checkpointed[name]
+  assert jax.tree.structure(got_s) == jax.tree.structure(mid_state)
   ref_p, ref_s = mid_params, mid_state
-  got_p, got_s = restored['params'], restored['state']
   step = jax.jit(battery.step, static_argnums=STATIC)
   for _ in range(2):
     ref_p, ref_s = step(tx, ref_p, ref_s, loss, batch, case.needs_grad_fn,

@@ -256,6 +256,7 @@ def _copy_for_a_build(tmp_path):
   return tmp_path
 
 
+@pytest.mark.slow
 def test_a_public_name_without_a_docstring_fails_the_build(tmp_path):
   root = _copy_for_a_build(tmp_path)
   path = root / 'geom' / 'tree_norm.py'
@@ -271,6 +272,44 @@ def test_a_public_name_without_a_docstring_fails_the_build(tmp_path):
                             keep_going=False)
   assert code != 0, output
   assert 'geom.tree_norm.tree_norm_f32: public, and no docstring' in output
+
+
+class _App:
+  """What geom_docs.setup and its handlers use of a Sphinx application:
+  the events it connects, and the config value it adds."""
+
+  def __init__(self):
+    self.handlers = {}
+    self.config = type('Config', (), {})()
+
+  def add_config_value(self, name, default, rebuild):
+    del rebuild
+    setattr(self.config, name, default)
+
+  def connect(self, event, handler, priority=500):
+    del priority
+    self.handlers.setdefault(event, []).append(handler)
+
+  def add_directive(self, name, directive):
+    del name, directive
+
+
+def test_a_public_name_without_a_docstring_is_a_build_warning(monkeypatch,
+                                                              caplog):
+  # The extension's hook at the start of every build, as Sphinx calls it:
+  # with tree_norm_f32's docstring removed it warns, naming it, which -W
+  # turns into a failed build (the slow test above builds a planted copy).
+  from geom import tree_norm  # pylint: disable=g-import-not-at-top
+  app = _App()
+  geom_docs.setup(app)
+  (check,) = app.handlers['builder-inited']
+  monkeypatch.setattr(tree_norm.tree_norm_f32, '__doc__', None)
+  with caplog.at_level('WARNING'):
+    check(app)
+  warnings = [r.getMessage() for r in caplog.records
+              if r.levelname == 'WARNING']
+  assert warnings == ['public API: geom.tree_norm.tree_norm_f32: public, '
+                      'and no docstring'], warnings
 
 
 def test_the_check_reports_a_missing_example_and_constant_doc(monkeypatch):

@@ -1,7 +1,8 @@
-"""The forgetting study's machinery: `config.init_from` in the LM trainer, and
-`python -m studies.lm_forgetting` end to end at runlocal size and its one-line
-errors (run as a user would, in a subprocess: the launchers' absl flags
-share names)."""
+"""The forgetting study's machinery: `config.init_from` in the LM trainer,
+the study's run configs, its reuse of stored measures and its report, and
+`python -m studies.lm_forgetting` end to end at runlocal size (slow) and its
+one-line errors (run as a user would, in a subprocess: the launchers' absl
+flags share names)."""
 
 import json
 import os
@@ -13,6 +14,10 @@ import numpy as np
 import pytest
 
 from configs import lm as lm_config
+from studies.lm_forgetting import measure
+from studies.lm_forgetting import report
+from studies.lm_forgetting import runs
+from studies.lm_forgetting.settings import Settings
 from tests import launch_runs
 from train import errors
 from train.lm import trainer
@@ -50,8 +55,9 @@ def test_init_from_starts_at_the_other_runs_parameters(pretrained):
 
 
 # Slow (three LM runs): test_init_from_starts_at_the_other_runs_parameters
-# checks the state a run starts from, and the study's end-to-end test
-# trains from init_from.
+# checks the state a run starts from, and
+# test_each_variants_runs_are_configured_as_the_study_says that the
+# study's post-training starts from init_from.
 @pytest.mark.slow
 def test_a_run_from_init_from_begins_where_the_other_ended(pretrained,
                                                            tmp_path):
@@ -104,6 +110,13 @@ def _study(workdir, *extra, timeout=600):
       cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+# Slow (four LM runs and the sharpness programs' compiles, 70 s): its
+# parts are covered in the default suite by the tests below it (the run
+# configs, the reuse of stored measures, the report),
+# test_init_from_starts_at_the_other_runs_parameters (the post-training's
+# start), test_lm_heldout.py (the held-out CE) and test_sam.py's window
+# test (SAM on the window's steps only).
+@pytest.mark.slow
 def test_study_end_to_end_and_its_measures(tmp_path):
   workdir = tmp_path / 'study'
   result = _study(workdir, '--variants=baseline,sam_mid')
@@ -130,6 +143,75 @@ def test_study_end_to_end_and_its_measures(tmp_path):
   assert again.returncode == 0
   assert os.path.getmtime(workdir / 'measures' / 'baseline_seed0.json') == (
       stamp)
+
+
+def test_each_variants_runs_are_configured_as_the_study_says(tmp_path):
+  """runs.py: sam_mid is the baseline with SAM on its last mid_steps steps
+  (same seed, steps and data), sam on every step; the post-training moves
+  to the post source from the pretrained workdir."""
+  settings = Settings(config_arg='runlocal,forgetting', mid_steps=10,
+                      rho=0.07, post_steps=20, post_lr=2e-3)
+  base = runs.pretrain_config(settings, 'baseline', 1)
+  settings.check(base)
+  mid = runs.pretrain_config(settings, 'sam_mid', 1)
+  full = runs.pretrain_config(settings, 'sam', 1)
+  assert not base.optimizer.sam.enabled and base.seed == 1
+  assert mid.optimizer.sam.enabled and full.optimizer.sam.enabled
+  assert mid.optimizer.sam.rho == full.optimizer.sam.rho == 0.07
+  assert mid.optimizer.sam.window_start == base.num_steps - 10 > 0
+  assert full.optimizer.sam.window_start == base.optimizer.sam.window_start
+  mid.optimizer.sam = base.optimizer.sam
+  assert mid.to_json() == base.to_json()
+  post = runs.post_config(settings, 1, str(tmp_path / 'pre'))
+  assert tuple(map(tuple, post.data.mix)) == (('attribute', 1.0),)
+  assert (post.num_steps, post.optimizer.learning_rate, post.seed) == (
+      20, 2e-3, 1)
+  assert post.init_from == str(tmp_path / 'pre')
+  assert post.eval_every == post.checkpoint_every == 20
+
+
+def _record(variant, seed, pre, post, quant):
+  return dict(variant=variant, seed=seed, pretrain_ce=pre, post_ce=post,
+              quant_ce=quant, forgetting_post=post - pre,
+              forgetting_quant=quant - pre, target_ce_before=3.0,
+              target_ce_after=2.0, post_trainer_val_loss=2.0, sam_steps=0,
+              flagged_steps=0, lambda_max=1.5, trace=4.0, trace_stderr=0.1)
+
+
+def test_stored_measures_are_reused_and_reported(tmp_path, monkeypatch):
+  """measure.measure returns a (variant, seed)'s stored measures without
+  training; the table's reductions are 1 - F_variant / F_baseline per
+  seed, mean +- std in percent (numpy here); the figure is a PNG."""
+  records = [_record('baseline', 0, 1.0, 1.5, 1.2),
+             _record('baseline', 1, 1.1, 1.5, 1.4),
+             _record('sam_mid', 0, 1.0, 1.3, 1.1),
+             _record('sam_mid', 1, 1.1, 1.4, 1.3)]
+  os.makedirs(tmp_path / 'measures')
+  for r in records:
+    with open(tmp_path / 'measures' / f"{r['variant']}_seed{r['seed']}.json",
+              'w') as f:
+      json.dump(r, f)
+
+  def train(*args):
+    raise AssertionError('trained a finished (variant, seed)')
+  monkeypatch.setattr(trainer, 'train_and_evaluate', train)
+  settings = Settings(workdir=str(tmp_path), seeds=2,
+                      variants=('baseline', 'sam_mid'))
+  assert [measure.measure(settings, v, s) for v in settings.variants
+          for s in range(2)] == records
+  table = report.summarize(records)
+  rows = {l.split(' | ')[0].strip('| '): l.split(' | ')
+          for l in table.splitlines() if l.startswith('| ')}
+  for col, key in ((4, 'forgetting_post'), (7, 'forgetting_quant')):
+    want = 100 * (1 - np.array([records[2 + s][key] / records[s][key]
+                                for s in range(2)]))
+    assert rows['sam_mid'][col] == (
+        f'{want.mean():.0f} +- {want.std(ddof=1):.0f}%')
+    assert rows['baseline'][col] == '-'
+  assert rows['baseline'][3].startswith(
+      f"{np.mean([r['forgetting_post'] for r in records[:2]]):.3f} +- ")
+  report.plot(records, str(tmp_path / 'f.png'))
+  assert (tmp_path / 'f.png').read_bytes()[:4] == b'\x89PNG'
 
 
 _BAD_SETTINGS = [

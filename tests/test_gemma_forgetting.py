@@ -37,6 +37,10 @@ def tiny_file(tmp_path_factory):
   return tiny_gemma.model_file(tmp_path_factory.mktemp('tiny') / 'g.gguf')
 
 
+# 47 s (two SFT runs and their measures in a launcher process): the
+# measures, their reuse and the refusals are held by the fast tests below,
+# the study's functions called on the file's model (docs/slow_tests.md).
+@pytest.mark.slow
 def test_the_study_measures_reuses_and_refuses(tiny_file, tmp_path):
   root = str(tmp_path / 'study')
   # The README's command, on the small file at smoke size.
@@ -107,6 +111,93 @@ def test_the_study_measures_reuses_and_refuses(tiny_file, tmp_path):
     on = tiny_gemma.gemma_config(tiny_file, 'sft,sam')
     study.run(settings, on, str(tmp_path / 'other'))
   assert not os.path.exists(tmp_path / 'other')
+
+
+# The fast tests train one norm's scale (32 parameters): its dense Hessian
+# is 32 Hessian-vector products, where the slow test's matrix took 2,048
+# (10 s of CPU).
+FAST_TRAINED = ('block_1', 'post_mlp_norm', 'scale')
+
+
+def _small(tiny_file, frozen=f'^(?!{"/".join(FAST_TRAINED)}$)'):
+  """The slow test's study config and settings, `frozen` everything but
+  FAST_TRAINED by default: (base, settings)."""
+  base = tiny_gemma.gemma_config(tiny_file, 'sft')
+  base.batch_size = base.eval_batch_size = 8
+  base.optimizer.frozen = frozen
+  return base, study_settings.Settings(seeds=1, windows=4, window_len=16,
+                                       sharpness_iters=40,
+                                       sharpness_problems=4)
+
+
+def _dense_top_eigenvalue(base, params, codec, count, workdir):
+  """The eigenvalue of largest magnitude of the dense Hessian of the
+  fine-tuning loss in the one trained leaf (FAST_TRAINED)."""
+  batch = measure.sharpness_batch(base, codec, count)
+  exp = sft.build(base, workdir)
+  params = jax.tree.map(np.asarray, params)
+
+  def replaced(tree, path, x):
+    if not path:
+      return x
+    return dict(tree, **{path[0]: replaced(tree[path[0]], path[1:], x)})
+
+  def sub_loss(x):
+    p = replaced(params, FAST_TRAINED, x)
+    return exp.per_example(exp.model, {'params': p, 'batch_stats': {}},
+                           batch, False)[0].mean()
+  flat = params
+  for key in FAST_TRAINED:
+    flat = flat[key]
+  hessian = jax.jit(jax.hessian(sub_loss))(flat)
+  eigenvalues = np.linalg.eigvalsh(np.asarray(hessian, np.float64))
+  return eigenvalues[np.argmax(np.abs(eigenvalues))]
+
+
+def test_the_pretrained_measures_against_plain_references(tiny_file,
+                                                          tmp_path):
+  """The study's measures of the file's model, by the functions study.run
+  calls (no fine-tuning run: the slow test above runs the README's
+  command): the held-out CE against a plain log-softmax over the same
+  windows, lambda_max against the dense Hessian's top eigenvalue; a
+  second call reuses the record, other settings are refused."""
+  base, settings = _small(tiny_file)
+  root = str(tmp_path / 'study')
+  pre = measure.measure_pretrained(settings, base, root)
+  loaded = gemma_gguf.load(tiny_file)
+  windows = lm_data.heldout_windows(loaded.tokenizer, 4, 16)
+  model = models.create(base).clone(max_len=17)
+  logits, _ = model.apply({'params': loaded.params}, windows[:, :-1])
+  logp = jax.nn.log_softmax(np.asarray(logits, np.float64))
+  want = -np.take_along_axis(logp, windows[:, 1:, None], -1).mean()
+  assert abs(pre['heldout_ce'] - want) < 1e-4
+  assert set(pre['pass_at_1']) == {'add_d1', 'add_d2'}
+  sharp = measure.measure_sharpness(settings, base, root, None, 0)
+  top = _dense_top_eigenvalue(base, loaded.params,
+                              tasks.codec(loaded.tokenizer), 4,
+                              str(tmp_path / 'h'))
+  assert sharp['lambda_max'] == pytest.approx(top, rel=0.05)
+  path = os.path.join(root, 'measures', 'pretrained.json')
+  mtime = os.path.getmtime(path)
+  assert measure.measure_pretrained(settings, base, root) == pre
+  assert os.path.getmtime(path) == mtime
+  with pytest.raises(UsageError, match='other settings'):
+    measure.measure_pretrained(dataclasses.replace(settings, windows=6),
+                               base, root)
+  assert os.path.getmtime(path) == mtime
+
+
+def test_bad_settings_or_a_sam_base_are_refused_before_anything(tiny_file,
+                                                                 tmp_path):
+  base, settings = _small(tiny_file)
+  root = tmp_path / 'study'
+  for rhos in ((), (0.1, 0.1), (-1.0,)):
+    with pytest.raises(UsageError, match='--rhos'):
+      study.run(dataclasses.replace(settings, rhos=rhos), base, str(root))
+  with pytest.raises(UsageError, match='optimizer.sam.enabled'):
+    study.run(settings, tiny_gemma.gemma_config(tiny_file, 'sft,sam'),
+              str(root))
+  assert not root.exists()
 
 
 def test_the_report_pairs_seeds():

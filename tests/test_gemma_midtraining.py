@@ -102,11 +102,11 @@ def _ce(logits, params, windows):
                                    -1).mean())
 
 
-def test_the_text_measures_against_plain_references(smoke, tiny_file):
-  root, stdout = smoke
-  assert open(os.path.join(root, report.REPORT)).read() in stdout
+def _check_text_measures(checkpoint, tiny_file):
+  """The checkpoint's record against plain references: a log-softmax over
+  the held-out windows (the file's model and its 4-bit grouped
+  quantisation) and each probe scored alone."""
   base = _base(tiny_file)
-  checkpoint = _measure(root, 'mid_checkpoint')
   loaded = gemma_gguf.load(tiny_file)
   windows = lm_data.heldout_windows(loaded.tokenizer, 4, 16)
   rows = [([loaded.tokenizer.bos_id] + list(loaded.tokenizer.encode(prompt)),
@@ -141,6 +141,18 @@ def test_the_text_measures_against_plain_references(smoke, tiny_file):
   assert checkpoint['probes']['known'] == np.mean(known)
 
 
+# The five tests on `smoke` are slow (the README's command: 51 s, then
+# 13 s for the fresh workdir): the fast tests after them call the same
+# measure functions on the file's model, without the runs
+# (docs/slow_tests.md).
+@pytest.mark.slow
+def test_the_text_measures_against_plain_references(smoke, tiny_file):
+  root, stdout = smoke
+  assert open(os.path.join(root, report.REPORT)).read() in stdout
+  _check_text_measures(_measure(root, 'mid_checkpoint'), tiny_file)
+
+
+@pytest.mark.slow
 def test_the_sharpness_against_the_dense_hessian(smoke, tiny_file, tmp_path):
   root, _ = smoke
   base = _base(tiny_file)
@@ -169,6 +181,7 @@ def test_the_sharpness_against_the_dense_hessian(smoke, tiny_file, tmp_path):
   assert mid['trace_stderr'] < 0.5 * abs(np.trace(hessian)) + 1e-6
 
 
+@pytest.mark.slow
 def test_post_training_starts_from_each_mid_trained_model(smoke, tiny_file):
   root, _ = smoke
   leaf = lambda tree: np.asarray(tree['block_1']['mlp']['down']['kernel']
@@ -196,6 +209,7 @@ def test_post_training_starts_from_each_mid_trained_model(smoke, tiny_file):
   assert post['heldout_ce'] != mid['heldout_ce']
 
 
+@pytest.mark.slow
 def test_a_rerun_reuses_and_other_settings_are_refused(smoke, tiny_file,
                                                        tmp_path):
   root, stdout = smoke
@@ -209,6 +223,7 @@ def test_a_rerun_reuses_and_other_settings_are_refused(smoke, tiny_file,
   assert os.path.getmtime(path) == mtime
 
 
+@pytest.mark.slow
 def test_a_fresh_workdir_resumes_from_the_records_alone(smoke, tiny_file,
                                                         tmp_path):
   # A workdir that kept `measures/` and lost `runs/`: every record is
@@ -240,6 +255,105 @@ def test_a_fresh_workdir_resumes_from_the_records_alone(smoke, tiny_file,
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(first)):
       assert a == (pytest.approx(b, rel=1e-5, abs=1e-6)
                    if isinstance(b, float) else b)
+
+
+def test_the_checkpoints_text_measures_are_reused_and_refused(tiny_file,
+                                                            tmp_path):
+  """The measures of `test_the_text_measures_against_plain_references`
+  (slow), by the study's own function on the file's model: its record
+  against the plain references; a second call reuses it, other settings
+  are refused."""
+  base, root = _base(tiny_file), str(tmp_path / 'study')
+  checkpoint = measure.measure_mid(SETTINGS, base, root,
+                                   study_settings.CHECKPOINT, 0)
+  _check_text_measures(checkpoint, tiny_file)
+  assert set(checkpoint['pass_at_1']) == {'add_d1', 'add_d2'}
+  path = os.path.join(root, 'measures', 'mid_checkpoint.json')
+  mtime = os.path.getmtime(path)
+  assert measure.measure_mid(SETTINGS, base, root, study_settings.CHECKPOINT,
+                             0) == checkpoint
+  with pytest.raises(UsageError, match='other settings'):
+    measure.measure_mid(dataclasses.replace(SETTINGS, group_size=8), base,
+                        root, study_settings.CHECKPOINT, 0)
+  assert os.path.getmtime(path) == mtime
+
+
+# The fast sharpness test trains one 512-parameter matrix (its dense
+# Hessian: 512 Hessian-vector products, a quarter of MATRIX's).
+FAST_MATRIX = ('block_1', 'attention', 'key')
+
+
+def test_the_checkpoints_sharpness_against_the_dense_hessian(tiny_file,
+                                                              tmp_path):
+  """measure.sharpness (Lanczos' ends of the spectrum, Hutchinson's trace)
+  at the file's model against the dense Hessian of the mid-training loss
+  in the trained matrix (what the slow test checks at the trained one)."""
+  base = _base(tiny_file)
+  base.midtrain.optimizer.frozen = f'^(?!{"/".join(FAST_MATRIX)}$)'
+  config = study_settings.mid_config(base, 'adamw', 0)
+  loaded = gemma_gguf.load(tiny_file)
+  params = jax.tree.map(np.asarray, loaded.params)
+  got = measure.sharpness(SETTINGS, config, params, loaded.tokenizer,
+                          str(tmp_path / 's'))
+  exp = lm_trainer.build(config, str(tmp_path / 'h'), check_data=False)
+  batch = {'tokens': np.asarray(lm_data.load_windows(
+      config.data, 'train', 12345, tokenizer=loaded.tokenizer).tokens[:2])}
+  a, b, c = FAST_MATRIX
+
+  def sub_loss(x):
+    p = dict(params, **{a: dict(params[a], **{b: dict(params[a][b],
+                                                          **{c: x})})})
+    return exp.per_example(exp.model, {'params': p, 'batch_stats': {}},
+                           batch, False)[0].mean()
+  hessian = np.asarray(jax.jit(jax.hessian(sub_loss))(params[a][b][c]),
+                       np.float64).reshape(params[a][b][c].size, -1)
+  eigenvalues = np.linalg.eigvalsh(hessian)
+  scale = np.abs(eigenvalues).max()
+  assert got['lambda_max'] == pytest.approx(eigenvalues[-1], abs=0.02 * scale)
+  assert got['lambda_min'] == pytest.approx(eigenvalues[0], abs=0.02 * scale)
+  assert abs(got['trace'] - np.trace(hessian)) <= 4 * got['trace_stderr']
+  assert got['trace_stderr'] < 0.5 * abs(np.trace(hessian)) + 1e-6
+
+
+def test_each_run_starts_where_the_study_says(tiny_file):
+  """The chain of runs, as configs: post-training starts from its
+  mid-trained run (the checkpoint's from the file), the SAM variant's
+  mid-training has SAM at its radius. (That init_from starts SFT from
+  the run's weights: test_gemma_training's
+  test_sft_post_trains_an_lm_run_and_pins_it_by_content.)"""
+  base, root = _base(tiny_file), '/w'
+  for variant in ('adamw', 'sam_rho0.05'):
+    post = study_settings.post_config(base, root, variant, 0)
+    assert post.init_from == study_settings.mid_dir(root, variant, 0)
+    assert post.optimizer.frozen == POST_FROZEN
+  assert study_settings.post_config(base, root, study_settings.CHECKPOINT,
+                                    0).init_from is None
+  assert not study_settings.mid_config(base, 'adamw', 0).optimizer.sam.enabled
+  sam = study_settings.mid_config(base, 'sam_rho0.05', 0)
+  assert sam.optimizer.sam.enabled and sam.optimizer.sam.rho == 0.05
+  assert base.midtrain.optimizer.sam.enabled is False  # Not changed.
+
+
+def test_a_run_is_trained_again_only_for_a_missing_record_it_feeds(
+    tiny_file, tmp_path, monkeypatch):
+  """ensure_midtrained, what a fresh workdir resumes with (the slow test
+  test_a_fresh_workdir_resumes_from_the_records_alone): with the post and
+  sharpness records there, the run is not trained again; with one of
+  them missing and no checkpoint, it is, into its own directory."""
+  trained = []
+  monkeypatch.setattr(measure.lm_trainer, 'train_and_evaluate',
+                      lambda config, workdir: trained.append(
+                          (config.optimizer.sam.enabled, workdir)))
+  base, root = _base(tiny_file), str(tmp_path / 'study')
+  os.makedirs(os.path.join(root, 'measures'))
+  for name in ('post_sam_rho0.05_seed0', 'sharpness_sam_rho0.05_seed0'):
+    open(os.path.join(root, 'measures', f'{name}.json'), 'w').close()
+  measure.ensure_midtrained(SETTINGS, base, root, 'sam_rho0.05', 0)
+  assert not trained
+  os.remove(os.path.join(root, 'measures',
+                         'sharpness_sam_rho0.05_seed0.json'))
+  measure.ensure_midtrained(SETTINGS, base, root, 'sam_rho0.05', 0)
+  assert trained == [(True, study_settings.mid_dir(root, 'sam_rho0.05', 0))]
 
 
 STORED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(

@@ -187,6 +187,10 @@ def test_tokenization_is_llama_cpps(loaded, reference):
                                 reference['passage_ids'])
 
 
+# 35 s of the 270M's cached prefill: the logits against llama.cpp are held
+# by the uncached forward's 128 tokens, and the window and the chunked
+# cache by the two-layer file's test below (docs/slow_tests.md).
+@pytest.mark.slow
 def test_logits_match_llama_cpp_on_a_passage_past_the_window(
     loaded, reference):
   ids = reference['passage_ids']
@@ -212,7 +216,9 @@ def test_the_uncached_forward_matches_too(loaded, reference, at_cvec_layer):
 
 
 @pytest.mark.parametrize('bug', [
-    'rope_base', 'norm_offset',
+    # 10 s (its shape is another 270M program to compile); the norm bug
+    # shows the check's reach at no compile.
+    pytest.param('rope_base', marks=pytest.mark.slow), 'norm_offset',
     # 26 s (a 640-token prefill); the window itself is held by the passage
     # test, whose positions past 512 fail without it.
     pytest.param('no_window', marks=pytest.mark.slow)])
@@ -242,6 +248,10 @@ def test_each_planted_bug_fails_the_logit_check(loaded, reference, bug,
   assert f['top'] > 20 * LOGIT_TOL, f
 
 
+# 31 s of the 270M's decoding: cached greedy decoding is the full forward's
+# argmax in test_lm_prefill.py (the two-layer Gemma), and that forward is
+# llama.cpp's here (test_the_uncached_forward_matches_too).
+@pytest.mark.slow
 def test_greedy_generations_are_llama_cpps(loaded, reference):
   prompts = [reference[f'prompt_ids_{i}'] for i in range(len(texts.PROMPTS))]
   tok = loaded.tokenizer
@@ -262,6 +272,39 @@ def test_greedy_generations_are_llama_cpps(loaded, reference):
         out[i], reference[f'greedy_{i}'],
         err_msg=f'{texts.PROMPTS[i]!r}: ours {tok.decode(out[i])!r}, '
         f'llama.cpp {tok.decode(reference[f"greedy_{i}"])!r}')
+
+
+def test_the_window_reaches_back_window_minus_one_per_layer(tmp_path):
+  """What the 270M passage test (slow) checks past position 512, on the
+  tests' two-layer file (both layers local, window 4: a query at p sees
+  keys p - 3..p): the logits at the last position depend on the token
+  2 * 3 positions back and not on the one before it (the receptive field's
+  closed form), and the KV cache filled in chunks gives the uncached
+  forward's logits at every position, past the window."""
+  loaded = gemma_gguf.load(tiny_gemma.model_file(tmp_path / 'g.gguf'))
+  assert loaded.shape.sliding_window == 4
+  n, chunk = 16, 3
+  model = gemma.Gemma3(loaded.shape, max_len=n + chunk)
+  tokens = np.random.default_rng(0).integers(4, 300, (1, n)).astype(np.int32)
+  forward = jax.jit(lambda p, t: model.apply({'params': p}, t)[0][0])
+  full = np.asarray(forward(loaded.params, tokens))
+  reach = loaded.shape.num_layers * (loaded.shape.sliding_window - 1)
+  for back, seen in ((reach, True), (reach + 1, False)):
+    changed = tokens.copy()
+    changed[0, n - 1 - back] = 4 + (changed[0, n - 1 - back] - 3) % 296
+    last = np.asarray(forward(loaded.params, changed))[-1]
+    assert (np.abs(last - full[-1]).max() > 1e-3) == seen, back
+  padded = -(-n // chunk) * chunk
+  ids = np.zeros((1, padded), np.int32)
+  ids[0, :n] = tokens[0]
+  valid = np.arange(padded)[None] < n
+  step = jax.jit(lambda p, t, v, c: model.apply({'params': p}, t, v, c))
+  cache, parts = decoder.init_cache(model, 1, padded), []
+  for i in range(0, padded, chunk):
+    logits, cache = step(loaded.params, ids[:, i:i + chunk],
+                         valid[:, i:i + chunk], cache)
+    parts.append(np.asarray(logits[0]))
+  np.testing.assert_allclose(np.concatenate(parts)[:n], full, atol=1e-4)
 
 
 def test_a_truncated_or_foreign_file_is_one_line(tmp_path, gemma_file):

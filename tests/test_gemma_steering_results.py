@@ -115,9 +115,14 @@ def test_the_selected_study_rebuilds_from_its_evaluation(tmp_path):
      'targets=(0.2, 0.1): give increasing KL values > 0'),
     # The selected settings: the selection's own checks, on its config's
     # real-text task (2 validation sets of 40 fit its pool, of 60 do not).
-    ('configs/gemma.py:selection', '--config.selection.items_per_set=60',
-     'config.selection.items_per_set=60: 2 validation item set(s) of '
-     'pydoc_polarity hold at most 59 items each'),
+    # Slow: 15 s of a process building the real-text pool; the same check
+    # on the same config in process: test_pydoc_polarity's
+    # test_the_selected_study_refuses_more_items_than_the_pool_holds.
+    pytest.param(
+        'configs/gemma.py:selection', '--config.selection.items_per_set=60',
+        'config.selection.items_per_set=60: 2 validation item set(s) of '
+        'pydoc_polarity hold at most 59 items each',
+        marks=pytest.mark.slow),
 ])
 def test_the_readme_command_refuses_a_bad_flag_in_one_line(
     tmp_path, config, flag, error):

@@ -166,6 +166,10 @@ def test_the_readme_table_rebuilds_from_the_stored_runs():
   assert table in readme
 
 
+# Slow (a subprocess compiling the study's 8 programs, 9 s). By default:
+# the table from stored runs (test_the_readme_table_rebuilds_from_the_
+# stored_runs) and the runs' code (the noisy tests above).
+@pytest.mark.slow
 def test_the_readme_command_writes_the_table_and_the_runs(tmp_path):
   # A subprocess: its flags (--workdir, --rhos, --steps) are those of
   # studies.sam_landscape, which test_sam_landscape imports. Small sizes.

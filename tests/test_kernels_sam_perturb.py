@@ -278,10 +278,15 @@ def _all_gathers(compiled) -> list[int]:
 
 @pytest.mark.parametrize('layout,adaptive,given', [
     *[(layout, False, False) for layout in LAYOUTS],
-    ('mixed', True, False), ('tensor', True, False),
+    # 'mixed' holds leaves split over 'data', over 'model', over both and
+    # replicated: its cases cover the others' leaves, which are slow.
+    ('mixed', True, False),
+    pytest.param('tensor', True, False, marks=pytest.mark.slow),
     # Shardings given (shard_map, the route that runs Mosaic kernels
     # sharded on TPU).
-    ('fsdp', False, True), ('mixed', True, True), ('replicated', False, True),
+    pytest.param('fsdp', False, True, marks=pytest.mark.slow),
+    ('mixed', True, True),
+    pytest.param('replicated', False, True, marks=pytest.mark.slow),
 ])
 def test_sharded_equals_the_unsharded_reference(layout, adaptive, given):
   w, g, shardings = _sharded_tree(layout)

@@ -95,6 +95,11 @@ def test_a_bad_rate_in_the_config_is_one_line_before_any_work(rate,
   assert not os.path.exists(workdir)
 
 
+# Slow (four runs in a subprocess, 32 s). Its parts run by default:
+# test_sam_study.py::test_the_study_records_each_run_and_tables_them (these
+# runs' configs, records and table on a stand-in trainer) and
+# test_the_trainer_corrupts_the_training_split_only (the noise).
+@pytest.mark.slow
 def test_the_sam_study_runs_under_label_noise_and_reports_the_detector(
     tmp_path):
   """`studies.sam_recipes` as a user runs it (a subprocess: the studies'

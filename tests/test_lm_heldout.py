@@ -17,10 +17,17 @@ MODELS = {
 }
 
 
+def _init(model, tokens, seed):
+  # Jitted: op by op, the initialisation cost seconds of one-op compiles.
+  return jax.jit(model.init)(jax.random.key(seed), tokens)['params']
+
+
 def _reference(model, params, windows):
   """Mean over windows and positions of -log softmax(logits)[next token],
-  in float64 from the model's eager logits."""
-  logits, _ = model.apply({'params': params}, windows[:, :-1])
+  in float64 from the model's logits (one plain jitted apply: op by op it
+  cost seconds of one-op compiles)."""
+  logits, _ = jax.jit(lambda p, t: model.apply({'params': p}, t))(
+      params, windows[:, :-1])
   logits = np.asarray(logits, np.float64)
   logp = logits - logits.max(-1, keepdims=True)
   logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
@@ -34,7 +41,7 @@ def test_cross_entropy_is_the_mean_next_token_log_loss(name):
   # Windows longer than the model's max_len (widened), and 5 windows in
   # compiled calls of 2: the last call is padded.
   windows = np.random.default_rng(0).integers(0, vocab, (5, 13))
-  params = model.init(jax.random.key(1), windows[:, :-1])['params']
+  params = _init(model, windows[:, :-1], 1)
   want = _reference(model.clone(max_len=13), params, windows)
   got = heldout.cross_entropy(model, params, windows, batch=2)
   assert got == pytest.approx(want, rel=1e-5)
@@ -47,7 +54,7 @@ def test_cross_entropy_is_the_mean_next_token_log_loss(name):
 def test_each_window_is_scored_alone():
   model = MODELS['decoder']
   windows = np.random.default_rng(2).integers(0, 40, (3, 9))
-  params = model.init(jax.random.key(0), windows[:, :-1])['params']
+  params = _init(model, windows[:, :-1], 0)
   alone = [heldout.cross_entropy(model, params, w[None], batch=2)
            for w in windows]
   assert heldout.cross_entropy(model, params, windows, batch=2) == (
@@ -57,7 +64,6 @@ def test_each_window_is_scored_alone():
 @pytest.mark.parametrize('shape', [(0, 5), (3, 1), (6,)])
 def test_windows_of_no_next_token_are_refused(shape):
   model = MODELS['decoder']
-  params = model.init(jax.random.key(0), np.zeros((1, 4), np.int32))[
-      'params']
+  params = _init(model, np.zeros((1, 4), np.int32), 0)
   with pytest.raises(ValueError, match='windows of shape'):
     heldout.cross_entropy(model, params, np.zeros(shape, np.int32))

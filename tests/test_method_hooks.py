@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 
+from configs import digits
 from geom import hallucination
 from geom import method_hooks
 from geom import sam
@@ -148,10 +149,10 @@ def _parity_method(base, cfg):
   return optax.GradientTransformationExtraArgs(init, update), hooks, None
 
 
-def test_a_new_method_plugs_in_through_its_hooks_alone(digits_config,
-                                                       tmp_path, monkeypatch):
+def test_a_new_method_plugs_in_through_its_hooks_alone(tmp_path, monkeypatch):
   monkeypatch.setitem(optim.METHODS, 'parity', _parity_method)
-  config = digits_config
+  # runlocal's MLP: the trainer's path is the CNN's, at half the compiles.
+  config = digits.get_config('runlocal,model=mlp')
   config.optimizer.warmup_steps = 0
   config.optimizer.parity = {'enabled': True}
   config.num_steps, config.log_every = 6, 1

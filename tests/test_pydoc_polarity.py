@@ -100,3 +100,23 @@ def test_pool_sizes_and_too_many_items_name_n():
   with pytest.raises(UsageError, match=r'n=1: .*train split holds 0 items'):
     tc.mc_task(TASK, 1, 0, 'train')
   assert len(ps.fingerprint()) == 16
+
+
+def test_the_selected_study_refuses_more_items_than_the_pool_holds():
+  """The selected settings' study (configs/gemma.py:selection) checks its
+  sets against this pool before anything is loaded: 2 validation sets of
+  40 fit, of 60 do not, named in one line. Here, where the pool is built
+  already (test_gemma_steering_results runs the README command's refusal
+  itself, slow: 15 s of a process building the pool again)."""
+  from configs import gemma as gemma_config  # pylint: disable=g-import-not-at-top
+  from studies.gemma_steering import selected  # pylint: disable=g-import-not-at-top
+  from train.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  config = gemma_config.get_config('selection')
+  assert config.selection.items_per_set == 40
+  selected.check(config, (0.1, 0.2), 100)
+  config.selection.items_per_set = 60
+  with pytest.raises(ConfigError) as e:
+    selected.check(config, (0.1, 0.2), 100)
+  assert str(e.value) == (
+      'config.selection.items_per_set=60: 2 validation item set(s) of '
+      'pydoc_polarity hold at most 59 items each')

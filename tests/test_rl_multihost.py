@@ -136,22 +136,26 @@ def _single(tmp_path_factory, sft_workdir, staleness, *overrides,
 
 
 DETERMINISTIC = ('--config.runtime.deterministic=True',)
+# The flags of the fixed-s runs here, the learner group's and the kill
+# tests': with one flag set, they share one one-process reference run
+# (`_single`); the checkpoints change nothing in the policy.
+GROUP = DETERMINISTIC + ('--config.checkpoint_every=2',)
 
 
-# Fixed s = 2 on 2 and 3 processes is also what the kill -9 test runs (it
-# starts on 2 and resumes on 3, ending equal to the one-process run), so
-# only GAS runs by default.
-# All slow: the learner's kill -9 test below ends a 2 -> 3 process
-# resume equal to the one-process run bit for bit, in the default suite.
+# The default suite's multi-process = one process bit for bit: 2 processes
+# (1 rollout, 1 learner), fixed s = 2, one job (the learner's kill -9 test,
+# which also ends equal to the one-process run, is 3 jobs and slow). The
+# others are slow: the same admission and transport with more processes
+# or GAS's schedule.
 @pytest.mark.parametrize('processes,staleness,scheduler', [
     pytest.param(3, 0, 'gas', marks=pytest.mark.slow),
-    pytest.param(2, 2, 'fixed', marks=pytest.mark.slow),
+    pytest.param(2, 2, 'fixed'),
     pytest.param(3, 2, 'fixed', marks=pytest.mark.slow),
     pytest.param(2, 0, 'gas', marks=pytest.mark.slow)])
 def test_a_deterministic_run_equals_one_process_bit_for_bit(
     sft_workdir, tmp_path, tmp_path_factory, processes, staleness,
     scheduler):
-  extra = DETERMINISTIC + (GAS if scheduler == 'gas' else ())
+  extra = (DETERMINISTIC + GAS) if scheduler == 'gas' else GROUP
   multi, ends = _multi(tmp_path / 'multi', sft_workdir, processes,
                        staleness, *extra)
   single = _single(tmp_path_factory, sft_workdir, staleness, *extra)
@@ -231,14 +235,16 @@ def _kill_9_after_a_checkpoint(procs, workdir, victim: int, role: str,
 # Process 0 is excluded: jax.distributed's coordination service runs in it,
 # and its death ends every other process at once with JAX's own message
 # (test_multihost checks that one for launch.train).
-# The learner's death is this loop's one kill -9 in the default suite: how
-# a dead process is found (the heartbeat) is the same whatever its role.
+# Both slow (3 jobs each): the default suite stops a job and resumes it
+# exactly (the follower's SIGTERM test), compares a multi-process run with
+# one process bit for bit (above), and refuses the other back-end's
+# checkpoints in the run core (test_a_checkpoint_..._other_kind_of_run).
 @pytest.mark.parametrize('processes,victim', [
     pytest.param(3, 1, marks=pytest.mark.slow, id='rollout'),
-    pytest.param(2, 1, id='learner')])
+    pytest.param(2, 1, marks=pytest.mark.slow, id='learner')])
 def test_kill_9_of_a_process_stops_the_job_in_one_line_and_it_resumes(
     sft_workdir, tmp_path, tmp_path_factory, processes, victim):
-  extra = DETERMINISTIC + ('--config.checkpoint_every=2',)
+  extra = GROUP
   workdir = tmp_path / 'run'
   procs = _start(workdir, sft_workdir, processes, 2, *extra)
   role = 'learner' if victim == processes - 1 else 'rollout'
@@ -290,8 +296,7 @@ def _train_metrics(workdir) -> dict[int, dict]:
     return {r['step']: r for r in map(json.loads, f) if 'train/loss' in r}
 
 
-# 1 rollout + 2 learner processes, deterministic, s = 2.
-GROUP = DETERMINISTIC + ('--config.checkpoint_every=2',)
+# 1 rollout + 2 learner processes, deterministic, s = 2 (flags: GROUP).
 _GROUP = {}
 
 
@@ -332,9 +337,48 @@ def test_a_learner_over_two_processes_trains_like_one(sft_workdir,
   assert whole['staleness_histogram'] == single['staleness_histogram']
 
 
-# Slow: test_kill_9_of_a_process_stops_the_job_in_one_line_and_it_resumes
-# [learner] kills a learner, and the follower's SIGTERM test below stops and
-# resumes this split exactly.
+def test_a_checkpoint_is_refused_by_the_other_kind_of_run(
+    sft_workdir, tmp_path_factory):
+  """A one-process run's workdir (Orbax checkpoints) is not resumed by a
+  multi-process learner, nor a multi-process run's (local checkpoints) by
+  one process: one line each, nothing changed. The run core's check on
+  the module's two finished runs (the learner's kill -9 test, slow, sees
+  the same lines from the launchers)."""
+  # pylint: disable=g-import-not-at-top
+  from train import errors
+  from train.rl import run
+  from train.rl import settings
+  from train.run import workdir_run
+  # pylint: enable=g-import-not-at-top
+  single, single_workdir = _single(tmp_path_factory, sft_workdir, 2, *GROUP,
+                                   workdir=True)
+  _group(tmp_path_factory, sft_workdir)
+  multi_workdir = _GROUP['workdir']
+  listing = lambda w: sorted(os.listdir(os.path.join(w, 'checkpoints')))
+  before = listing(single_workdir), listing(multi_workdir)
+  learner = _config(sft_workdir, 2, *GROUP, '--config.rollout_processes=1')
+  with pytest.raises(errors.UsageError) as e:
+    workdir_run.check_backend(learner, str(single_workdir), settings.SPLIT,
+                              part=True)
+  assert str(e.value) == (
+      f'config.rollout_processes=1: {single_workdir} holds the checkpoints '
+      'of a one-process run; resume it with one process (no --multihost), '
+      'or give a new workdir'), str(e.value)
+  with pytest.raises(errors.UsageError) as e:
+    run.train_and_evaluate(_config(sft_workdir, 2, *GROUP),
+                           str(multi_workdir))
+  assert str(e.value).startswith(
+      f'config.rollout_processes=None: {multi_workdir} holds the '
+      'checkpoints of a multi-process run (launch.rl --multihost); '), str(
+          e.value)
+  assert '\n' not in str(e.value)
+  assert (listing(single_workdir), listing(multi_workdir)) == before
+  assert _results(single_workdir) == single
+
+
+# Slow: the follower's SIGTERM test below stops and resumes this split
+# exactly (a kill -9 of an RL process is in `make test-all` only: the
+# kill tests above are slow too).
 @pytest.mark.slow
 def test_kill_9_of_a_follower_stops_the_job_and_the_split_resumes_exactly(
     sft_workdir, tmp_path, tmp_path_factory):

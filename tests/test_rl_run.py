@@ -27,6 +27,7 @@ from tests import launch_runs
 from tests.conftest import REPO_ROOT
 from tests.conftest import SFT_POLICY_OVERRIDES
 from train.run import checksums
+from train.run.workdir_lock import WorkdirBusy
 from train import errors
 from train.rl import batches
 from train.rl import learner
@@ -142,27 +143,38 @@ def test_async_runs_respect_the_bound_and_deterministic_ones_repeat(
   assert a['params_sha256'] != synchronous['params_sha256']
 
 
-@pytest.fixture(scope='module')
-def gas_runs(sft_workdir, tmp_path_factory):
-  """(config, workdir of a, a, b): two runs of one deterministic GAS config
-  (s = 3, curvature every 3 versions), run once for the two GAS tests."""
+def _gas_config(sft_workdir):
+  """A deterministic GAS config (s = 3, curvature every 3 versions)."""
   config = _config(sft_workdir, max_staleness=3, num_actors=2,
                    deterministic=True)
   config.scheduler = 'gas'
   config.gas.update(latency_source='model', curvature_every=3,
                     curvature_iters=3, alpha=1.0)
   config.num_versions = 7  # Batches 0-6: the refused test's 4 and 6.
+  return config
+
+
+@pytest.fixture(scope='module')
+def gas_run(sft_workdir, tmp_path_factory):
+  """(config, workdir, results) of a deterministic GAS run, run once for
+  the GAS tests."""
+  config = _gas_config(sft_workdir)
   root = tmp_path_factory.mktemp('gas')
-  a = run.train_and_evaluate(config, str(root / 'a'))
-  b = run.train_and_evaluate(config, str(root / 'b'))
-  return config, root / 'a', a, b
+  return config, root / 'a', run.train_and_evaluate(config, str(root / 'a'))
 
 
-def test_gas_runs_keep_every_batch_in_budget_and_deterministic_ones_repeat(
-    gas_runs):
-  config, workdir, a, b = gas_runs
-  assert a['params_sha256'] == b['params_sha256']
-  assert a['gas'] == b['gas'] and a['difficulty_mix'] == b['difficulty_mix']
+@pytest.fixture(scope='module')
+def gas_runs(gas_run, tmp_path_factory):
+  """(config, workdir of a, a, b): `gas_run` and a second run of its
+  config (`make test-all`'s repeat)."""
+  config, workdir, a = gas_run
+  b = run.train_and_evaluate(config, str(tmp_path_factory.mktemp('gas_b')))
+  return config, workdir, a, b
+
+
+def _check_gas_budgets(config, workdir, a):
+  """Every batch trained within the budget logged for its version;
+  curvature at versions 3 and 6; every admitted sample counted."""
   # Admission for batch k reads the budgets logged at version k.
   options = scheduler.settings(config).options
   budgets = {f'gas/budget/d{d:g}': int(n) for d, n in zip(
@@ -183,11 +195,30 @@ def test_gas_runs_keep_every_batch_in_budget_and_deterministic_ones_repeat(
   assert counted == config.num_versions * 16  # 4 prompts x 4 samples.
 
 
+def test_a_gas_run_keeps_every_batch_in_budget(gas_run):
+  """The default suite's GAS run (one; the slow test below repeats it)."""
+  _check_gas_budgets(*gas_run)
+
+
+# Slow (`make test-all`): a second GAS run, to repeat the first. The
+# default suite: test_a_gas_run_keeps_every_batch_in_budget (the same
+# checks on one run), the repeat of a deterministic fixed-s run
+# (test_async_runs_respect_the_bound_and_deterministic_ones_repeat) and
+# GAS's deterministic plans repeating (test_rl_scheduler).
+@pytest.mark.slow
+def test_gas_runs_keep_every_batch_in_budget_and_deterministic_ones_repeat(
+    gas_runs):
+  config, workdir, a, b = gas_runs
+  assert a['params_sha256'] == b['params_sha256']
+  assert a['gas'] == b['gas'] and a['difficulty_mix'] == b['difficulty_mix']
+  _check_gas_budgets(config, workdir, a)
+
+
 def test_a_refused_batch_is_generated_again_from_the_current_version(
-    gas_runs, tmp_path, monkeypatch):
+    gas_run, tmp_path, monkeypatch):
   # The same config as the run kept by the GAS test above, with batches 4
   # and 6 refused.
-  config, _, kept, _ = gas_runs
+  config, _, kept = gas_run
   refuse = {4, 6}
   real = scheduler.Gas.admit
   monkeypatch.setattr(scheduler.Gas, 'admit', lambda self, k, d, lag: (
@@ -240,11 +271,14 @@ GAS = ('--config.scheduler=gas', '--config.gas.latency_source=model',
 # One run takes both interruptions in turn (SIGTERM, then kill -9 of the
 # resumed run), against one uninterrupted run: a resume from a SIGTERM save
 # and one from a cadence checkpoint left by a killed process.
-# The GAS case is slow (`make test-all`): test_rl_scheduler covers GAS's
-# checkpointed state (saved through JSON, restored, planning the same),
-# and the plain case here the kill and resume of the same loop.
+# Both slow (`make test-all`; two launcher runs each). The default suite:
+# test_a_run_resumes_from_a_cadence_checkpoint_bit_for_bit (below: the
+# resume, in this process), test_rl_multihost's SIGTERM test (launch.rl
+# stopped by SIGTERM, saved, resumed exactly) and, for GAS, test_rl_
+# scheduler (its checkpointed state restored, planning the same).
 @pytest.mark.parametrize('extra', [
-    (), pytest.param(GAS, marks=pytest.mark.slow)], ids=['plain', 'gas'])
+    pytest.param((), marks=pytest.mark.slow),
+    pytest.param(GAS, marks=pytest.mark.slow)], ids=['plain', 'gas'])
 def test_a_run_stopped_by_sigterm_then_killed_resumes_bit_for_bit(
     sft_workdir, tmp_path, request, caplog, extra):
   launch = lambda workdir: _launch(workdir, sft_workdir, *extra)
@@ -286,6 +320,32 @@ def test_a_run_stopped_by_sigterm_then_killed_resumes_bit_for_bit(
   assert load(cut)['params_sha256'] == load(whole)['params_sha256']
   steps = [json.loads(l)['step'] for l in open(cut / 'metrics.jsonl')]
   assert steps == sorted(set(steps))  # No record twice after the resumes.
+
+
+def test_a_run_resumes_from_a_cadence_checkpoint_bit_for_bit(
+    tmp_path, deterministic_run, caplog):
+  """The module's deterministic run (s = 2) as a kill -9 after its first
+  kept checkpoint leaves it (the later one and its results gone, its log
+  past the checkpoint kept), resumed in this process: it ends with the
+  uninterrupted run's policy, each record once. The launcher's SIGTERM-
+  then-kill test (slow) does this through two launcher runs."""
+  config, whole, results = deterministic_run
+  cut = tmp_path / 'cut'
+  shutil.copytree(whole, cut)
+  os.remove(cut / run.RESULTS)
+  kept = sorted(int(d) for d in os.listdir(cut / 'checkpoints')
+                if d.isdigit())
+  for step in kept[1:]:
+    shutil.rmtree(cut / 'checkpoints' / str(step))
+  assert 0 < kept[0] < config.num_versions
+  with caplog.at_level(logging.INFO, logger='absl'):
+    resumed = run.train_and_evaluate(config, str(cut))
+  assert f'Resuming at version {kept[0]} of {config.num_versions}' in (
+      caplog.text)
+  assert resumed['params_sha256'] == results['params_sha256']
+  assert resumed['staleness_histogram'] == results['staleness_histogram']
+  steps = [json.loads(l)['step'] for l in open(cut / 'metrics.jsonl')]
+  assert steps == sorted(set(steps))  # No record twice after the resume.
 
 
 def _launched_config(sft_workdir, *overrides):
@@ -408,11 +468,12 @@ def test_a_held_workdir_a_changed_config_or_policy_are_refused(
                               {'sft_workdir': policy})
   workdir = tmp_path / 'rl'
   shutil.copytree(finished, workdir)
+  # Held by another process: refused in this one (launch.rl exits 75 on
+  # this error: test_rl_multihost's test_a_refusal_ends_every_process_...).
   holder = launch_runs.hold_workdir(str(workdir))
   try:
-    proc = subprocess.run(_launch(workdir, policy), cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 75, proc.stderr[-2000:]
+    with pytest.raises(WorkdirBusy):
+      run.train_and_evaluate(config, str(workdir))
   finally:
     holder.kill()
     holder.wait()

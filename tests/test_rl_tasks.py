@@ -57,9 +57,13 @@ def test_generation_is_deterministic_and_seeded():
 @pytest.mark.parametrize('family', tasks.FAMILIES)
 def test_heldout_problems_never_reach_training(family):
   for d in range(2, tasks.MAX_DIFFICULTY + 1):
-    held = tasks.evaluation_set(family, d, 150)
+    # 'mul' at 2 digits has 62 held-out problems: asking for one more
+    # still returns them all (the draws give up after 1000 per problem
+    # asked for), in 63,000 draws instead of the 150,000 of asking for 150.
+    held = tasks.evaluation_set(family, d,
+                                63 if (family, d) == ('mul', 2) else 150)
     assert len({p.expression for p in held}) == len(held)
-    assert len(held) >= 60  # 'mul' at 2 digits has 72 in its space.
+    assert len(held) >= 60  # 'mul' at 2 digits has 62 in its space.
     trained = {p.expression for p in tasks.sample(family, d, 3000, seed=0)}
     assert not trained & {p.expression for p in held}
   # One digit: the whole space, trained on as well (documented).
@@ -108,8 +112,10 @@ def test_prompts_are_left_padded_and_completions_end_at_eos():
 @pytest.mark.parametrize('family', tasks.FAMILIES)
 def test_max_prompt_tokens_is_the_longest_prompt(family):
   for d in range(1, tasks.MAX_DIFFICULTY + 1):
-    problems = (tasks.sample(family, d, 300, 0)
-                + tasks.evaluation_set(family, d, 100))
+    # 62 for 'mul' at 2 digits: all its held-out problems, the same ones
+    # as asking for 100, without the 100,000 draws that find no more.
+    problems = (tasks.sample(family, d, 300, 0) + tasks.evaluation_set(
+        family, d, 62 if (family, d) == ('mul', 2) else 100))
     tokens, _ = tasks.encode_prompts(problems)
     assert tokens.shape[1] == tasks.max_prompt_tokens(family, d)
 

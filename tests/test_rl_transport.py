@@ -45,7 +45,11 @@ def _report(out: str) -> dict:
   return json.loads(out.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize('num_processes', [2, 3])
+# 3 processes (two rollout processes into one learner) is slow (`make
+# test-all`): the same transport, each rollout process on its own
+# entries, as 2 processes run it here.
+@pytest.mark.parametrize('num_processes', [
+    2, pytest.param(3, marks=pytest.mark.slow)])
 def test_weights_and_batches_arrive_whole_and_in_version_order(
     num_processes):
   versions, batches = 5, 3

@@ -75,6 +75,10 @@ def test_warm_restart_response_escapes_after_one_flag():
     assert out[(rho, 0)]['flagged_steps'] >= 1
 
 
+# Slow (8 s, the plot's import and the grid's runs). By default: the same
+# sweep (the `results` fixture's tests) and the tables from the stored run
+# (test_the_readme_tables_rebuild_from_the_stored_run).
+@pytest.mark.slow
 def test_the_readme_command_writes_the_table_json_and_png(tmp_path):
   # The command's main at a smaller grid (the full one takes 14 s), in
   # process: a subprocess would add an interpreter's and jax's start-up.

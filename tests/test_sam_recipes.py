@@ -120,11 +120,14 @@ def test_training_batches_are_the_configured_views():
   assert isinstance(trainer.load_data(config).train, datasets.ArraySplit)
 
 
-# resnet50_imagenet's run is slow (65 s of a 27 min suite on 2 cores):
-# wrn_cifar10's covers the recipe's path (crop/flip data, SAM, the
-# trainer), test_vision_models the ResNet-50 itself, and
-# test_full_size_run_builds_from_shapes_alone its full-size job (its
-# compile for a GPU, test_the_sam_recipes_compile_full_size, is slow too).
+# Both runs are slow (resnet50_imagenet's 65 s, wrn_cifar10's 29 s of the
+# suite on 2 cores). Their parts run by default: the recipes' data views
+# (test_training_batches_are_the_configured_views), the models
+# (test_vision_models), the full-size jobs built
+# (test_full_size_run_builds_from_shapes_alone), the loss
+# (test_label_smoothing_reaches_the_training_loss_only) and SAM learning
+# through the same trainer on digits (test_sam_trainer.py's
+# test_sam_run_logs_its_diagnostics_and_warm_start).
 #
 # The run is `python -m launch.train` (the real trainer, as the configs'
 # docstrings run it), in its own process for one reason: there its
@@ -135,8 +138,7 @@ def test_training_batches_are_the_configured_views():
 # 28 s at level 2 and 54 s at XLA's default (3; slower compiles). What the
 # test checks holds at any level (conftest's note).
 @pytest.fixture(scope='module', params=[
-    pytest.param(name, marks=pytest.mark.slow)
-    if name == 'resnet50_imagenet' else name for name in sorted(RECIPES)])
+    pytest.param(name, marks=pytest.mark.slow) for name in sorted(RECIPES)])
 def smoke_run(request, tmp_path_factory):
   config = RECIPES[request.param].get_config('runlocal')
   workdir = str(tmp_path_factory.mktemp(request.param) / 'run')

@@ -1,6 +1,8 @@
 """studies.sam_recipes: the LM experiment, the per-method radii, the stall
 measure and one-line flag errors (subprocesses: studies' flags share
-names, so two cannot be imported in one process)."""
+names, so two cannot be imported in one process), and the runs' configs,
+records and table on a stand-in trainer (in process: training_runs and
+report define no flags)."""
 
 import json
 import os
@@ -11,6 +13,7 @@ import sys
 
 import pytest
 
+from studies.sam_recipes import report
 from studies.sam_recipes import training_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,6 +25,10 @@ def _study(tmp_path, *flags, timeout=600):
        *flags], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+# Slow (the LM trained in a subprocess, 15 s): its configs are
+# test_the_lm_study_configs_take_its_steps_and_warm_start's, its records
+# and table test_the_study_records_each_run_and_tables_them's.
+@pytest.mark.slow
 def test_the_lm_experiment_trains_the_config_and_steps_it_is_given(tmp_path):
   result = _study(tmp_path, '--experiment=lm', '--config_arg=runlocal',
                   '--num_steps=12', '--seeds=1', '--methods=sam_warmstart',
@@ -110,3 +117,84 @@ def test_every_readme_command_names_real_flags_and_configs():
           assert (ae.margin_start, ae.margin_end) == (-1.0, 1.0)
         elif method == 'aesam':
           assert (ae.margin_start, ae.margin_end) == (0.0, 0.0)
+
+
+def _fake_train(config, workdir):
+  """A stand-in for trainers.train_and_evaluate: writes a run's metrics log
+  as the trainer does (one record per log_every steps, the optimizer's
+  statistics in it) without training, and returns its final metrics."""
+  os.makedirs(workdir)
+  sam = config.optimizer.sam
+  steps = config.num_steps
+  sam_steps = 0 if not sam.enabled else (
+      (steps - sam.warmup_steps + sam.every - 1) // sam.every)
+  # Losses 10, 9, ..., 1 (a run whose last fifth, 2 and 1, averages 1.5)
+  # for SAM; ln 10 + 1 throughout (stalled) for plain SGD.
+  records = [{'step': 4 * (i + 1),
+              'train_loss': (10.0 - i) if sam.enabled else 3.3026,
+              'opt/sam_steps': float(sam_steps),
+              'opt/hallucination_steps': 3.0 if sam.adaptive else 0.0,
+              'opt/grad_ratio_ema': 0.5, 'opt/rho': sam.rho}
+             for i in range(10)]
+  with open(os.path.join(workdir, 'metrics.jsonl'), 'w') as f:
+    f.writelines(json.dumps(r) + '\n' for r in records)
+  return {'step': steps, 'test_accuracy': 0.5 + config.seed / 10,
+          'val_accuracy': 0.25}
+
+
+def test_the_study_records_each_run_and_tables_them(tmp_path, monkeypatch):
+  # The study's own code between the trainer and its files: the runs'
+  # configs (label noise, each method's radius, LookSAM's k, AE-SAM's
+  # switch), the records it keeps of a run's log (the optimizer's last
+  # statistics, the late loss, the stall) and the table of them, on a
+  # stand-in trainer. test_label_noise's study command trains the same
+  # runs (slow).
+  monkeypatch.setattr(training_runs.trainers, 'train_and_evaluate',
+                      _fake_train)
+  study = training_runs.Study(
+      root=str(tmp_path), config_arg='runlocal,label_noise=0.4,model=mlp',
+      methods=('sgd', 'sam', 'asam', 'looksam5', 'aesam'), rhos=(0.5,),
+      asam_rhos=(3.0,), seeds=2)
+  config = study.config('looksam5', 0.5, 1)
+  assert (config.label_noise, config.seed, config.num_steps) == (0.4, 1, 40)
+  assert config.optimizer.sam.every == 5 and not config.optimizer.sam.ae.enabled
+  assert study.config('aesam', 0.5, 0).optimizer.sam.ae.enabled
+  asam = study.config('asam', 3.0, 0).optimizer.sam
+  assert asam.adaptive and asam.rho == 3.0 and study.radii('asam') == (3.0,)
+  runs = training_runs.train_all(study)
+  assert list(runs) == [('sgd', 0.0), ('sam', 0.5), ('asam', 3.0),
+                        ('looksam5', 0.5), ('aesam', 0.5)]
+  assert sorted(os.listdir(tmp_path)) == sorted(
+      f'{m}_rho{r:g}_seed{s}' for m, r in runs for s in range(2))
+  look = runs[('looksam5', 0.5)][1]
+  assert look['opt/sam_steps'] == 8 and look['num_steps'] == 40
+  assert look['late_train_loss'] == 1.5 and not look['stalled']
+  assert look['test_accuracy'] == 0.6 and 'train_loss' not in look
+  # SGD's loss stays above 0.9 ln 10 = 2.07: stalled.
+  assert runs[('sgd', 0.0)][0]['stalled']
+  table = report.summarize(runs).splitlines()
+  assert 'runs flagged' in table[0] and 'stalled' in table[0]
+  # Accuracy 55 +- 7.07 over the seeds; LookSAM's 8 g+ in 40 steps are
+  # 1.20 gradients a step; ASAM's 3 flagged steps in both runs.
+  assert table[5].startswith('| looksam5 | 0.5 | 55.00 +- 7.07 | 2 | ')
+  assert '| 1.500 | 8 | 1.20 | 0/2 | 0.0 | 0.500 | 0/2 |' in table[5]
+  assert '| 2/2 | 3.0 |' in table[4] and table[2].startswith('| sgd | - |')
+  assert table[2].endswith('| 2/2 |')
+
+
+def test_the_lm_study_configs_take_its_steps_and_warm_start():
+  # The LM experiment's run configs, as test_the_lm_experiment_trains_...
+  # (slow) trains one: --num_steps and --warmstart_steps reach the LM's
+  # config, and the stall compares with ln of its vocabulary.
+  study = training_runs.Study(root='unused', experiment='lm',
+                              config_arg='runlocal', num_steps=12,
+                              warmstart_steps=4, rhos=(2.0,))
+  config = study.config('sam_warmstart', 2.0, 0)
+  assert config.task == 'lm' and config.num_steps == 12
+  sam = config.optimizer.sam
+  assert sam.enabled and sam.warmup_steps == 4 and sam.rho == 2.0
+  assert training_runs.num_classes(config) == config.model.vocab_size
+  records = [{'train_loss': x} for x in (9.0, 8.0, 7.0, 6.0, 5.0, 4.0)]
+  assert training_runs.late_loss(records) == 4.0  # The last fifth: 1 of 6.
+  assert training_runs.stalled(records, 2) and not training_runs.stalled(
+      records, 1000)

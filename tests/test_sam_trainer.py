@@ -94,12 +94,14 @@ def _one_step(config, workdir, batch_step=3):
   return exp, jax.device_get(state), batches.local_batch(batch_step)
 
 
-def test_batchnorm_statistics_come_from_the_clean_pass(digits_config,
-                                                       tmp_path):
-  plain_cfg = digits.get_config('runlocal')
+def test_batchnorm_statistics_come_from_the_clean_pass(tmp_path):
+  # runlocal's MLP (Dense-BN-ReLU): its BatchNorm is the CNN's layer, and
+  # its steps trace and compile in a fraction of the CNN's time.
+  plain_cfg = digits.get_config('runlocal,model=mlp')
   _, plain, _ = _one_step(plain_cfg, str(tmp_path / 'a'))
-  _, with_sam, _ = _one_step(_sam_config(digits_config, rho=0.5),
-                             str(tmp_path / 'b'))
+  _, with_sam, _ = _one_step(
+      _sam_config(digits.get_config('runlocal,model=mlp'), rho=0.5),
+      str(tmp_path / 'b'))
   # Same statistics (from w, not w + e), different weights (g+ vs g).
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
                                                        atol=1e-7),
@@ -109,11 +111,13 @@ def test_batchnorm_statistics_come_from_the_clean_pass(digits_config,
   assert diff > 1e-4
 
 
-def _m_sharpness_config(**sam):
+def _m_sharpness_config(config_arg='runlocal,model=mlp', **sam):
   """SAM with m-sharpness at rho 0.5, without weight decay (the per-device
   loop below leaves it out; it is applied after the perturbation, so the
-  fused kernel's comparison does not need it either)."""
-  config = _sam_config(digits.get_config('runlocal'),
+  fused kernel's comparison does not need it either). By default on
+  runlocal's MLP (Dense-BN-ReLU): per-device BatchNorm statistics as the
+  CNN's, at a fraction of its tracing."""
+  config = _sam_config(digits.get_config(config_arg),
                        **{'rho': 0.5, 'm_sharpness': True, **sam})
   config.optimizer.weight_decay = 0.0
   return config
@@ -124,7 +128,7 @@ def m_sharpness_step(tmp_path_factory):
   """`_one_step` of `_m_sharpness_config()` (unfused), computed once: the
   trainer step test_m_sharpness_step_matches_a_per_device_loop checks,
   and the unfused side of test_fused_perturbation_matches_the_unfused_step
-  (each step is 6-7 s of CPU, most of it tracing)."""
+  (each CNN step was 6-7 s of CPU, most of it tracing)."""
   config = _m_sharpness_config()
   return (config, *_one_step(config,
                              str(tmp_path_factory.mktemp('m_sharpness'))))
@@ -243,8 +247,8 @@ def test_diagnostics_metric_names_are_prefixed(digits_config, tmp_path):
 # (the host rule equals geom.sam's own choice, warm-up and window included),
 # test_sam.py::test_sam_step_fixes_the_branch_at_trace_time (a fixed branch
 # equals the free one) and
-# test_warm_restart_runs_plain_steps_exactly_after_each_flag below (the
-# loop runs the variant the rule picks).
+# test_warm_restart_runs_plain_steps_after_each_flag below (the loop runs
+# the variant the rule picks).
 @pytest.mark.slow
 def test_host_chosen_branches_match_the_transformations_own_choice(
     digits_config, tmp_path):
@@ -287,23 +291,38 @@ def _per_step_log(config, workdir):
   return {k: [r[k] for r in train] for k in train[0]}
 
 
-def test_warm_restart_runs_plain_steps_exactly_after_each_flag(tmp_path):
+def _restart_log(response, workdir):
+  """The per-step log of an 8-step MLP run with m-sharpness, where the
+  detector fires on every SAM step (|g+|/|g| stays far below 10, patience
+  1) and each warm restart is 2 plain steps (the MLP compiles faster, and
+  the choice does not depend on the model)."""
+  config = _sam_config(digits.get_config('runlocal,model=mlp'), rho=0.5,
+                       m_sharpness=True, warmup_steps=1, restart_steps=2,
+                       response=response)
+  config.optimizer.sam.detector.patience = 1
+  config.optimizer.sam.detector.ratio_threshold = 10.0
+  config.optimizer.warmup_steps = 0
+  config.num_steps = 8
+  return _per_step_log(config, workdir)
+
+
+def test_warm_restart_runs_plain_steps_after_each_flag(tmp_path):
   # The loop picks the SAM or the plain program of each step on the host,
-  # from the warm restart's cooldown in the state (m-sharpness; the MLP
-  # compiles faster, and the choice does not depend on the model). The
-  # detector fires on every SAM step (|g+|/|g| stays far below 10, patience
-  # 1) and each restart is 2 plain steps: update 0 is the warm-up, then SAM
-  # at 1, 4 and 7, plain between.
-  logs = {}
-  for response in ('warm_restart', 'flag'):
-    config = _sam_config(digits.get_config('runlocal,model=mlp'), rho=0.5,
-                         m_sharpness=True, warmup_steps=1, restart_steps=2,
-                         response=response)
-    config.optimizer.sam.detector.patience = 1
-    config.optimizer.sam.detector.ratio_threshold = 10.0
-    config.optimizer.warmup_steps = 0
-    config.num_steps = 8
-    logs[response] = _per_step_log(config, str(tmp_path / response))
+  # from the warm restart's cooldown in the state: update 0 is the
+  # warm-up, then SAM at 1, 4 and 7, plain between. The variant that ran
+  # sets sam_active (sam_step fixes the branch). The same run against the
+  # flag response's, step by step: the slow test below.
+  restart = _restart_log('warm_restart', str(tmp_path))
+  assert restart['opt/sam_active'] == [0, 1, 0, 0, 1, 0, 0, 1]
+  assert restart['opt/cooldown'] == [0, 2, 1, 0, 2, 1, 0, 2]
+  assert restart['opt/hallucination_steps'] == [0, 1, 1, 1, 2, 2, 2, 3]
+
+
+# Slow (two runs, 14 s): its warm-restart run is the test above's.
+@pytest.mark.slow
+def test_warm_restart_runs_plain_steps_exactly_after_each_flag(tmp_path):
+  logs = {response: _restart_log(response, str(tmp_path / response))
+          for response in ('warm_restart', 'flag')}
   restart, flag = logs['warm_restart'], logs['flag']
   # The variant that ran sets sam_active (sam_step fixes the branch).
   assert restart['opt/sam_active'] == [0, 1, 0, 0, 1, 0, 0, 1]
@@ -333,7 +352,10 @@ def test_fused_perturbation_matches_the_unfused_step(request, tmp_path,
     if m_sharpness and not fused:  # The same config as test_m_sharpness_...
       states[fused] = request.getfixturevalue('m_sharpness_step')[2]
       continue
-    config = _m_sharpness_config(m_sharpness=m_sharpness, fused=fused)
+    # The slow case keeps the CNN (the MLP is the fixture's, for sharing).
+    config = _m_sharpness_config(
+        'runlocal,model=mlp' if m_sharpness else 'runlocal',
+        m_sharpness=m_sharpness, fused=fused)
     _, states[fused], _ = _one_step(config, str(tmp_path / str(fused)))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
                                                        atol=1e-6),

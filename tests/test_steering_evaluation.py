@@ -38,8 +38,6 @@ from train.steering import scoring
 from tests import tiny_gemma
 from tests.conftest import REPO_ROOT
 
-KINDS = ('decoder', 'gemma')
-
 
 @pytest.fixture(scope='module')
 def tiny_file(tmp_path_factory):
@@ -204,7 +202,12 @@ def test_heldout_metrics_match_the_full_logits(lm):
                                err_msg=key)
 
 
-@pytest.mark.parametrize('kind', KINDS)
+# The Gemma case is slow (17 s): test_gemma_steering.py's
+# test_study_end_to_end_reuse_and_refusal[tiny] runs the same evaluation
+# (the two-layer file at block 1, none and addition at 0.3) through the
+# Gemma study, and the scorers' tests above run on it.
+@pytest.mark.parametrize('kind', [
+    'decoder', pytest.param('gemma', marks=pytest.mark.slow)])
 def test_one_evaluation_runs_both_models(kind, request, tmp_path):
   """`evaluation.evaluate` on either model: the same grid, rows, table and
   vector file; what differs is the model's own held-out text (per source

@@ -18,10 +18,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, 'studies', 'steering', 'results')
 
 
+# The subword study's command is slow (13 s, the byte one's code path
+# again: the report, its bootstrap and figure, from another study's
+# stored evaluations); the byte study's stays in the default suite.
 @pytest.mark.parametrize('prefix, workdir, flags', [
     ('byte', 'workdirs/steering_study', []),
-    ('subword', 'workdirs/steering_study_sp',
-     ['--lm_config_arg=tokenizer=sentencepiece', '--gate_betas=']),
+    pytest.param('subword', 'workdirs/steering_study_sp',
+                 ['--lm_config_arg=tokenizer=sentencepiece', '--gate_betas='],
+                 marks=pytest.mark.slow),
 ])
 def test_stored_evaluations_rebuild_the_report(tmp_path, prefix, workdir,
                                                flags):

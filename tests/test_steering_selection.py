@@ -17,8 +17,10 @@ import json
 import math
 import os
 import shutil
+import types
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 import pytest
 
@@ -215,6 +217,11 @@ def _stopping_after(monkeypatch, name: str, n: int, calls: list) -> None:
   monkeypatch.setattr(selection, name, wrapped)
 
 
+# Slow (three selections on the two-layer file, 31 s): covered by
+# test_kept_records_resume_the_selection_and_its_test_rows below, which
+# runs select() and evaluate_selected() themselves, stopped and resumed,
+# with the model's work stubbed out.
+@pytest.mark.slow
 def test_an_interrupted_selection_resumes_from_its_records(
     run, tiny_file, tmp_path):
   """Each validation sweep and each test row is kept as it is made: a
@@ -259,6 +266,102 @@ def test_an_interrupted_selection_resumes_from_its_records(
   with pytest.raises(UsageError, match="--workdir=.*unsteered.json was "
                      'measured with other settings'):
     selection.evaluate(config, workdir)
+  assert open(record, 'rb').read() == before
+
+
+def _stub_the_models_work(monkeypatch, built: list) -> None:
+  """Stubs for what select() and evaluate_selected() hand to the model
+  (activations, directions, scorers, test batches, sweeps, test rows),
+  each a deterministic function of its candidate; `built` records the layer of
+  every scorers' build. The bookkeeping around them is the real one."""
+  rng = np.random.default_rng(0)
+  acts = {f'block_{l}': types.SimpleNamespace(
+      positive=rng.normal(size=(4, 8)), negative=rng.normal(size=(4, 8)),
+      coefficient=2.0) for l in (0, 1)}
+  monkeypatch.setattr(evaluation, 'contrastive_activations',
+                      lambda model, params, path, *args: acts[path])
+  monkeypatch.setattr(evaluation, 'mc_batches', lambda *args: {})
+  methods = ('mean_diff', 'pca', 'pca_center', 'logistic')
+  monkeypatch.setattr(steering, 'extract_direction', lambda pos, neg, m: (
+      np.roll(pos.mean(0) - neg.mean(0), methods.index(m))))
+  # (Releasing the compiled programs is test_each_layers_programs_...'s.)
+  monkeypatch.setattr(selection, 'release_layer_programs', lambda: None)
+  monkeypatch.setattr(steering_hooks, 'layer_paths',
+                      lambda params: list(acts))
+  monkeypatch.setattr(selection, '_scorers', lambda lm, path, *args: (
+      built.append(path), ({}, {}, None))[1])
+  monkeypatch.setattr(selection, '_accuracy',
+                      lambda scorers, steer, score: {'copa': 0.5})
+
+  def sweep(config, mc, held, method, setting, candidate):
+    size = float(np.abs(setting.direction).sum()) * (1 + candidate['layer'])
+    kl = [size * a / 10 for a in config.alphas]
+    out = dict(candidate, kl=kl, trigger_rate=[0.5] * len(kl),
+               accuracy={'copa': [0.5 + k / 4 for k in kl]})
+    if method in selection_gate.GATED_METHODS:
+      out.update(gate=setting.gate.record, gate_trigger_rate=0.5,
+                 delta_hist=[1, 2])
+    return out
+
+  monkeypatch.setattr(selection, '_sweep', sweep)
+  monkeypatch.setattr(selection, '_test_row',
+                      lambda config, subject, setting, key, *args: dict(
+                          key, kl=key['alpha'] / 3))
+
+
+def test_kept_records_resume_the_selection_and_its_test_rows(tiny_file,
+                                                             tmp_path):
+  """select() and evaluate_selected() keep each sweep and test row as it is
+  made: stopped in the sweeps, and again in the rows, the same calls go on
+  from the records, run each sweep and row once in all, build no scorers
+  for a layer whose sweeps are all kept, and give the uninterrupted
+  run's record and rows; a record of another config is refused, naming
+  --workdir, and kept."""
+  config = _config(tiny_file)
+  config.selection.gate = 'reference'
+  lm = types.SimpleNamespace(model=types.SimpleNamespace(max_len=64),
+                             params=None, tokenizer=None)
+  subject = types.SimpleNamespace(lm=lm, heldout={})
+  data = selection.ValidationData({'copa': []}, {}, {})
+  paths = {0: 'block_0', 1: 'block_1'}
+  built, sweeps, rows = [], [], []
+
+  def run(kept, sweep_stop=-1, row_stop=-1):
+    with pytest.MonkeyPatch.context() as mp:
+      _stub_the_models_work(mp, built)
+      _stopping_after(mp, '_sweep', sweep_stop, sweeps)
+      _stopping_after(mp, '_test_row', row_stop, rows)
+      record, settings = selection.select(config, lm, data, paths, kept)
+      return record, selection.evaluate_selected(config, subject, record,
+                                                 settings, paths, kept)[0]
+
+  want = run(selection.Kept(None))
+  assert (len(sweeps), built[:2]) == (12, ['block_0', 'block_1'])
+  layers = {f"block_{r['layer']}" for r in want[1]}
+  assert len(rows) == len(want[1]) > 2
+  kept = selection.Kept(str(tmp_path), dict(config=config.to_json()))
+  del built[:], sweeps[:], rows[:]
+  with pytest.raises(_Stop):
+    run(kept, sweep_stop=7)
+  with pytest.raises(_Stop):
+    run(kept, row_stop=1)
+  # The remaining five sweeps on block 1's scorers alone; then the test
+  # rows' scorers.
+  assert len(sweeps) == 12 and built[:3] == ['block_0', 'block_1',
+                                             'block_1']
+  del built[:]
+  got = run(kept)
+  # Only the rows' scorers, once per layer.
+  assert len(built) == len(set(built)) and set(built) <= layers
+  assert len(sweeps) == 12 and len(rows) == len(want[1])
+  # As JSON (the kept records are read back from it), in any key order.
+  assert json.loads(json.dumps(got)) == json.loads(json.dumps(want))
+  config.alphas = (0.3, 0.9)
+  record = os.path.join(tmp_path, selection.SWEEPS, 'unsteered.json')
+  before = open(record, 'rb').read()
+  with pytest.raises(UsageError, match="--workdir=.*unsteered.json was "
+                     'measured with other settings'):
+    run(selection.Kept(str(tmp_path), dict(config=config.to_json())))
   assert open(record, 'rb').read() == before
 
 
@@ -398,11 +501,12 @@ class Recomputed(NamedTuple):
 
 
 def _capture(subject, layer: int, tokens, valid) -> np.ndarray:
-  """Block `layer`'s unsteered output (float64), by an uncompiled apply."""
+  """Block `layer`'s unsteered output (float64), by one plain jitted apply
+  (op by op it cost seconds of one-op compiles)."""
   path = steering_hooks.resolve_layer(subject.lm.params, layer)
-  _, _, rec = interface.apply(subject.lm.model, subject.lm.params, tokens,
-                              valid, capture=(path,))
-  return np.asarray(rec.hidden[path], np.float64)
+  apply = jax.jit(lambda p, t, v: interface.apply(
+      subject.lm.model, p, t, v, capture=(path,))[2].hidden[path])
+  return np.asarray(apply(subject.lm.params, tokens, valid), np.float64)
 
 
 @pytest.fixture(scope='module')

@@ -1,20 +1,26 @@
-"""studies.steering end to end in its small mode: LMs trained through
-launch.train, one evaluation per LM over several item sets and per gate
-threshold, finished work reused, another config refused, one-line flag
-errors (subprocesses: launchers' flags share names); and the steering
-evaluation job's outputs, read from the study's evaluation."""
+"""studies.steering end to end in its small mode (slow): LMs trained
+through launch.train, one evaluation per LM over several item sets and per
+gate threshold, finished work reused, another config refused; and the
+steering evaluation job's outputs, read from the study's evaluation. In
+the default suite: the study's evaluations (per gate threshold) reused
+from their stored results and another config refused (lm_runs, on the
+stored evaluations of studies/steering/results/), and its one-line flag
+errors (subprocesses: launchers' flags share names)."""
 
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 
 import numpy as np
 import pytest
 
 from configs import steering as steering_config
+from studies.steering import lm_runs
 from tests import launch_runs
+from train.errors import UsageError
 from train.lm import trainer as lm_trainer
 from train.steering import evaluation as steering_eval
 from train.steering import vectors as steering_vectors
@@ -47,6 +53,14 @@ def study(tmp_path_factory, lm_runlocal_run):
   return root, _study(root, *SMALL)
 
 
+# Slow (the study's subprocesses: an evaluation over two item sets, one per
+# gate threshold, the bootstrap report, two reruns; 55 s). Covered in the
+# default suite by test_finished_evaluations_are_reused_and_another_config_
+# refused below (lm_runs' reuse and refusal), test_steering_results.py (the
+# study's report rebuilt from finished evaluations with no LM) and
+# test_steering_evaluation.py::test_one_evaluation_runs_both_models
+# (an evaluation of the runlocal LM).
+@pytest.mark.slow
 def test_study_evaluates_aggregates_and_reuses_finished_work(
     study, lm_runlocal_run):
   tmp_path, result = study
@@ -112,6 +126,11 @@ def _study_rows(study):
   return ev, {(r['method'], r['alpha']): r for r in ev['rows']}
 
 
+# Slow (it reads the slow study's evaluation). Covered by
+# test_steering_evaluation.py::test_one_evaluation_runs_both_models (rows,
+# table and vector file of an evaluation) and test_steering_lm.py's vector
+# file tests.
+@pytest.mark.slow
 def test_the_evaluation_writes_table_plot_and_vector(study, lm_runlocal_run,
                                                     tmp_path):
   """train.steering.evaluation.evaluate's rows, table, plot and vector, on
@@ -167,6 +186,37 @@ def test_the_evaluation_writes_table_plot_and_vector(study, lm_runlocal_run,
   assert again[0]['kl'] == pytest.approx(gated['kl'], rel=1e-5)
   # The first item set is the one a single-seed run draws.
   assert again[0]['cloze_correct_mean'] == gated['cloze_correct_mean'][:1]
+
+
+def test_finished_evaluations_are_reused_and_another_config_refused(
+    tmp_path, monkeypatch):
+  """lm_runs on the byte study's stored evaluations (results/): an
+  evaluation whose config is the study's is reused, the main one and a
+  gate threshold's (the gated rotation alone at its beta), without
+  evaluating; another config's is refused naming what differs."""
+  root = 'workdirs/steering_study'  # As the stored configs name it.
+  with tarfile.open(os.path.join(ROOT, 'studies', 'steering', 'results',
+                                 'byte_evaluations.tar.xz')) as tar:
+    tar.extractall(tmp_path / root, filter='data')
+  monkeypatch.chdir(tmp_path)
+
+  def evaluate(*args):
+    raise AssertionError('evaluated a finished evaluation')
+  monkeypatch.setattr(steering_eval, 'evaluate', evaluate)
+  for beta, name in ((None, 'eval_lm1'), (-0.5, 'eval_lm1_beta-0.5')):
+    config = lm_runs.eval_config(root, '', 1, [7, 8, 9], beta)
+    stored = json.loads((tmp_path / root / name / 'results.json'
+                         ).read_text())
+    assert lm_runs.evaluate(root, config, name) == stored
+    assert stored['meta']['mc_seeds'] == [7, 8, 9]
+    assert stored['meta']['beta'] == (0.0 if beta is None else beta)
+    assert {r['method'] for r in stored['rows']} == (
+        set(config.methods) if beta is None else {'none', 'spherical_gate'})
+  assert lm_runs.finished(root, config, 'eval_lm7') is None
+  other = lm_runs.eval_config(root, '', 1, [7, 9])
+  with pytest.raises(UsageError, match=r'eval_lm1/ holds an evaluation '
+                     r'with another config \(mc_seeds\)'):
+    lm_runs.evaluate(root, other, 'eval_lm1')
 
 
 _BAD_FLAGS = [

@@ -9,11 +9,13 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from configs import sweeps
 from train.jobs import sweep_report as report
 from train.jobs import sweep_plan
+from train.jobs import sweep_runs
 from tests.conftest import REPO_ROOT
 from train.errors import UsageError
 
@@ -174,6 +176,11 @@ def test_launcher_mistakes_are_one_line(tmp_path, args, message):
   assert not os.path.exists(tmp_path / 'r')
 
 
+# Slow (`make test-all`): 5 digits runs through launch.sweep and
+# launch.train. The default suite's cover: the loop and the report below
+# on stand-in runs, and test_a_local_rl_sweep_finishes_skips_and_reports
+# (launch.sweep end to end on one real run: done, then skipped, reported).
+@pytest.mark.slow
 def test_local_sweep_resumes_and_reports(tmp_path):
   root = str(tmp_path / 'smoke')
   # 10 steps, not runlocal's 40, of its MLP, not the CNN: what is checked
@@ -296,3 +303,81 @@ def test_a_local_rl_sweep_finishes_skips_and_reports(tmp_path,
   assert found['unfinished'] == []
   (group,) = found['groups']
   assert group['mean']['samples_per_second'] == results['samples_per_second']
+
+
+# A stand-in run (no JAX): it makes its checkpoints directory, as a
+# trainer does before it finishes, counts its starts, and writes its
+# final metrics, test_accuracy given on its command line.
+_STAND_IN = textwrap.dedent('''
+    import json, os, sys
+    workdir, accuracy = sys.argv[1], float(sys.argv[2])
+    os.makedirs(os.path.join(workdir, 'checkpoints'), exist_ok=True)
+    with open(os.path.join(workdir, 'starts'), 'a') as f:
+      f.write('x')
+    with open(os.path.join(workdir, 'final_metrics.json'), 'w') as f:
+      json.dump({'test_accuracy': accuracy, 'test_loss': 1 - accuracy,
+                 'step': 10}, f)
+    ''')
+
+
+def test_the_local_loop_skips_resumes_and_reports_its_runs(
+    tmp_path, capsys, monkeypatch):
+  """`sweep_runs.run_local` (what launch.sweep runs locally), 2 at a time,
+  on 2 learning rates x 2 seeds of stand-in runs: each starts once; on a
+  relaunch the finished ones are skipped and the one without its final
+  metrics (its checkpoints kept) resumes; then `write_report` of the
+  manifest: groups, mean and std over seeds (numpy), report.md, .csv and
+  .png, and an unknown metric refused."""
+  # Forked with a pre-exec hook, a child of this process (JAX's threads)
+  # could deadlock before its exec; launch.sweep's own process has no
+  # JAX. That hook (the runs die with their sweep) is test_workdir_faults'.
+  monkeypatch.setattr(sweep_runs, '_die_with_parent', None)
+  root = str(tmp_path / 'sweep')
+  stand_in = tmp_path / 'stand_in.py'
+  stand_in.write_text(_STAND_IN)
+  accuracy = {(0.05, 0): 0.5, (0.05, 1): 0.75, (0.2, 0): 0.25,
+              (0.2, 1): 0.875}
+  runs = [sweep_plan.Run(
+      name=f'lr={lr},seed={seed}',
+      overrides={'optimizer.learning_rate': lr, 'seed': seed},
+      workdir=os.path.join(root, f'lr={lr},seed={seed}'),
+      argv=('python3', str(stand_in), os.path.join(
+          root, f'lr={lr},seed={seed}'), str(value)))
+          for (lr, seed), value in accuracy.items()]
+  sweep_runs.write_manifest(root, 'cfg.py', 'lr', runs)
+  assert sweep_runs.run_local(runs, root, parallel=2) == 0
+  lines = capsys.readouterr().out.splitlines()
+  for r in runs:
+    assert [l for l in lines if l.startswith('[') and r.name in l] == [
+        f'[start] {r.name}: {shlex.join(sweep_plan.local_argv(r))}',
+        f'[done] {r.name}'], lines
+  assert lines[-1] == '4/4 runs finished', lines
+  os.remove(os.path.join(runs[1].workdir, 'final_metrics.json'))
+  assert sweep_runs.run_local(runs, root, parallel=2) == 0
+  out = capsys.readouterr().out
+  assert out.count('[skip]') == 3 and '[start]' not in out, out
+  assert f'[resume] {runs[1].name}: ' in out, out
+  starts = [open(os.path.join(r.workdir, 'starts')).read() for r in runs]
+  assert starts == ['x', 'xx', 'x', 'x']
+
+  found = report.write_report([root], 'test_accuracy', root)
+  assert found['keys'] == ['optimizer.learning_rate']
+  assert found['unfinished'] == []
+  assert [g['setting'] for g in found['groups']] == [
+      {'optimizer.learning_rate': 0.05}, {'optimizer.learning_rate': 0.2}]
+  for group in found['groups']:
+    lr = group['setting']['optimizer.learning_rate']
+    values = [accuracy[lr, seed] for seed in (0, 1)]
+    assert group['n'] == 2
+    assert group['mean']['test_accuracy'] == pytest.approx(np.mean(values))
+    assert group['std']['test_accuracy'] == pytest.approx(
+        np.std(values, ddof=1))
+    assert group['mean']['test_loss'] == pytest.approx(1 - np.mean(values))
+  table = open(os.path.join(root, 'report.md')).read().splitlines()
+  assert table[0].startswith('| optimizer.learning_rate | seeds | ')
+  assert len(table) == 2 + 2
+  rows = list(csv.DictReader(open(os.path.join(root, 'report.csv'))))
+  assert [r['optimizer.learning_rate'] for r in rows] == ['0.05', '0.2']
+  assert os.path.getsize(os.path.join(root, 'report.png')) > 1000
+  with pytest.raises(UsageError, match="--metric='bleu': not among"):
+    report.write_report([root], 'bleu', root)

@@ -1,5 +1,6 @@
-"""studies.tta: the README's three commands at runlocal size, their tables
-rebuilt from the stored raw errors, and bad flags and a held workdir
+"""studies.tta: the README's three commands at runlocal size (slow), their
+tables rebuilt from the stored raw errors; the rates and norm grids and
+tables with the runs stood in for; and bad flags and a held workdir
 refused in one line before anything is trained (subprocesses: the
 studies' absl flags share names)."""
 
@@ -7,11 +8,13 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 
 from studies.tta import grids
 from studies.tta import report
 from tests import launch_runs
+from tests import tta_source
 
 
 def _study(workdir, *flags, timeout=120):
@@ -38,6 +41,10 @@ def _run_and_rebuild(workdir, name, flags, study):
   return raw
 
 
+# Slow: test_the_rates_and_norm_grids_run_what_their_tables_show checks
+# the grids' runs and the tables in this process with the runs stood in
+# for; test_tta_loop adapts for real.
+@pytest.mark.slow
 def test_the_rates_and_norm_commands_run_at_runlocal_size(tmp_path,
                                                           tta_source_run):
   # One workdir, as the README's commands share workdirs/tta_study: the
@@ -72,6 +79,158 @@ def test_the_rates_and_norm_commands_run_at_runlocal_size(tmp_path,
   # The norm study's BatchNorm source is the rates study's: trained once.
   assert sorted(p for p in os.listdir(workdir) if p.startswith('source_')
                 and not p.startswith('source_fixed')) == ['source_0']
+
+
+def _fake_error(config) -> float:
+  """A stand-in run's error, made from the settings the grid gave it: a
+  run of the wrong seed, rate, schedule, batch size, order or method
+  shows in the numbers."""
+  return (10.0 * config.seed + 100.0 * config.method.learning_rate
+          + (1.0 if config.method.schedule == 'conga' else 0.0)
+          + config.batch_size / 64 + (20.0 if config.order == 'by_class'
+                                      else 0.0)
+          + {'source': 0.0, 'bn_stats': 2.0, 'tent': 3.0}[config.method.name])
+
+
+def _stand_in_runs(monkeypatch, error=_fake_error):
+  """Replaces the study's source trainings and adaptation runs (a run's
+  error: `error(config)`); returns the lists they record (workdir, config)
+  into."""
+  sources, runs = [], []
+
+  def train(config, workdir):
+    sources.append((workdir, config))
+    return {'test_accuracy': 0.5}
+
+  def adapt(config, workdir):
+    runs.append((workdir, config))
+    return {'mean_error': error(config)}
+
+  monkeypatch.setattr(grids.trainer, 'train_and_evaluate', train)
+  monkeypatch.setattr(grids.adapt, 'adapt_and_evaluate', adapt)
+  return sources, runs
+
+
+def _cell(values) -> str:
+  """'mean ± sample std' to one digit, computed here with numpy."""
+  return f'{np.mean(values):.1f} ± {np.std(values, ddof=1):.1f}'
+
+
+def _row(table: str, *first: str) -> list[str]:
+  rows = [[c.strip() for c in line.strip('|').split('|')]
+          for line in table.splitlines()]
+  return next(r for r in rows if r[:len(first)] == list(first))
+
+
+def test_the_rates_and_norm_grids_run_what_their_tables_show(
+    tmp_path, monkeypatch):
+  # The commands' grids and tables (the slow test above runs them), each
+  # run stood in for: which runs the grids ask for, on which source and
+  # settings, and the tables' cells recomputed from the runs' errors.
+  sources, runs = _stand_in_runs(monkeypatch)
+  root = str(tmp_path)
+  study = grids.Study(root, seeds=2, methods=('tent',), rates=(1e-2, 1e-1),
+                      runlocal=True)
+  raw = grids.rates(study)
+  assert sorted(raw) == sorted(f'tent|{schedule}|{rate:g}|{seed}'
+                               for schedule in ('fixed', 'conga')
+                               for rate in (1e-2, 1e-1) for seed in (0, 1))
+  # The session's TTA source (tests/tta_source.py) is the study's seed 0.
+  assert [w for w, _ in sources] == [os.path.join(root, 'source_0'),
+                                     os.path.join(root, 'source_1')]
+  assert sources[0][1].to_dict() == tta_source.config().to_dict()
+  assert sources[1][1].seed == 1
+  for workdir, config in runs:
+    assert config.source_workdir == os.path.join(root,
+                                                 f'source_{config.seed}')
+    assert (config.corruptions, config.severity, config.protocol,
+            config.batch_size) == ('gaussian_noise,fog,contrast', 5,
+                                   'continual', 64), workdir
+  assert len({w for w, _ in runs}) == len(runs) == 8  # A workdir each.
+  table = report.rates(study, raw)
+  error = lambda seed, rate, conga: (10 * seed + 100 * rate + conga + 1 + 3)
+  for conga, schedule in ((0, 'fixed'), (1, 'conga')):
+    at = {(s, r): error(s, r, conga) for s in (0, 1) for r in (1e-2, 1e-1)}
+    assert _row(table, 'tent', schedule) == [
+        'tent', schedule, _cell([at[0, 1e-2], at[1, 1e-2]]),
+        _cell([at[0, 1e-1], at[1, 1e-1]]),
+        _cell([at[0, 1e-2], at[1, 1e-2]]),  # The best rate: the lower.
+        _cell([at[0, 1e-1] - at[0, 1e-2], at[1, 1e-1] - at[1, 1e-2]])]
+  report.plot_rates(study, raw, str(tmp_path / 'rates.png'))
+  assert os.path.getsize(tmp_path / 'rates.png') > 1000
+
+  sources.clear()
+  runs.clear()
+  study = grids.Study(root, seeds=2, norms=('batch', 'group'),
+                      norm_batch_sizes=(64, 8),
+                      norm_methods=('bn_stats', 'tent'), runlocal=True)
+  raw = grids.norm(study)
+  # No BN statistics to replace without BatchNorm; the source model runs
+  # once per norm and seed (batch 64, shuffled) and stands for each cell.
+  assert sorted({k.rsplit('|', 3)[0] for k in raw}) == [
+      'batch|bn_stats', 'batch|source', 'batch|tent', 'group|source',
+      'group|tent']
+  assert len(raw) == 5 * 2 * 2 * 2
+  assert [w for w, _ in sources] == [
+      os.path.join(root, name) for name in ('source_0', 'source_group_0',
+                                            'source_1', 'source_group_1')]
+  assert sources[1][1].model.norm == 'group'
+  assert len(runs) == 2 * (2 + 2 * 2 * 2 + 2 * 2)
+  for workdir, config in runs:
+    assert (config.protocol, config.severity, config.method.schedule) == (
+        'episodic', 5, 'fixed'), workdir
+  table = report.norm(study, raw)
+  for size in (64, 8):
+    for order in grids.ORDERS:
+      assert raw[f'group|source|{size}|{order}|1'] == 10 + 0.1 + 1
+  cells = lambda rate, shift: [
+      _cell([10 * s + 100 * rate + b / 64 + shift + o for s in (0, 1)])
+      for o in (0, 20) for b in (64, 8)]
+  assert _row(table, 'batch', 'bn_stats') == ['batch', 'bn_stats',
+                                               *cells(1e-3, 2)]
+  assert _row(table, 'group', 'tent') == ['group', 'tent', *cells(1e-3, 3)]
+  assert _row(table, 'group', 'source') == ['group', 'source'] + [
+      _cell([0.1 + 1, 10.1 + 1])] * 4
+  assert not [l for l in table.splitlines() if '| group | bn_stats |' in l]
+
+
+def _table_error(config) -> float:
+  """A stand-in error for the table's runs: its row, seed, protocol and
+  severity in the number."""
+  row = [(m, s) for _, m, s in grids.TABLE_ROWS].index(
+      (config.method.name, config.method.schedule))
+  return (10.0 * config.seed + row + 0.25 * config.severity
+          + {'episodic': 0.0, 'continual': 100.0}[config.protocol])
+
+
+def test_the_table_grid_runs_what_its_table_shows(tmp_path, monkeypatch):
+  # The table command's grid and table (its slow test runs them), each run
+  # stood in for: each row on each stream at severity 5, and at every
+  # severity on the averaged protocol; the cells recomputed here.
+  sources, runs = _stand_in_runs(monkeypatch, _table_error)
+  study = grids.Study(str(tmp_path), seeds=2, severities=(3, 5),
+                      protocols=('episodic', 'continual'),
+                      mean_protocols=('episodic',), runlocal=True)
+  raw = grids.table(study)
+  assert len(sources) == 2 and len(runs) == len(raw) == 8 * 2 * 3
+  for workdir, config in runs:
+    name = config.method.name
+    assert config.method.learning_rate == (1e-2 if name == 'sar'
+                                           else 1e-3), workdir
+    assert config.source_workdir == os.path.join(str(tmp_path),
+                                                 f'source_{config.seed}')
+  table = report.table(study, raw)
+  assert table.splitlines()[0] == (
+      '| method | episodic sev 5 | continual sev 5 | episodic sev 3-5 |')
+  for row, (label, _, _) in enumerate(grids.TABLE_ROWS):
+    at = lambda protocol, severity, seed: (  # pylint: disable=cell-var-from-loop
+        10.0 * seed + row + 0.25 * severity
+        + (100.0 if protocol == 'continual' else 0.0))
+    assert _row(table, label) == [
+        label, _cell([at('episodic', 5, s) for s in (0, 1)]),
+        _cell([at('continual', 5, s) for s in (0, 1)]),
+        _cell([np.mean([at('episodic', v, s) for v in (3, 5)])
+               for s in (0, 1)])]
 
 
 @pytest.mark.slow

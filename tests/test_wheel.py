@@ -18,7 +18,9 @@ isolation, nothing written into the checkout), then checks:
   kernel; the kernel in Pallas's interpreter; the detector; CONGA; GAS;
   curvature; spherical steering), imports every module of geom and
   reports what got loaded: no package of the lab is installed or loaded
-  (absl-py only because optax's metadata requires it).
+  (absl-py only because optax's metadata requires it). `make test` runs
+  one method there (the detector) before the imports; every method is
+  `slow`.
 """
 
 import ast
@@ -253,11 +255,29 @@ def fresh_environment(wheel, tmp_path_factory):
   return python, closure
 
 
+def test_geom_installs_and_imports_from_the_wheel_alone(fresh_environment,
+                                                        tmp_path):
+  """The checks of the test below, with one method run (the detector)
+  before every module of geom is imported: what is installed and what is
+  loaded. The other methods' code is the same files the lab's tests run;
+  that none of geom's imports, inside functions too, needs more than jax,
+  optax and numpy is test_requirements'."""
+  _check_the_fresh_environment(*fresh_environment, tmp_path, '--one-method')
+
+
+@pytest.mark.slow
 def test_each_method_runs_from_the_wheel_alone(fresh_environment, tmp_path):
-  python, closure = fresh_environment
+  _check_the_fresh_environment(*fresh_environment, tmp_path)
+
+
+def _check_the_fresh_environment(python, closure, tmp_path, *args):
+  """Runs wheel_check.py (with `args`) in the fresh environment, and
+  checks its report: nothing from the checkout, only the wheel and its
+  closure installed, no module of the lab loaded, every module listed."""
   script = tmp_path / 'wheel_check.py'
   shutil.copy(os.path.join(REPO_ROOT, 'tests', 'wheel_check.py'), script)
-  result = _run([python, '-I', str(script)], cwd=tmp_path, env=_uv_env())
+  result = _run([python, '-I', str(script), *args], cwd=tmp_path,
+                env=_uv_env())
   report = json.loads(result.stdout.splitlines()[-1])
   checkout = os.path.realpath(REPO_ROOT) + os.sep
   assert not [p for p in report['sys_path']

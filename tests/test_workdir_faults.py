@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -23,6 +24,8 @@ import numpy as np
 import pytest
 
 from configs import digits
+from train.jobs import sweep_plan
+from train.jobs import sweep_runs
 from train.jobs import trainers
 from tests import checkpoint_damage
 from tests import config_edits
@@ -328,6 +331,11 @@ def small_tmpfs(tmp_path):
   subprocess.run(['umount', str(mount)], check=False)
 
 
+# Slow: a full disk is one error that keeps the checkpoints and resumes
+# bit for bit in the core (test_resumable: the toy loop, and a save still
+# in flight counted as intact), and one line with exit status 5 from the
+# TTA loop end to end (test_tta_loop); this is the real filesystem's.
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_keeps_the_checkpoints_and_resumes_bit_exactly(
     small_tmpfs, reference):
   # A checkpoint every 5 steps fills the 3 MiB long before step 40; the
@@ -387,6 +395,11 @@ def _stopped_at(stderr, name):
   return int(lines[0].split(f'stopped by {name} at step ')[1].split(';')[0])
 
 
+# Slow: both signals save at their step and resume bit for bit in the
+# core (test_resumable); through the launcher, SIGTERM's save and exit 0
+# are test_launch_zygote's, and Ctrl-C's save at the stop is the sweep's
+# test below.
+@pytest.mark.slow
 def test_sigterm_and_sigint_save_a_checkpoint_and_exit_0_and_130(tmp_path):
   # SIGTERM (a preemption) exits 0; the same command resumes from its save;
   # SIGINT (Ctrl-C) then exits 130. Each leaves its stop step as the
@@ -562,6 +575,51 @@ def test_runs_die_with_a_killed_sweep_after_saving(tmp_path):
   assert workdir_lock.holder(run) is None
 
 
+# A run that only marks itself finished: the sweep's loop below waits on
+# the lock, not on a trainer.
+_FINISHING_RUN = ('import os, sys\n'
+                  "open(os.path.join(sys.argv[1], 'final_metrics.json'), "
+                  "'w').write('{}')\n")
+
+
+def test_the_sweep_loop_waits_for_a_held_run_then_runs_it(tmp_path, capsys,
+                                                          monkeypatch):
+  # launch.sweep's local loop (sweep_runs.run_local) in this process, on a
+  # stand-in run whose workdir another process holds; the relaunched
+  # sweep's own process and trainer are the slow test below. No pre-exec
+  # hook in a child of this process (JAX's threads: test_sweep).
+  monkeypatch.setattr(sweep_runs, '_die_with_parent', None)
+  root = str(tmp_path / 'sweep')
+  workdir = os.path.join(root, 'seed=0')
+  os.makedirs(workdir)
+  script = tmp_path / 'finishing_run.py'
+  script.write_text(_FINISHING_RUN)
+  run = sweep_plan.Run(name='seed=0', overrides={'seed': 0}, workdir=workdir,
+                       argv=(sys.executable, str(script), workdir))
+  final = os.path.join(workdir, trainer.FINAL_METRICS)
+  holder = launch_runs.hold_workdir(workdir)
+  failures = []
+  loop = threading.Thread(target=lambda: failures.append(
+      sweep_runs.run_local([run], root, parallel=1)))
+  try:
+    loop.start()
+    time.sleep(2)  # Ten of the loop's looks at the lock.
+    assert loop.is_alive() and not os.path.exists(final)
+    out = capsys.readouterr().out
+    assert out == (f'[wait] seed=0: workdir in use by pid {holder.pid} on '
+                   f'{socket.gethostname()}\n'), out
+  finally:
+    holder.kill()
+    holder.wait()
+    loop.join(120)
+  assert failures == [0] and os.path.exists(final)
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0].startswith('[start] seed=0: ') and lines[1:] == [
+      '[done] seed=0', '1/1 runs finished'], lines
+
+
+# Slow: the waiting is the loop's, tested above on a stand-in run.
+@pytest.mark.slow
 def test_a_relaunched_sweep_waits_for_a_held_run(tmp_path):
   run = os.path.join(tmp_path, 'sweep', 'seed=0')
   os.makedirs(run)
