@@ -235,16 +235,17 @@ def sft_policy_run(tmp_path_factory):
       return workdir, f.read()
 
 
-# The files that take longest (1.5-3 min each on 2 cores) start first, in
+# The files that take longest (0.7-2 min each on 2 cores) start first, in
 # this order (the Makefile turns off xdist's own order, by number of tests,
 # which started multihost and the steering study last): a file runs on one
 # worker, so a long one started last keeps the other idle until it ends.
-_LONGEST_FIRST = ('test_battery.py', 'test_workdir_faults.py',
-                  'test_multihost.py', 'test_rl_multihost.py',
-                  'test_tta_loop.py', 'test_rl_run.py',
-                  'test_sam_trainer.py', 'test_forgetting_study.py',
-                  'test_compile.py', 'test_steering_study_launch.py',
-                  'test_sam_recipes.py', 'test_steering_lm.py',
+_LONGEST_FIRST = ('test_compile.py', 'test_rl_multihost.py',
+                  'test_tta_loop.py', 'test_gemma_training.py',
+                  'test_battery.py', 'test_sam.py', 'test_docs.py',
+                  'test_workdir_faults.py', 'test_multihost.py',
+                  'test_gemma_reference.py', 'test_rl_run.py',
+                  'test_steering_lm.py', 'test_steering_evaluation.py',
+                  'test_steering_selection.py',
                   'test_kernels_sam_perturb.py', 'test_curvature.py')
 
 

@@ -295,6 +295,52 @@ class _Zygote:
         return
 
 
+def _cache_from_every_process() -> None:
+  """Lets the children of a multi-process job write the persistent
+  compilation cache from any process, not process 0 alone.
+
+  JAX skips the write in processes other than 0 (jax/_src/compiler.py
+  `_cache_write`, against write contention on shared filesystems such as
+  GCS): a multi-process RL job's learner (its last process, or a group of
+  two) compiled its programs afresh in every job of a test file, though
+  the key and the suite's local cache directory are the same each time.
+  Only the process-id test is lifted: the other conditions (host
+  callbacks, the minimum compile time) stay JAX's, and a failed or torn
+  write costs a compile, as for process 0. Tests only: the launchers
+  themselves keep JAX's rule."""
+  try:
+    # pylint: disable=g-import-not-at-top
+    from jax._src import compilation_cache
+    from jax._src import compiler
+    from jax._src import config
+    from jax._src import distributed
+    # pylint: enable=g-import-not-at-top
+    write = compiler._cache_write  # pylint: disable=protected-access
+  except (ImportError, AttributeError):  # Another JAX: leave it as it is.
+    return
+
+  def cache_write(cache_key, compile_time_secs, module_name, backend,
+                  executable, host_callbacks):
+    if (distributed.global_state.process_id == 0 or host_callbacks or
+        compile_time_secs
+        < config.persistent_cache_min_compile_time_secs.value):
+      return write(cache_key, compile_time_secs, module_name, backend,
+                   executable, host_callbacks)
+    try:
+      compilation_cache.put_executable_and_time(
+          cache_key, module_name, executable, backend,
+          int(compile_time_secs))
+    except Exception as e:  # pylint: disable=broad-except
+      # As JAX's own write (its _should_raise_persistent_cache_error
+      # aside): a warning, and the next run compiles.
+      import warnings  # pylint: disable=g-import-not-at-top
+      warnings.warn('Error writing persistent compilation cache entry for '
+                    f"'{module_name}': {type(e).__name__}: {e}")
+    return None
+
+  compiler._cache_write = cache_write  # pylint: disable=protected-access
+
+
 def main(path: str) -> None:
   listener = socket.socket(socket.AF_UNIX)
   listener.bind(path)
@@ -313,6 +359,7 @@ def main(path: str) -> None:
     except ImportError as e:  # Not in a Bazel test's runfiles: not needed.
       print(f'zygote: not preloaded: {name} ({e})', flush=True)
   logging.root.handlers[:] = handlers
+  _cache_from_every_process()
   reason = _fork_blockers()
   if reason is not None:
     print(f'zygote: not serving: {reason}', flush=True)

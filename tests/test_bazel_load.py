@@ -8,8 +8,8 @@ toolchain. `--nobuild` stops after analysis, which also catches a dep that
 names no target (plain `bazel query //...` does not); neither sees a
 missing source file (only a real build does, 20 s; test_build_files does).
 
-The second test plants a duplicate label and a dep on no target in a copy
-of the BUILD files and sees the same command fail on both.
+The second test (`slow`) plants a duplicate label and a dep on no target
+in a copy of the BUILD files and sees the same command fail on both.
 
 Each run is `--batch` in a private output root under /tmp: no server is
 left behind, and none is shared with (or locked against) a developer's own
@@ -114,6 +114,11 @@ def _plant(path, edit) -> str:
   return f'//{package}{label}' if label.startswith(':') else label
 
 
+# Slow (`make test-all`): it tests the check's power, a second Bazel run
+# of 10 s; the check itself is the test above, and a dep on no target is
+# also test_build_files.py's (test_deps_name_real_targets_and_cover_the_
+# imports).
+@pytest.mark.slow
 def test_the_load_fails_on_a_duplicate_label_and_a_missing_target(tmp_path):
   _copy_build_tree(str(tmp_path))
   duplicated = _plant(tmp_path / 'tests' / 'BUILD',

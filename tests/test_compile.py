@@ -140,7 +140,8 @@ JOBS = {
     # test_compiled_arguments_are_the_shards_the_rules_make reads (the GPU
     # compiler's argument bytes are the shards' bytes, without TPU tile
     # padding). For TPU, test_multi_slice_puts_the_data_axis_over_the_
-    # slices compiles the same job's three programs.
+    # slices compiles the same job's three programs (slow; by default its
+    # finiteness check alone, test_multi_slice_state_check_...).
     'lm_size_layout': ('configs/lm.py:size=1b,runlocal', 'h100:1x1x4', {},
                        None, ['train_step', 'eval_step', 'state_is_finite']),
     'rl_sft': ('configs/rl_sft.py:runlocal', 'h100:1x1x2', {}, None,
@@ -185,27 +186,46 @@ def tiny_gemma_file(tmp_path_factory):
                                shape=tiny_gemma.TILED_SHAPE)
 
 
-@pytest.fixture(scope='module')
-def _jobs_and_lm_train_step(tiny_gemma_file):
-  """({name: the job's result}, (program, compiled) of the LM's train
-  step): each job built and compiled once for the module."""
-  def fill(overrides):
-    return {k: tiny_gemma_file if v == TINY_GEMMA else v
-            for k, v in overrides.items()}
-  results, kept = {}, {}
-  for name, (spec, target, overrides, model, _) in JOBS.items():
-    with (_keeping_compiled(kept) if name == 'lm_size_layout'
+class _Jobs(dict):
+  """{name: the job's result}, each job built and compiled on first use
+  (once for the module): a job whose tests are all slow (rl_sft) costs
+  `make test` nothing. The LM's train step is kept as (program,
+  compiled) in `lm_train_step`."""
+
+  def __init__(self, gemma_file):
+    super().__init__()
+    self._gemma_file = gemma_file
+    self._kept = {}
+
+  def __missing__(self, name):
+    spec, target, overrides, model, _ = JOBS[name]
+    overrides = {k: self._gemma_file if v == TINY_GEMMA else v
+                 for k, v in overrides.items()}
+    with (_keeping_compiled(self._kept) if name == 'lm_size_layout'
           else contextlib.nullcontext()):
-      results[name] = _compile(spec, target, fill(overrides), model)
-  return results, kept['train_step']
+      self[name] = _compile(spec, target, overrides, model)
+    return self[name]
+
+  @property
+  def lm_train_step(self):
+    self['lm_size_layout']  # pylint: disable=pointless-statement
+    return self._kept['train_step']
 
 
 @pytest.fixture(scope='module')
-def compiled_jobs(_jobs_and_lm_train_step):
-  return _jobs_and_lm_train_step[0]
+def compiled_jobs(tiny_gemma_file):
+  return _Jobs(tiny_gemma_file)
 
 
-@pytest.mark.parametrize('name', JOBS)
+# rl_sft's job is the LM trainer's (train, eval, finiteness) on the RL
+# task's SFT data, for h100 as lm_size_layout is: 10 s of compiles, slow
+# (the RL product's own programs are the rl job's, for v5e).
+_SLOW_JOBS = ('rl_sft',)
+
+
+@pytest.mark.parametrize('name', [
+    pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_JOBS else n
+    for n in JOBS])
 def test_every_job_compiles_and_fits_on_a_small_target(compiled_jobs, name):
   _check_job(compiled_jobs[name], JOBS[name][1], JOBS[name][4])
 
@@ -270,13 +290,15 @@ def test_gemma_270m_steering_compiles_with_its_parameters():
   _check_gemma_arguments(rows, 268_098_176, 2**20)
 
 
-def test_donated_state_is_aliased_in_train_steps(compiled_jobs):
+@pytest.mark.parametrize('name', [
+    'digits_sam', 'lm_size_layout',
+    pytest.param('rl_sft', marks=pytest.mark.slow)])
+def test_donated_state_is_aliased_in_train_steps(compiled_jobs, name):
   # The loop donates the train state: its buffers are reused for the new
   # state, which the compiler reports as aliased bytes.
-  for name in ('digits_sam', 'lm_size_layout', 'rl_sft'):
-    row = _rows(compiled_jobs[name])['train_step' if name != 'digits_sam'
-                                     else 'train_step (sam_step=False)']
-    assert row['bytes']['alias'] > 0.5 * row['bytes']['argument'], row
+  row = _rows(compiled_jobs[name])['train_step' if name != 'digits_sam'
+                                   else 'train_step (sam_step=False)']
+  assert row['bytes']['alias'] > 0.5 * row['bytes']['argument'], row
 
 
 def test_rl_compiles_learner_and_rollout_on_their_own_meshes(compiled_jobs):
@@ -285,14 +307,13 @@ def test_rl_compiles_learner_and_rollout_on_their_own_meshes(compiled_jobs):
   assert meshes['rollout'].startswith('mesh data=2 (2 devices)')
 
 
-def test_compiled_arguments_are_the_shards_the_rules_make(
-    _jobs_and_lm_train_step):
+def test_compiled_arguments_are_the_shards_the_rules_make(compiled_jobs):
   # The compiler's argument bytes for the train step equal the bytes of
   # one device's shards of the state and batch, computed here from the
   # config's rules alone: 'embed' over 'data' (2), heads, MLP and
   # vocabulary over 'model' (2). The step is lm_size_layout's, compiled
   # for h100:1x1x4 through the launcher's path.
-  program, compiled = _jobs_and_lm_train_step[1]
+  program, compiled = compiled_jobs.lm_train_step
   mesh = program.mesh
   assert dict(mesh.shape) == {'data': 2, 'model': 2}
   expected = 0
@@ -307,7 +328,7 @@ def test_compiled_arguments_are_the_shards_the_rules_make(
         jax.tree_util.keystr(path)):
       assert tuple(spec) == ('model', 'data'), path
   assert compiled.memory_analysis().argument_size_in_bytes == expected
-  assert _rows(_jobs_and_lm_train_step[0]['lm_size_layout'])[
+  assert _rows(compiled_jobs['lm_size_layout'])[
       'train_step']['bytes']['argument'] == expected
   # And the compiled program keeps the rules' shardings for its inputs.
   shardings = compiled.input_shardings[0][0]
@@ -415,6 +436,7 @@ def test_a_kernel_block_over_vmem_fails_the_compile_naming_the_step(
   assert '\n' not in str(caught.value)
 
 
+@pytest.mark.slow
 def test_multi_slice_puts_the_data_axis_over_the_slices():
   # The LM job for TPU (its train, eval and finiteness programs), on two
   # v5e slices; the mesh is the one its programs were compiled on.
@@ -426,12 +448,37 @@ def test_multi_slice_puts_the_data_axis_over_the_slices():
   assert [r['function'] for r in result['rows']] == [
       'train_step', 'eval_step', 'state_is_finite']
   assert all(r['fits'] for r in result['rows'])
-  grid = kept['train_step'][0].mesh.devices  # (data, model)
+  _check_slices(kept['train_step'][0].mesh)
+
+
+def _check_slices(mesh):
+  grid = mesh.devices  # (data, model)
   assert grid.shape == (4, 2)
   slices = np.vectorize(lambda d: d.slice_index)(grid)
   # Each model-parallel group stays within one slice; data spans both.
   assert (slices == slices[:, :1]).all()
   assert sorted(set(slices[:, 0])) == [0, 1]
+
+
+def test_multi_slice_state_check_puts_the_data_axis_over_the_slices(
+    monkeypatch):
+  # The same job's finiteness check alone (through the launcher's path),
+  # on two v5e slices: the job's one mesh (its state's) over 8 chips of
+  # two slices, the program compiled and fitting there. The train and eval steps on
+  # it (13 s more of the TPU compiler) are the slow test above.
+  _only(monkeypatch, 'state_is_finite')
+  kept = {}
+  with _keeping_compiled(kept):
+    result = _compile('configs/lm.py:size=1b,runlocal', 'v5e:2x2',
+                      {'mesh.shape': (4, 2)}, num_slices=2)
+  assert result['devices'] == 8 and result['num_slices'] == 2
+  assert [r['function'] for r in result['rows']] == ['state_is_finite']
+  assert all(r['error'] is None and r['fits'] for r in result['rows'])
+  # The program is traced under no mesh: the state's shardings carry it.
+  state = kept['state_is_finite'][0].args[0]
+  meshes = {leaf.sharding.mesh for leaf in jax.tree.leaves(state)}
+  assert len(meshes) == 1, meshes
+  _check_slices(meshes.pop())
 
 
 @pytest.mark.parametrize('target', ['v5e:2x2', 'h100:1x1x2'])
@@ -537,10 +584,10 @@ def test_unknown_targets_are_refused_naming_the_valid_ones(text):
     targets.parse(text)
 
 
-def _launch(*args, timeout=300):
+def _launch(*args, timeout=300, env=None):
   return subprocess.run(
       [sys.executable, '-m', 'launch.compile', *args], cwd=REPO,
-      capture_output=True, text=True, timeout=timeout)
+      capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -555,10 +602,16 @@ def test_launcher_exit_statuses_and_one_line_errors(tmp_path):
   assert len(lines) == 1 and 'v5e:16x16' in lines[0] and 'v9:2x2' in lines[0]
   # A model that does not fit (arguments alone exceed the chip): exit 3,
   # naming the function, its bytes and the chip's.
+  # With a persistent compilation cache set up, which the launcher must
+  # leave alone (as test_the_launcher_leaves_a_persistent_compilation_
+  # cache_alone checks on a job that compiles and fits).
+  cache = tmp_path / 'cache'
   big = _launch('--config=configs/lm.py:runlocal', '--target=v5e:2x2',
                 f'--workdir={tmp_path}', '--config.model.d_model=16384',
                 '--config.model.num_heads=64', '--config.model.mlp_dim=65536',
-                '--config.mesh.shape=(4,1)')
+                '--config.mesh.shape=(4,1)',
+                env=dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache),
+                         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0'))
   assert big.returncode == 3, big.stderr[-2000:]
   lines = _error_lines(big.stderr)
   assert len(lines) == 1, big.stderr[-2000:]
@@ -571,8 +624,10 @@ def test_launcher_exit_statuses_and_one_line_errors(tmp_path):
   # x 2 layers, float32, with AdamW's two moments, over 4 chips.
   params = 2 * 16384 * (4 * 16384 + 3 * 65536)
   assert saved['rows'][0]['total_bytes'] > 3 * 4 * params / 4
+  assert not cache.exists() or not os.listdir(cache), os.listdir(cache)
 
 
+@pytest.mark.slow
 def test_the_launcher_leaves_a_persistent_compilation_cache_alone(tmp_path):
   # Deviceless executables cannot be loaded back: entries written here
   # made every later compile of the program warn and compile again.

@@ -18,6 +18,7 @@ from tests import launch_runs
 from tests import tiny_gemma
 from train.training import optim
 from train.errors import ConfigError
+from train.errors import UsageError
 from train.lm import gemma_gguf
 from train.lm import models
 from train.lm import tokenizer as lm_tokenizer
@@ -118,23 +119,27 @@ def test_a_bad_frozen_pattern_is_one_line(tiny_file, tmp_path, pattern,
 
 @pytest.fixture(scope='module')
 def sam_run(tiny_file, tmp_path_factory):
-  """A finished SAM fine-tune (LM) run of the small file, its embedding
-  frozen: its own test's, and the other LM run that replaces a source
-  below."""
-  config = tiny_gemma.gemma_config(tiny_file, 'finetune')
+  """(workdir, config) of a finished SAM fine-tune (LM) run of a copy of
+  the small file (its own, so a test may replace it), its embedding
+  frozen: its own test's, the pinned file's refusal's, and the other LM
+  run that replaces a source below."""
+  root = tmp_path_factory.mktemp('sam')
+  path = str(root / 'model.gguf')
+  shutil.copy(tiny_file, path)
+  config = tiny_gemma.gemma_config(path, 'finetune')
   config.batch_size = config.eval_batch_size = 8
   config.optimizer.frozen = '^embedding$'
   config.optimizer.sam.enabled = True
-  workdir = str(tmp_path_factory.mktemp('sam') / 'ft')
+  workdir = str(root / 'ft')
   lm_trainer.train_and_evaluate(config, workdir)
-  return workdir
+  return workdir, config
 
 
 def test_sam_with_a_frozen_embedding_leaves_it_in_place(tiny_file, sam_run):
   """SAM perturbs along the gradient: a frozen parameter gets none, so
   neither its perturbation nor its update moves it, while SAM runs (its
   diagnostics are logged) and the others train."""
-  workdir = sam_run
+  workdir, _ = sam_run
   trained = lm_trainer.load_trained(workdir).params
   pretrained = gemma_gguf.load(tiny_file).params
   assert np.array_equal(trained['embedding'], pretrained['embedding'])
@@ -145,6 +150,38 @@ def test_sam_with_a_frozen_embedding_leaves_it_in_place(tiny_file, sam_run):
   assert any(k.startswith('opt/') for r in logged for k in r), logged[0]
 
 
+def test_a_finished_fine_tune_refuses_another_file_at_its_path(sam_run,
+                                                              tmp_path):
+  """A fine-tune pins its GGUF file by content: another model written at
+  the same path is refused in one line naming both fingerprints, before
+  the finished run is reported as this one's (in process, on a copy of
+  the SAM run; the launcher's own run of it is the slow test below)."""
+  workdir, config = sam_run
+  copy = str(tmp_path / 'ft')
+  shutil.copytree(workdir, copy)
+  path = config.model.gguf
+  with open(path, 'rb') as f:
+    original = f.read()
+  tiny_gemma.model_file(path, seed=1)
+  try:
+    with pytest.raises(UsageError) as refused:
+      lm_trainer.train_and_evaluate(config, copy)
+  finally:
+    with open(path, 'wb') as f:  # The module's other tests read this run.
+      f.write(original)
+  line = str(refused.value)
+  assert '\n' not in line, line
+  assert line.startswith("model.gguf='gguf-sha256:"), line
+  assert ': differs from gguf-sha256:' in line
+  # Nothing in the workdir was rewritten.
+  final = lambda d: open(os.path.join(d, 'final_metrics.json')).read()
+  assert final(copy) == final(workdir)
+
+
+# The launcher's fine-tune (a subprocess, 11 s): its refusal of another
+# file is the test above's, in process; the launcher reading a Gemma
+# config is test_gemma_gguf's (docs/slow_tests.md).
+@pytest.mark.slow
 def test_launch_train_fine_tunes_pins_the_file_and_refuses_another(
     tiny_file, tmp_path):
   path = str(tmp_path / 'model.gguf')
@@ -266,7 +303,7 @@ def lm_runs(tiny_file, sam_run, tmp_path_factory):
   config.batch_size = config.eval_batch_size = 8
   workdir = str(tmp_path_factory.mktemp('lm0'))
   lm_trainer.train_and_evaluate(config, workdir)
-  return [workdir, sam_run]
+  return [workdir, sam_run[0]]
 
 
 def test_sft_post_trains_an_lm_run_and_pins_it_by_content(tiny_file, lm_runs,

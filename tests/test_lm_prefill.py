@@ -44,7 +44,13 @@ def _prefill(model, last_only):
       model, p, t, v, SLOTS, last_only=last_only)[:2])
 
 
-@pytest.mark.parametrize('name', sorted(MODELS))
+# The decoder's cases of this test and the greedy one below are `slow`
+# (docs/slow_tests.md): its last-only prefill and cached decoding are
+# test_steering_lm's (cached generation equals recomputation).
+BOTH_SLOW_DECODER = [pytest.param('decoder', marks=pytest.mark.slow), 'gemma']
+
+
+@pytest.mark.parametrize('name', BOTH_SLOW_DECODER)
 def test_the_last_positions_logits_and_the_cache_are_the_full_prefills(name):
   model, params, tokens, valid = _setup(name)
   full_logits, full_cache = _prefill(model, False)(params, tokens, valid)
@@ -74,7 +80,7 @@ def test_the_heads_work_over_the_other_positions_is_gone(name):
   assert flops[False] - flops[True] == pytest.approx(head, rel=0.05), flops
 
 
-@pytest.mark.parametrize('name', sorted(MODELS))
+@pytest.mark.parametrize('name', BOTH_SLOW_DECODER)
 def test_greedy_generation_is_the_full_forwards_argmax(name):
   """Cached greedy decoding (the last-only prefill, then one step per
   token) against a full forward pass over the sequence so far per step."""

@@ -34,10 +34,17 @@ def _documentation() -> str:
   return ' '.join(' '.join(parts).split())
 
 
+@functools.lru_cache(maxsize=1)
+def _pool() -> frozenset[str]:
+  # Built once: per item, the set of every sentence was rebuilt hundreds
+  # of times.
+  return frozenset(o.sentence for o in ps.occurrences())
+
+
 def _original(item: tc.MCItem) -> int:
   """Which choice completes the item into a sentence of the task's pool
   (the first test checks the pool's sentences against the raw sources)."""
-  pool = {o.sentence for o in ps.occurrences()}
+  pool = _pool()
   found = [i for i, text in enumerate(item.texts()) if text in pool]
   assert len(found) == 1, item
   return found[0]

@@ -176,9 +176,14 @@ def _inputs_at_angles(direction, dtype, seed):
   return jnp.asarray(np.stack(rows), dtype)
 
 
-@pytest.mark.parametrize('dim', [16, 64, 768])
-@pytest.mark.parametrize('jit', [False, True], ids=['eager', 'jit'])
-@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+# Op by op at the larger sizes is `slow` (docs/slow_tests.md): the same
+# ops as at 16 (eager) and at every size under jit, which stay.
+@pytest.mark.parametrize('dtype, jit, dim', [
+    pytest.param(dtype, jit, dim,
+                 id=f"{dtype}-{'jit' if jit else 'eager'}-{dim}",
+                 marks=() if jit or dim == 16 else pytest.mark.slow)
+    for dtype in ('float32', 'bfloat16') for jit in (False, True)
+    for dim in (16, 64, 768)])
 def test_spherical_equals_a_float64_slerp_at_every_angle(dtype, jit, dim):
   """Random and axis-aligned directions, theta from 1e-5 to pi exactly.
 

@@ -7,7 +7,9 @@ study steers it) and the tests' two-layer Gemma 3 GGUF file
 scorers' economies (contexts run once into a KV cache; log-probabilities
 and KL inside the compiled function) are checked against one plain
 full-sequence pass, and `evaluation.evaluate`, what both studies call,
-runs end to end on each.
+runs end to end on each. `make test` checks the choice scorers on the
+Gemma file and runs the decoder's evaluation end to end; the choice
+scorers on the decoder, and Gemma's evaluation, are `make test-all`'s.
 """
 
 import dataclasses
@@ -57,8 +59,16 @@ def gemma_file(tmp_path_factory):
 
 # The scorers are checked on the real 270M file too, `slow`
 # (docs/slow_tests.md): its 18 layers, global layers and 262k vocabulary.
-@pytest.fixture(scope='module', params=[
-    'decoder', 'gemma', pytest.param('gemma_270m', marks=pytest.mark.slow)])
+LMS = ['decoder', 'gemma', pytest.param('gemma_270m', marks=pytest.mark.slow)]
+# The choice scorers' decoder cases are `slow` too: the scorers are the
+# same code for any model (the two-layer Gemma's cases hold them by
+# default), and the decoder's evaluation scores choices end to end by
+# default (test_one_evaluation_runs_both_models[decoder]).
+GEMMA_LMS = [pytest.param('decoder', marks=pytest.mark.slow)] + LMS[1:]
+
+
+# Parametrized per test (indirect): a module fixture, built once per model.
+@pytest.fixture(scope='module')
 def lm(request):
   if request.param == 'decoder':
     trained = lm_trainer.load_trained(
@@ -122,6 +132,7 @@ def _full_sequence_scores(lm, items, steering):
   return total.reshape(-1, 2), float(stats.tokens)
 
 
+@pytest.mark.parametrize('lm', GEMMA_LMS, indirect=True)
 def test_cached_choice_scores_match_the_full_sequence(lm):
   items = text_corpus.mc_task('cloze', 3, 7) + text_corpus.mc_task('copa', 3, 7)
   batch = scoring.encode_mc(items, lm['tokenizer'])
@@ -140,6 +151,7 @@ def test_cached_choice_scores_match_the_full_sequence(lm):
     assert np.abs(total - unsteered).max() > 0.1  # The steering did act.
 
 
+@pytest.mark.parametrize('lm', GEMMA_LMS, indirect=True)
 def test_short_chunks_cut_to_their_longest_tail_score_the_same(
     lm, monkeypatch):
   """The scorer orders items by their longest choice and cuts each chunk's
@@ -163,6 +175,7 @@ def test_short_chunks_cut_to_their_longest_tail_score_the_same(
   np.testing.assert_allclose(scorer.logprobs(steering)[0], whole, atol=1e-4)
 
 
+@pytest.mark.parametrize('lm', LMS, indirect=True)
 def test_heldout_metrics_match_the_full_logits(lm):
   if lm['kind'] == 'gemma':
     windows = lm_data.heldout_windows(lm['tokenizer'], 3, 24)

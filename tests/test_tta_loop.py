@@ -1,6 +1,7 @@
 """launch.tta / train.tta.adapt: results, bit-exact resume after kill -9, one-line errors."""
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -50,8 +51,10 @@ def tent_run(source_workdir, tmp_path_factory):
 
 
 def _tent_config(source):
+  # All four checkpoints kept (runlocal keeps 2): the in-process resume
+  # starts from the first, inside the first episode.
   return _config(source, 'runlocal,method=tent',
-                 checkpoint_every=TENT_CHECKPOINT_EVERY)
+                 checkpoint_every=TENT_CHECKPOINT_EVERY, keep_checkpoints=4)
 
 
 @pytest.fixture(scope='module')
@@ -223,6 +226,36 @@ def _kill_at_first_checkpoint(workdir, command):
   assert not os.path.exists(os.path.join(workdir, 'results.json'))
 
 
+def test_a_run_cut_at_its_first_checkpoint_resumes_bit_exactly(
+    source_workdir, tent_run, tmp_path, caplog):
+  """The module's TENT run as a kill -9 after its first checkpoint leaves
+  it (later checkpoints and results gone, its log past the checkpoint
+  kept), resumed in this process: the same results and log, each record
+  once. The first checkpoint is inside the first episode of 8 batches, so
+  the resume restores an adapted state and crosses the two later
+  episodes' resets. The launcher's kill -9 is the slow test below."""
+  reference, results = tent_run
+  cut = tmp_path / 'cut'
+  shutil.copytree(reference, cut)
+  os.remove(cut / adapt.RESULTS)
+  kept = sorted(int(d) for d in os.listdir(cut / 'checkpoints')
+                if d.isdigit())
+  for step in kept[1:]:
+    shutil.rmtree(cut / 'checkpoints' / str(step))
+  assert kept[0] == TENT_CHECKPOINT_EVERY
+  with caplog.at_level(logging.INFO, logger='absl'):
+    resumed = adapt.adapt_and_evaluate(_tent_config(source_workdir),
+                                       str(cut))
+  assert f'Resuming at batch {kept[0]} of ' in caplog.text
+  assert resumed == results
+  assert json.load(open(cut / adapt.RESULTS)) == results
+  assert _records(cut) == _records(reference)
+
+
+# Slow: the in-process resume above is this loop's in the default suite,
+# and test_workdir_faults' kill -9 after a checkpoint is the shared
+# launcher's (entry.run_job) through launch.train.
+@pytest.mark.slow
 def test_kill_9_then_resume_is_bit_exact(source_workdir, tent_run, tmp_path):
   # The module's TENT run is the reference (its three episodes of 8
   # batches, a checkpoint every 6): the kill comes at the first, inside
@@ -242,7 +275,7 @@ def test_kill_9_then_resume_is_bit_exact(source_workdir, tent_run, tmp_path):
   assert _records(workdir) == _records(reference)
 
 
-# Slow: the TENT run's kill -9 above is this loop's in the default suite;
+# Slow: the TENT run's resume above is this loop's in the default suite;
 # the core resumes any state tree bit for bit (test_resumable), and SAR's
 # and CONGA's steps are test_tta_methods' and geom's.
 @pytest.mark.slow
@@ -280,7 +313,7 @@ def test_kill_9_then_resume_is_bit_exact_with_sar_and_conga(source_workdir,
 
 # Slow: the core's stop-signal tests (test_resumable: SIGTERM and SIGINT
 # save at that step and resume bit for bit), the launcher's exit codes
-# for them (test_workdir_faults) and this loop's kill -9 resume above
+# for them (test_workdir_faults) and this loop's in-process resume above
 # cover it.
 @pytest.mark.slow
 def test_sigterm_saves_and_the_same_command_resumes(source_workdir, tmp_path):

@@ -2,8 +2,9 @@
 
 Python imports this file at start-up where tests/zygote_hook is on
 PYTHONPATH, which tests/conftest.py puts there for the processes the tests
-start. It does nothing unless the process is `python -m launch.<x>` or
-`python -m studies.<x>` and GEOM_TEST_ZYGOTE names a zygote's socket: then
+start. It does nothing unless the process is `python -m launch.<x>`,
+`python -m studies.<x>` or `python -m tests.transport_peer` and
+GEOM_TEST_ZYGOTE names a zygote's socket: then
 this process hands its argv, working directory, environment and standard
 streams to the zygote, which forks a child that runs the module; this
 process passes its signals on, and exits as the child did (its status, or
@@ -21,8 +22,10 @@ def _served() -> None:
     return
   import sys  # pylint: disable=g-import-not-at-top
   argv = sys.orig_argv
+  # tests.transport_peer: test_rl_transport's jax.distributed jobs, whose
+  # processes spent as long importing jax as the transfers they test.
   if len(argv) < 3 or argv[1] != '-m' or not argv[2].startswith(
-      ('launch.', 'studies.')):
+      ('launch.', 'studies.', 'tests.transport_peer')):
     return
   # pylint: disable=g-import-not-at-top
   import json
