@@ -226,6 +226,17 @@ def _kill_at_first_checkpoint(workdir, command):
   assert not os.path.exists(os.path.join(workdir, 'results.json'))
 
 
+def _check_resumed(workdir, source_workdir, overrides, arg, reference):
+  """The same command, run again on the killed `workdir`, resumes and ends
+  with `reference`'s results and log."""
+  resumed = _run(workdir, source_workdir, *overrides, arg=arg)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert 'Resuming at batch' in resumed.stderr
+  assert (json.load(open(os.path.join(workdir, 'results.json')))
+          == json.load(open(os.path.join(reference, 'results.json'))))
+  assert _records(workdir) == _records(reference)
+
+
 def test_a_run_cut_at_its_first_checkpoint_resumes_bit_exactly(
     source_workdir, tent_run, tmp_path, caplog):
   """The module's TENT run as a kill -9 after its first checkpoint leaves
@@ -266,18 +277,14 @@ def test_kill_9_then_resume_is_bit_exact(source_workdir, tent_run, tmp_path):
   workdir = str(tmp_path / 'killed')
   _kill_at_first_checkpoint(workdir, _command(
       workdir, source_workdir, *overrides, arg='runlocal,method=tent'))
-  resumed = _run(workdir, source_workdir, *overrides,
-                 arg='runlocal,method=tent')
-  assert resumed.returncode == 0, resumed.stderr[-2000:]
-  assert 'Resuming at batch' in resumed.stderr
-  assert (json.load(open(os.path.join(workdir, 'results.json')))
-          == json.load(open(os.path.join(reference, 'results.json'))))
-  assert _records(workdir) == _records(reference)
+  _check_resumed(workdir, source_workdir, overrides, 'runlocal,method=tent',
+                 reference)
 
 
-# Slow: the TENT run's resume above is this loop's in the default suite;
-# the core resumes any state tree bit for bit (test_resumable), and SAR's
-# and CONGA's steps are test_tta_methods' and geom's.
+# Slow: the TENT run's in-process resume above is this loop's in the
+# default suite; the core resumes any state tree bit for bit
+# (test_resumable), and SAR's and CONGA's steps are test_tta_methods' and
+# geom's.
 @pytest.mark.slow
 def test_kill_9_then_resume_is_bit_exact_with_sar_and_conga(source_workdir,
                                                             tmp_path):
@@ -301,14 +308,8 @@ def test_kill_9_then_resume_is_bit_exact_with_sar_and_conga(source_workdir,
   workdir = str(tmp_path / 'killed')
   _kill_at_first_checkpoint(workdir, _command(
       workdir, source_workdir, *overrides, arg='runlocal,method=sar'))
-
-  resumed = _run(workdir, source_workdir, *overrides,
-                 arg='runlocal,method=sar')
-  assert resumed.returncode == 0, resumed.stderr[-2000:]
-  assert 'Resuming at batch' in resumed.stderr
-  assert (json.load(open(os.path.join(workdir, 'results.json')))
-          == json.load(open(os.path.join(reference, 'results.json'))))
-  assert _records(workdir) == _records(reference)
+  _check_resumed(workdir, source_workdir, overrides, 'runlocal,method=sar',
+                 reference)
 
 
 # Slow: the core's stop-signal tests (test_resumable: SIGTERM and SIGINT
