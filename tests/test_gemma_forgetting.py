@@ -65,14 +65,7 @@ def test_the_study_measures_reuses_and_refuses(tiny_file, tmp_path):
   pre, runs = records['pretrained'], records['runs']
   assert [(r['variant'], r['seed']) for r in runs] == [('adamw', 0),
                                                        ('sam_rho0.05', 0)]
-  # The held-out CE against a plain log-softmax over the same windows.
-  loaded = gemma_gguf.load(tiny_file)
-  windows = lm_data.heldout_windows(loaded.tokenizer, 4, 16)
-  model = models.create(base).clone(max_len=17)
-  logits, _ = model.apply({'params': loaded.params}, windows[:, :-1])
-  logp = jax.nn.log_softmax(np.asarray(logits, np.float64))
-  want = -np.take_along_axis(logp, windows[:, 1:, None], -1).mean()
-  assert abs(pre['heldout_ce'] - want) < 1e-4
+  loaded = _check_heldout_ce(tiny_file, base, pre)
   # The sharpness against the top eigenvalue of the dense Hessian of the
   # same loss in the trained matrix.
   assert 'lambda_max (fine-tuning loss)' in text
@@ -117,6 +110,19 @@ def test_the_study_measures_reuses_and_refuses(tiny_file, tmp_path):
 # is 32 Hessian-vector products, where the slow test's matrix took 2,048
 # (10 s of CPU).
 FAST_TRAINED = ('block_1', 'post_mlp_norm', 'scale')
+
+
+def _check_heldout_ce(tiny_file, base, pre):
+  """The pretrained record's held-out CE against a plain log-softmax over
+  the same windows; returns the loaded file."""
+  loaded = gemma_gguf.load(tiny_file)
+  windows = lm_data.heldout_windows(loaded.tokenizer, 4, 16)
+  model = models.create(base).clone(max_len=17)
+  logits, _ = model.apply({'params': loaded.params}, windows[:, :-1])
+  logp = jax.nn.log_softmax(np.asarray(logits, np.float64))
+  want = -np.take_along_axis(logp, windows[:, 1:, None], -1).mean()
+  assert abs(pre['heldout_ce'] - want) < 1e-4
+  return loaded
 
 
 def _small(tiny_file, frozen=f'^(?!{"/".join(FAST_TRAINED)}$)'):
@@ -164,13 +170,7 @@ def test_the_pretrained_measures_against_plain_references(tiny_file,
   base, settings = _small(tiny_file)
   root = str(tmp_path / 'study')
   pre = measure.measure_pretrained(settings, base, root)
-  loaded = gemma_gguf.load(tiny_file)
-  windows = lm_data.heldout_windows(loaded.tokenizer, 4, 16)
-  model = models.create(base).clone(max_len=17)
-  logits, _ = model.apply({'params': loaded.params}, windows[:, :-1])
-  logp = jax.nn.log_softmax(np.asarray(logits, np.float64))
-  want = -np.take_along_axis(logp, windows[:, 1:, None], -1).mean()
-  assert abs(pre['heldout_ce'] - want) < 1e-4
+  loaded = _check_heldout_ce(tiny_file, base, pre)
   assert set(pre['pass_at_1']) == {'add_d1', 'add_d2'}
   sharp = measure.measure_sharpness(settings, base, root, None, 0)
   top = _dense_top_eigenvalue(base, loaded.params,
