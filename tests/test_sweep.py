@@ -38,6 +38,19 @@ def _config_file(tmp_path, sweep_body: str) -> str:
   return str(path)
 
 
+def _check_report_files(root):
+  """The two learning rates' table, CSV and plot in `root`, and a metric
+  the runs did not log refused."""
+  table = open(os.path.join(root, 'report.md')).read().splitlines()
+  assert table[0].startswith('| optimizer.learning_rate | seeds | ')
+  assert len(table) == 2 + 2
+  rows = list(csv.DictReader(open(os.path.join(root, 'report.csv'))))
+  assert [r['optimizer.learning_rate'] for r in rows] == ['0.05', '0.2']
+  assert os.path.getsize(os.path.join(root, 'report.png')) > 1000
+  with pytest.raises(UsageError, match="--metric='bleu': not among"):
+    report.write_report([root], 'bleu', root)
+
+
 def test_product_zipped_combine_and_select():
   assert sweeps.product({'a': [1, 2], 'b': ['x', 'y', 'z']}) == [
       {'a': 1, 'b': 'x'}, {'a': 1, 'b': 'y'}, {'a': 1, 'b': 'z'},
@@ -218,14 +231,7 @@ def test_local_sweep_resumes_and_reports(tmp_path):
         statistics.fmean(values))
     assert group['std']['test_accuracy'] == pytest.approx(
         statistics.stdev(values))
-  table = open(os.path.join(root, 'report.md')).read().splitlines()
-  assert table[0].startswith('| optimizer.learning_rate | seeds | ')
-  assert len(table) == 2 + 2
-  rows = list(csv.DictReader(open(os.path.join(root, 'report.csv'))))
-  assert [r['optimizer.learning_rate'] for r in rows] == ['0.05', '0.2']
-  assert os.path.getsize(os.path.join(root, 'report.png')) > 1000
-  with pytest.raises(UsageError, match="--metric='bleu': not among"):
-    report.write_report([root], 'bleu', root)
+  _check_report_files(root)
 
 
 def test_an_rl_sweep_runs_launch_rl_with_its_settings():
@@ -373,11 +379,4 @@ def test_the_local_loop_skips_resumes_and_reports_its_runs(
     assert group['std']['test_accuracy'] == pytest.approx(
         np.std(values, ddof=1))
     assert group['mean']['test_loss'] == pytest.approx(1 - np.mean(values))
-  table = open(os.path.join(root, 'report.md')).read().splitlines()
-  assert table[0].startswith('| optimizer.learning_rate | seeds | ')
-  assert len(table) == 2 + 2
-  rows = list(csv.DictReader(open(os.path.join(root, 'report.csv'))))
-  assert [r['optimizer.learning_rate'] for r in rows] == ['0.05', '0.2']
-  assert os.path.getsize(os.path.join(root, 'report.png')) > 1000
-  with pytest.raises(UsageError, match="--metric='bleu': not among"):
-    report.write_report([root], 'bleu', root)
+  _check_report_files(root)
