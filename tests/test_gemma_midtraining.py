@@ -141,6 +141,20 @@ def _check_text_measures(checkpoint, tiny_file):
   assert checkpoint['probes']['known'] == np.mean(known)
 
 
+def _check_spectrum(record, hessian):
+  """A sharpness record against its dense Hessian: the ends of the
+  spectrum (the largest positive one included) within 2% of its scale,
+  Hutchinson's trace within 4 of its standard errors."""
+  eigenvalues = np.linalg.eigvalsh(hessian)
+  scale = np.abs(eigenvalues).max()
+  assert record['lambda_max'] == pytest.approx(eigenvalues[-1],
+                                               abs=0.02 * scale)
+  assert record['lambda_min'] == pytest.approx(eigenvalues[0],
+                                               abs=0.02 * scale)
+  assert abs(record['trace'] - np.trace(hessian)) <= 4 * record['trace_stderr']
+  assert record['trace_stderr'] < 0.5 * abs(np.trace(hessian)) + 1e-6
+
+
 # The five tests on `smoke` are slow (the README's command: 51 s, then
 # 13 s for the fresh workdir): the fast tests after them call the same
 # measure functions on the file's model, without the runs
@@ -172,13 +186,7 @@ def test_the_sharpness_against_the_dense_hessian(smoke, tiny_file, tmp_path):
     return exp.per_example(exp.model, {'params': p, 'batch_stats': {}},
                            batch, False)[0].mean()
   hessian = np.asarray(jax.jit(jax.hessian(sub_loss))(flat), np.float64)
-  eigenvalues = np.linalg.eigvalsh(hessian)
-  scale = np.abs(eigenvalues).max()
-  # The ends of the spectrum, the largest positive one included.
-  assert mid['lambda_max'] == pytest.approx(eigenvalues[-1], abs=0.02 * scale)
-  assert mid['lambda_min'] == pytest.approx(eigenvalues[0], abs=0.02 * scale)
-  assert abs(mid['trace'] - np.trace(hessian)) <= 4 * mid['trace_stderr']
-  assert mid['trace_stderr'] < 0.5 * abs(np.trace(hessian)) + 1e-6
+  _check_spectrum(mid, hessian)
 
 
 @pytest.mark.slow
@@ -307,12 +315,7 @@ def test_the_checkpoints_sharpness_against_the_dense_hessian(tiny_file,
                            batch, False)[0].mean()
   hessian = np.asarray(jax.jit(jax.hessian(sub_loss))(params[a][b][c]),
                        np.float64).reshape(params[a][b][c].size, -1)
-  eigenvalues = np.linalg.eigvalsh(hessian)
-  scale = np.abs(eigenvalues).max()
-  assert got['lambda_max'] == pytest.approx(eigenvalues[-1], abs=0.02 * scale)
-  assert got['lambda_min'] == pytest.approx(eigenvalues[0], abs=0.02 * scale)
-  assert abs(got['trace'] - np.trace(hessian)) <= 4 * got['trace_stderr']
-  assert got['trace_stderr'] < 0.5 * abs(np.trace(hessian)) + 1e-6
+  _check_spectrum(got, hessian)
 
 
 def test_each_run_starts_where_the_study_says(tiny_file):
